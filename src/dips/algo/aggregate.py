@@ -1,0 +1,173 @@
+"""Aggregation of accepted pseudo-gradients and the global clip factor (§8 of the seed).
+
+After the penalty has fixed the accepted set c, every follower i forms
+
+    δ^i = Σ_{j∈c} T_j · Δ^(i,j) / Σ_{j∈c} T_j          (token-weighted mean)
+
+and the leader sums ‖δ^i‖² over all followers to get one clip factor
+
+    min(1, c / ‖δ‖₂)    with c = max_norm = 1 by default,
+
+which every follower applies to its own shard (so the whole model is clipped, not each shard).
+Weighting by tokens T_j (not 1/n) lets a fast cluster that consumed more data count more.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+# Elements per float64 chunk in squared_norm: bounds the temporary copy to 8 MiB.
+_NORM_CHUNK = 1 << 20
+
+
+def token_weights(
+    tokens: dict[str, int], accepted: list[str], uniform: bool = False
+) -> dict[str, float]:
+    """Return aggregation weights w_j = T_j / Σ_{k∈accepted} T_k for the accepted clusters (§8).
+
+    Args:
+        tokens: cluster id -> T_j, tokens consumed since its last accepted push (int > 0 for
+            every accepted id; other entries are ignored).
+        accepted: accepted cluster ids (non-empty, no duplicates). The result keeps this order.
+        uniform: ablation: w_j = 1/n regardless of tokens (tokens are still validated).
+
+    Returns:
+        dict cluster id -> float weight; the weights sum to 1 (up to float rounding).
+
+    Raises:
+        ValueError: empty ``accepted``, a duplicate or unknown id, or T_j that is not an
+            int > 0 (naming the cluster and value).
+    """
+    if not isinstance(accepted, (list, tuple)) or not accepted:
+        raise ValueError(f"accepted must be a non-empty list of cluster ids, got {accepted!r}")
+    if len(set(accepted)) != len(accepted):
+        raise ValueError(f"accepted has duplicate cluster ids: {accepted!r}")
+    for cid in accepted:
+        if cid not in tokens:
+            raise ValueError(f"accepted cluster {cid!r} has no entry in tokens")
+        t = tokens[cid]
+        if isinstance(t, bool) or not isinstance(t, int) or t <= 0:
+            raise ValueError(f"tokens[{cid!r}] must be an int > 0, got {t!r}")
+    if uniform:
+        return {cid: 1.0 / len(accepted) for cid in accepted}
+    # Python ints are exact, so the total cannot overflow or lose precision.
+    total = sum(tokens[cid] for cid in accepted)
+    return {cid: tokens[cid] / total for cid in accepted}
+
+
+def _check_fp32(name: str, t: Any) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != torch.float32:
+        raise ValueError(f"{name} must be torch.float32, got {t.dtype}")
+
+
+def weighted_mean(deltas: list[list[torch.Tensor]], weights: list[float]) -> list[torch.Tensor]:
+    """Return the weighted sum δ_k = Σ_j w_j · deltas[j][k] for every tensor k (§8).
+
+    Args:
+        deltas: deltas[j][k] is cluster j's pseudo-gradient for tensor k; FP32, any shape, all
+            clusters with the same number of tensors and matching shapes / devices.
+        weights: one finite float per cluster (usually from :func:`token_weights`; they are not
+            renormalized here).
+
+    Returns:
+        New FP32 tensors (one per k), on the inputs' device. Inputs are not modified.
+
+    Raises:
+        ValueError: empty input, len(weights) != len(deltas), a non-finite weight, a cluster
+            with a different tensor count, or a tensor whose dtype is not FP32 / whose shape or
+            device differs from cluster 0's (naming cluster, tensor index and shapes).
+    """
+    if not deltas:
+        raise ValueError("deltas must be non-empty")
+    if len(weights) != len(deltas):
+        raise ValueError(f"len(weights)={len(weights)} != len(deltas)={len(deltas)}")
+    for j, w in enumerate(weights):
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w):
+            raise ValueError(f"weights[{j}] must be a finite number, got {w!r}")
+    ref = deltas[0]
+    for j, tensors in enumerate(deltas):
+        if len(tensors) != len(ref):
+            raise ValueError(f"deltas[{j}] has {len(tensors)} tensors, deltas[0] has {len(ref)}")
+        for k, t in enumerate(tensors):
+            _check_fp32(f"deltas[{j}][{k}]", t)
+            if t.shape != ref[k].shape:
+                raise ValueError(
+                    f"tensor {k}: deltas[{j}] shape {tuple(t.shape)} != "
+                    f"deltas[0] shape {tuple(ref[k].shape)}"
+                )
+            if t.device != ref[k].device:
+                raise ValueError(
+                    f"tensor {k}: deltas[{j}] on {t.device}, deltas[0] on {ref[k].device}"
+                )
+    if not ref:
+        return []
+    with torch.no_grad():
+        # Fixed accumulation order (cluster 0, 1, ...) keeps every follower bit-identical.
+        out = torch._foreach_mul(list(ref), float(weights[0]))
+        for tensors, w in zip(deltas[1:], weights[1:]):
+            torch._foreach_add_(out, list(tensors), alpha=float(w))
+    return out
+
+
+def squared_norm(tensors: list[torch.Tensor]) -> float:
+    """Return Σ_k ‖tensors[k]‖² accumulated in float64 (§8: G_j and ‖δ‖² per shard).
+
+    Args:
+        tensors: floating-point tensors (FP32, BF16, ...), any shapes and devices. An empty list
+            gives 0.0. Shard sums add up to the full-model value.
+
+    Returns:
+        Python float (units of the tensors' values squared). NaN / inf in the input propagate;
+        callers filter them before :func:`dips.algo.penalty.decide`.
+
+    Raises:
+        ValueError: an element that is not a floating-point tensor (naming its index and dtype).
+    """
+    total = 0.0
+    for k, t in enumerate(tensors):
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            raise ValueError(
+                f"tensors[{k}] must be a floating-point tensor, got "
+                f"{getattr(t, 'dtype', type(t).__name__)}"
+            )
+        flat = t.detach().reshape(-1)
+        # Chunking bounds the float64 temporary for large shards.
+        for start in range(0, flat.numel(), _NORM_CHUNK):
+            chunk = flat[start : start + _NORM_CHUNK].to(torch.float64)
+            total += float(torch.dot(chunk, chunk))
+    return total
+
+
+def clip_factor(total_sq_norm: float, max_norm: float | None = 1.0) -> float:
+    """Return the global clip factor min(1, max_norm / ‖δ‖₂) (§8, g_n = factor · δ).
+
+    Args:
+        total_sq_norm: ‖δ‖² summed over all shards (float >= 0, finite).
+        max_norm: c (> 0); ``None`` or ``math.inf`` disables clipping (ablation).
+
+    Returns:
+        A float in (0, 1]; 1.0 when the norm is 0 or already <= max_norm.
+
+    Raises:
+        ValueError: total_sq_norm negative, NaN or inf (an inf norm would turn the factor into
+            0 and the update into NaN); max_norm <= 0 or NaN.
+    """
+    if (
+        isinstance(total_sq_norm, bool)
+        or not isinstance(total_sq_norm, (int, float))
+        or not math.isfinite(total_sq_norm)
+        or total_sq_norm < 0
+    ):
+        raise ValueError(f"total_sq_norm must be a finite number >= 0, got {total_sq_norm!r}")
+    if max_norm is None:
+        return 1.0
+    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm > 0:
+        raise ValueError(f"max_norm must be > 0, None or math.inf, got {max_norm!r}")
+    if math.isinf(max_norm) or total_sq_norm == 0.0:
+        return 1.0
+    return min(1.0, float(max_norm) / math.sqrt(total_sq_norm))

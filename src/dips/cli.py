@@ -1,0 +1,70 @@
+"""The ``dips`` command (typer).
+
+* ``dips launch --config FILE --run-dir DIR [--max-time SECONDS]``: a whole Di-PS run on this
+  machine (leader, followers, clusters as separate processes on 127.0.0.1); see README.
+* ``dips _leader`` / ``_follower`` / ``_cluster``: the processes ``launch`` starts (hidden).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="Di-PS: asynchronous two-level training across heterogeneous clusters.")
+
+
+@app.command()
+def launch(config: Path = typer.Option(..., "--config", exists=True, dir_okay=False,
+                                       help="YAML run config, e.g. configs/quickstart.yaml"),
+           run_dir: Path = typer.Option(..., "--run-dir", help="Where every output goes."),
+           max_time: Optional[float] = typer.Option(None, "--max-time", min=1.0,
+                                                    help="Stop after this many seconds of training.")
+           ) -> None:
+    """Train with a leader, M followers and N clusters as separate processes on 127.0.0.1."""
+    from pydantic import ValidationError
+
+    from dips.config import load_config
+    from dips.emu.launcher import launch as run_launch
+
+    try:
+        cfg = load_config(config)
+    except ValidationError as exc:
+        typer.echo(f"invalid config {config}:\n{exc}", err=True)
+        raise typer.Exit(2)
+    summary = run_launch(cfg, run_dir.resolve(), max_time)
+    if summary.get("eval_loss_final") is None:
+        raise typer.Exit(1)
+
+
+@app.command("_leader", hidden=True)
+def _leader(run_dir: Path = typer.Option(..., "--run-dir")) -> None:
+    from dips.emu.processes import run_leader
+
+    run_leader(run_dir)
+
+
+@app.command("_follower", hidden=True)
+def _follower(run_dir: Path = typer.Option(..., "--run-dir"),
+              index: int = typer.Option(..., "--index")) -> None:
+    from dips.emu.processes import run_follower
+
+    run_follower(run_dir, index)
+
+
+@app.command("_cluster", hidden=True)
+def _cluster(run_dir: Path = typer.Option(..., "--run-dir"),
+             cluster_id: str = typer.Option(..., "--cluster-id")) -> None:
+    from dips.emu.processes import run_cluster
+
+    run_cluster(run_dir, cluster_id)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,265 @@
+"""``dips launch``: a whole Di-PS run on one machine, every role a separate OS process (§5).
+
+Steps: prepare the data (tokenizer, token stream, chunks) and the initial model once; start
+the leader, M followers and N clusters on 127.0.0.1; show live progress; stop at the token
+budget, ``--max-time`` or Ctrl-C; pull the final global model from the followers, evaluate
+it on the held-out split, save it in HF format, and write ``summary.json``.
+
+Children run in their own sessions, so Ctrl-C reaches only the launcher, which then stops
+them in order (clusters first, then followers and leader) with SIGTERM, and SIGKILL after
+``timeouts.shutdown_s``. Only processes this launcher started are signalled, by pid.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+from rich.console import Console
+
+from dips.algo import partition_contiguous
+from dips.config import RunConfig
+from dips.emu.progress import Progress
+from dips.wire.pb import control_pb2 as pb
+from dips.wire.services import leader_client
+
+
+@dataclass
+class Child:
+    """A process this launcher started."""
+
+    name: str
+    proc: subprocess.Popen
+    log_path: Path
+
+
+@dataclass
+class Launch:
+    """State of one launched run."""
+
+    cfg: RunConfig
+    run_dir: Path
+    console: Console
+    children: dict[str, Child] = field(default_factory=dict)
+    events: list[dict[str, Any]] = field(default_factory=list)
+
+    def spawn(self, name: str, args: list[str]) -> Child:
+        log_path = self.run_dir / "logs" / f"{name}.log"
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        out = open(log_path, "ab")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
+                   TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
+        proc = subprocess.Popen([sys.executable, "-m", "dips.cli", *args], stdout=out,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                start_new_session=True)
+        out.close()
+        child = Child(name, proc, log_path)
+        self.children[name] = child
+        self.event("start", name, pid=proc.pid)
+        return child
+
+    def event(self, kind: str, name: str, **extra: Any) -> None:
+        rec = {"time": time.time(), "event": kind, "process": name, **extra}
+        self.events.append(rec)
+        with open(self.run_dir / "events.jsonl", "a") as f:
+            f.write(json.dumps(rec) + "\n")
+
+    def stop(self, names: list[str], timeout_s: float) -> None:
+        """SIGTERM the named children, wait up to ``timeout_s``, then SIGKILL."""
+        live = [self.children[n] for n in names if self.children[n].proc.poll() is None]
+        for c in live:
+            c.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for c in live:
+            try:
+                c.proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                c.proc.kill()
+                c.proc.wait(10)
+                self.event("killed", c.name)
+            self.event("stopped", c.name, returncode=c.proc.returncode)
+
+
+def prepare(cfg: RunConfig, run_dir: Path) -> dict[str, Any]:
+    """Tokenizer, token stream, initial model and layer ownership; returns the run spec.
+
+    Writes ``init/model.safetensors`` (version 0 of θ), ``run.json``, ``secret`` (0600).
+    """
+    import torch
+    from safetensors.torch import save_file
+
+    from dips.train.corpus import load_tokenizer, load_tokens
+    from dips.train.loop import eval_loss
+    from dips.train.model import build_model, layer_table
+
+    cache = cfg.data.cache_dir.resolve()
+    load_tokenizer(cache, cfg.data.vocab_size)
+    data = load_tokens(cache, cfg.data.vocab_size, cfg.data.val_fraction, cfg.data.max_train_tokens)
+    model = build_model(cfg.model, cfg.seed)
+    table = layer_table(model)
+    parts = partition_contiguous([nbytes for _, _, nbytes in table], cfg.followers)
+    (run_dir / "init").mkdir(parents=True, exist_ok=True)
+    save_file({n: p.detach().contiguous() for n, p in model.named_parameters()},
+              str(run_dir / "init" / "model.safetensors"))
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    initial = eval_loss(model, data.val, cfg.inner.seq_len, cfg.eval_batch_size, cfg.eval_batches)
+    spec = {"config": cfg.model_dump(mode="json"), "cache_dir": str(cache),
+            "layers": [[l, names, nbytes] for l, names, nbytes in table],
+            "follower_layers": [[table[i][0] for i in r] for r in parts],
+            "init": "init/model.safetensors", "eval_loss_initial": initial,
+            "train_tokens": int(len(data.train)), "val_tokens": int(len(data.val)),
+            "params": int(sum(p.numel() for p in model.parameters()))}
+    (run_dir / "run.json").write_text(json.dumps(spec, indent=1))
+    secret_path = run_dir / "secret"
+    secret_path.write_text(secrets.token_hex(32))
+    secret_path.chmod(0o600)
+    return spec
+
+
+def _wait_for(cond: Any, timeout_s: float, what: str, launch: Launch) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = cond()
+        if value:
+            return value
+        dead = [c.name for c in launch.children.values() if c.proc.poll() is not None]
+        if dead:
+            raise RuntimeError(f"{what}: process {dead[0]} exited early; see "
+                               f"{launch.children[dead[0]].log_path}")
+        time.sleep(0.2)
+    raise TimeoutError(f"{what} not reached within {timeout_s} s")
+
+
+def _status(client: Any) -> pb.StatusReply | None:
+    try:
+        return client.GetStatus(pb.StatusRequest(), timeout=5.0)
+    except grpc.RpcError:
+        return None
+
+
+def launch(cfg: RunConfig, run_dir: Path, max_time_s: float | None = None,
+           console: Console | None = None) -> dict[str, Any]:
+    """Run Di-PS end to end; returns (and writes) the summary. See the module docstring.
+
+    Raises RuntimeError if a leader or follower process dies, TimeoutError on startup.
+    """
+    console = console or Console()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    # A re-used run directory starts empty of the previous run's outputs (they are appended to).
+    for stale in ("leader.addr", "events.jsonl", "outer_steps.jsonl", "summary.json"):
+        (run_dir / stale).unlink(missing_ok=True)
+    for stale in ("followers", "clusters", "logs", "final", "init"):
+        shutil.rmtree(run_dir / stale, ignore_errors=True)
+    max_time_s = max_time_s if max_time_s is not None else cfg.max_time_s
+    t_start = time.time()
+    run = Launch(cfg, run_dir, console)
+    spec: dict[str, Any] | None = None
+    summary: dict[str, Any] = {}
+    client = None
+    t_train = None
+    try:
+        console.print(f"[bold]dips[/] preparing data and model for run {cfg.name!r} in {run_dir}")
+        spec = prepare(cfg, run_dir)
+        console.print(f"model {spec['params']:,} parameters; {spec['train_tokens']:,} train / "
+                      f"{spec['val_tokens']:,} validation tokens; initial validation loss "
+                      f"{spec['eval_loss_initial']:.3f}")
+        secret = (run_dir / "secret").read_text().strip()
+        run.spawn("leader", ["_leader", "--run-dir", str(run_dir)])
+        addr = _wait_for(lambda: (run_dir / "leader.addr").exists() and
+                         (run_dir / "leader.addr").read_text().strip(),
+                         cfg.timeouts.startup_s, "leader address", run)
+        client = leader_client(addr, secret)
+        for i in range(cfg.followers):
+            run.spawn(f"follower-{i}", ["_follower", "--run-dir", str(run_dir), "--index", str(i)])
+        _wait_for(lambda: (s := _status(client)) and len(s.followers) == cfg.followers,
+                  cfg.timeouts.startup_s, "followers registered", run)
+        for c in cfg.clusters:
+            run.spawn(f"cluster-{c.id}", ["_cluster", "--run-dir", str(run_dir), "--cluster-id", c.id])
+        t_train = time.monotonic()
+        interrupted = _train(run, client, Progress(cfg, console), t_train, max_time_s)
+        summary = _finish(run, client, spec, secret, t_start, t_train, interrupted)
+    except KeyboardInterrupt:
+        console.print("[yellow]interrupted: stopping every process[/]")
+        run.event("interrupt", "launcher")
+        if spec is not None:
+            summary = _finish(run, client, spec, (run_dir / "secret").read_text().strip(),
+                              t_start, t_train, True)
+    finally:
+        run.stop(list(run.children), cfg.timeouts.shutdown_s)
+        if client is not None:
+            client.close()
+    return summary
+
+
+def _train(run: Launch, client: Any, progress: Progress, t_train: float,
+           max_time_s: float | None) -> bool:
+    """Show progress until the token budget, the time limit or Ctrl-C. Returns interrupted."""
+    cfg = run.cfg
+    reason = "token budget"
+    try:
+        with progress.live() as live:
+            while True:
+                time.sleep(0.5)
+                status = _status(client)
+                elapsed = time.monotonic() - t_train
+                if status is not None:
+                    live.update(progress.render(status, elapsed))
+                for name in ["leader"] + [f"follower-{i}" for i in range(cfg.followers)]:
+                    if run.children[name].proc.poll() is not None:
+                        raise RuntimeError(f"{name} exited (code {run.children[name].proc.returncode});"
+                                           f" see {run.children[name].log_path}")
+                if status is not None and sum(c.tokens for c in status.clusters) >= cfg.token_budget:
+                    break
+                if max_time_s is not None and elapsed >= max_time_s:
+                    reason = "max time"
+                    break
+                if all(run.children[f"cluster-{c.id}"].proc.poll() is not None for c in cfg.clusters):
+                    reason = "all clusters exited"
+                    break
+    except KeyboardInterrupt:
+        run.console.print("[yellow]interrupted: stopping every process[/]")
+        run.event("interrupt", "launcher")
+        return True
+    run.event("stop", "launcher", reason=reason)
+    run.console.print(f"stopping: {reason}")
+    return False
+
+
+def _finish(run: Launch, client: Any, spec: dict[str, Any], secret: str, t_start: float,
+            t_train: float | None, interrupted: bool) -> dict[str, Any]:
+    """Stop clusters, let the last round finish, export and evaluate the model, summarize."""
+    from dips.emu.summary import export_and_summarize
+
+    cfg = run.cfg
+    clusters = [n for n in run.children if n.startswith("cluster-")]
+    run.stop(clusters, cfg.timeouts.shutdown_s)
+    status = None
+    if client is not None:
+        deadline = time.monotonic() + cfg.timeouts.push_s + cfg.timeouts.pull_s
+        while time.monotonic() < deadline:
+            status = _status(client)
+            if status is None or status.phase == "idle":
+                break
+            time.sleep(0.2)
+    train_s = time.monotonic() - t_train if t_train is not None else 0.0
+    summary = export_and_summarize(cfg, run.run_dir, spec, secret, status, t_start, train_s,
+                                   interrupted)
+    run.console.print(summary_table(summary))
+    return summary
+
+
+def summary_table(summary: dict[str, Any]) -> str:
+    keys = ["outer_steps", "updates_pushed", "updates_rejected", "tokens_consumed",
+            "tokens_accepted", "eval_loss_initial", "eval_loss_final", "wall_time_s", "tokens_per_s"]
+    lines = [f"  {k:<18} {summary.get(k)}" for k in keys]
+    return "summary (" + str(summary.get("run_dir")) + "/summary.json):\n" + "\n".join(lines)

@@ -1,0 +1,44 @@
+"""Emulated compute heterogeneity (§13 of the seed).
+
+A cluster with slowdown factor s >= 1 waits (s − 1) × the measured duration of each inner
+step after the step, so its wall time per step is s times that of an unslowed cluster on the
+same hardware, while the training itself stays real.
+"""
+
+from __future__ import annotations
+
+import math
+
+
+class Slowdown:
+    """Per-inner-step injected delay.
+
+    Args:
+        factor: slowdown s >= 1 (1.0: none).
+
+    Raises:
+        ValueError: factor < 1 or not finite.
+    """
+
+    def __init__(self, factor: float) -> None:
+        if not math.isfinite(factor) or factor < 1.0:
+            raise ValueError(f"slowdown factor = {factor} must be a finite number >= 1")
+        self.factor = factor
+
+    def delay(self, step_s: float) -> float:
+        """Seconds to wait after an inner step that took ``step_s`` seconds (>= 0)."""
+        if step_s < 0 or not math.isfinite(step_s):
+            raise ValueError(f"step_s = {step_s} must be a finite number >= 0")
+        return (self.factor - 1.0) * step_s
+
+
+def spread(eta_percent: float, n: int) -> list[float]:
+    """Slowdown factors of n clusters spread evenly over [1, 1 + η/100] (§13).
+
+    Raises ValueError for n < 1 or η < 0.
+    """
+    if n < 1 or eta_percent < 0:
+        raise ValueError(f"spread(eta_percent={eta_percent}, n={n}): need n >= 1, eta >= 0")
+    if n == 1:
+        return [1.0]
+    return [1.0 + eta_percent / 100.0 * i / (n - 1) for i in range(n)]

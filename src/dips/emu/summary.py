@@ -1,0 +1,94 @@
+"""End of a run: export the global model, evaluate it, and write ``summary.json``.
+
+``summary.json`` fields (units): ``method``, ``clusters``, ``followers``, ``H``,
+``outer_steps`` (versions applied), ``rounds``, ``tokens_consumed`` (tokens of every inner
+step of every cluster), ``tokens_accepted`` (T_j of accepted pushes), ``updates_pushed``,
+``updates_rejected``, ``eval_loss_initial`` / ``eval_loss_final`` (nats/token on the
+held-out split), ``wall_time_s`` (launch to summary), ``train_time_s`` (first cluster start
+to stop), ``tokens_per_s`` (tokens_consumed / train_time_s), ``final_version``,
+``interrupted``, ``model_dir``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dips.config import RunConfig
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """Records of a JSON-lines file; a torn last line (killed writer) is skipped."""
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out
+
+
+def tokens_consumed(run_dir: Path, cfg: RunConfig) -> dict[str, int]:
+    """Per cluster: tokens of its last recorded inner step (from ``train.jsonl``)."""
+    out = {}
+    for c in cfg.clusters:
+        recs = [r for r in read_jsonl(run_dir / "clusters" / c.id / "train.jsonl") if "tokens" in r]
+        out[c.id] = recs[-1]["tokens"] if recs else 0
+    return out
+
+
+def export_and_summarize(cfg: RunConfig, run_dir: Path, spec: dict[str, Any], secret: str,
+                         status: Any, t_start: float, train_s: float,
+                         interrupted: bool) -> dict[str, Any]:
+    """Pull the final FP32 model, save it (HF safetensors + tokenizer), evaluate, summarize."""
+    from dips.roles.cluster import fetch_global_model
+    from dips.train.corpus import load_tokenizer, load_tokens, to_hf_tokenizer
+    from dips.train.loop import eval_loss
+    from dips.train.model import build_model
+
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    cache = Path(spec["cache_dir"])
+    data = load_tokens(cache, cfg.data.vocab_size, cfg.data.val_fraction, cfg.data.max_train_tokens)
+    model = build_model(cfg.model, cfg.seed)
+    final_loss = None
+    model_dir = run_dir / "final"
+    version = status.version if status is not None else 0
+    if status is not None:
+        fetch_global_model(model, list(status.followers), version, secret,
+                           timeout_s=cfg.timeouts.rpc_s)
+        final_loss = eval_loss(model, data.val, cfg.inner.seq_len, cfg.eval_batch_size,
+                               cfg.eval_batches)
+        model.save_pretrained(model_dir, safe_serialization=True)
+        to_hf_tokenizer(load_tokenizer(cache, cfg.data.vocab_size)).save_pretrained(model_dir)
+    consumed = tokens_consumed(run_dir, cfg)
+    total = sum(consumed.values())
+    summary = {
+        "method": "di-ps", "run_dir": str(run_dir), "clusters": len(cfg.clusters),
+        "cluster_ids": [c.id for c in cfg.clusters],
+        "slowdowns": [c.slowdown for c in cfg.clusters], "followers": cfg.followers,
+        "H": cfg.inner.H, "params": spec["params"],
+        "outer_steps": status.outer_steps if status else 0,
+        "rounds": status.rounds if status else 0,
+        "final_version": version,
+        "tokens_consumed": total, "tokens_consumed_per_cluster": consumed,
+        "tokens_accepted": status.tokens_accepted if status else 0,
+        "updates_pushed": status.updates_pushed if status else 0,
+        "updates_accepted": status.updates_accepted if status else 0,
+        "updates_rejected": status.updates_rejected if status else 0,
+        "eval_loss_initial": round(spec["eval_loss_initial"], 5),
+        "eval_loss_final": None if final_loss is None else round(final_loss, 5),
+        "wall_time_s": round(time.time() - t_start, 2), "train_time_s": round(train_s, 2),
+        "tokens_per_s": round(total / train_s, 1) if train_s > 0 else 0.0,
+        "interrupted": interrupted, "model_dir": str(model_dir) if final_loss is not None else None,
+        "torch_threads": torch.get_num_threads(),
+    }
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    return summary

@@ -1,0 +1,11 @@
+"""Training-side layer of dips: corpus and tokenizer, model builders, the inner AdamW loop.
+
+Modules (import them directly; this package imports nothing so that ``import dips.train`` stays
+cheap — ``transformers`` costs 5–9 s per process and is loaded only by :mod:`dips.train.model`):
+
+* :mod:`dips.train.corpus` — offline corpus (Shakespeare + KJV Bible), byte-level BPE tokenizer,
+  cached token streams, and (re-exported from :mod:`dips.train.sampler`) data chunks (§12) and
+  the per-cluster :class:`~dips.train.sampler.BatchSampler`.
+* :mod:`dips.train.model` — scaled-down LLaMA / Qwen3 models (§13) and the per-layer table.
+* :mod:`dips.train.loop` — AdamW inner steps and the deterministic validation loss.
+"""

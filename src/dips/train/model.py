@@ -1,0 +1,198 @@
+"""Scaled-down LLaMA / Qwen3 causal language models and their per-layer parameter table.
+
+Source: §13 of the seed (Real and Emu-S train LLaMA3.2-1B, Emu-L trains Qwen3-14B); here the same
+HF ``transformers`` architectures (``LlamaForCausalLM``, ``Qwen3ForCausalLM``) are built from
+small configs (≈ 1.3 M parameters by default) so that a CPU can run several clusters.  The
+per-layer table is the unit that stage workers own and that the PS shards across followers
+(§5, §10).  No weights are ever downloaded: models are built from a config and a seed.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+import pydantic
+import torch
+
+__all__ = ["ModelConfig", "build_model", "layer_of", "layer_table", "param_count"]
+
+_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+class ModelConfig(pydantic.BaseModel):
+    """Size of a decoder-only LM (§13 architectures, scaled down); validated, extra keys forbidden.
+
+    Fields (all counts are plain ints):
+        arch: ``"llama"`` (``LlamaForCausalLM``) or ``"qwen3"`` (``Qwen3ForCausalLM``, adds
+            per-head q/k RMSNorm).
+        hidden_size: model width; intermediate_size: SwiGLU MLP width.
+        num_layers: decoder layers; num_heads / num_kv_heads: query / key-value heads
+            (grouped-query attention; num_heads must be a multiple of num_kv_heads).
+        head_dim: per-head width; None means ``hidden_size // num_heads`` (then hidden_size
+            must be divisible by num_heads).
+        vocab_size: token ids (tokens); max_seq_len: longest sequence (tokens), used as
+            ``max_position_embeddings``.
+        tie_embeddings: share the input embedding and the LM head matrix.
+        rope_theta: RoPE base (dimensionless).
+
+    Defaults give 1,250,432 parameters (LLaMA) / 1,250,688 (Qwen3) at vocab 4096.
+    Raises ``pydantic.ValidationError`` (a ValueError) naming the field and value on bad input,
+    also on assignment.
+    """
+
+    model_config = pydantic.ConfigDict(extra="forbid", validate_assignment=True)
+
+    arch: Literal["llama", "qwen3"] = "llama"
+    hidden_size: int = pydantic.Field(128, gt=0)
+    intermediate_size: int = pydantic.Field(344, gt=0)
+    num_layers: int = pydantic.Field(4, gt=0)
+    num_heads: int = pydantic.Field(4, gt=0)
+    num_kv_heads: int = pydantic.Field(2, gt=0)
+    head_dim: int | None = pydantic.Field(None, gt=0)
+    vocab_size: int = pydantic.Field(4096, ge=2)
+    max_seq_len: int = pydantic.Field(256, gt=0)
+    tie_embeddings: bool = True
+    rope_theta: float = pydantic.Field(10000.0, gt=0)
+
+    @pydantic.model_validator(mode="after")
+    def _check_heads(self) -> "ModelConfig":
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}"
+            )
+        if self.head_dim is None and self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"hidden_size={self.hidden_size} must be divisible by num_heads={self.num_heads} "
+                "when head_dim is None"
+            )
+        if self.resolved_head_dim % 2:
+            raise ValueError(f"head_dim={self.resolved_head_dim} must be even for RoPE")
+        return self
+
+    @property
+    def resolved_head_dim(self) -> int:
+        """Per-head width actually used: ``head_dim`` or ``hidden_size // num_heads``."""
+        return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_heads
+
+
+def _hf_config(cfg: ModelConfig):
+    """The ``transformers`` config (``LlamaConfig`` / ``Qwen3Config``) for ``cfg``; FP32, SDPA."""
+    from transformers import LlamaConfig, Qwen3Config  # heavy import (5–9 s), deferred
+
+    kwargs = dict(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        head_dim=cfg.resolved_head_dim,
+        max_position_embeddings=cfg.max_seq_len,
+        tie_word_embeddings=cfg.tie_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": float(cfg.rope_theta)},
+        hidden_act="silu",
+        initializer_range=0.02,
+        rms_norm_eps=1e-6,
+        attention_bias=False,
+        attention_dropout=0.0,
+        use_cache=False,
+        bos_token_id=None,
+        eos_token_id=0,  # "<|endoftext|>" is id 0 in dips.train.corpus tokenizers
+        pad_token_id=None,
+        dtype=torch.float32,
+        attn_implementation="sdpa",
+    )
+    if cfg.arch == "llama":
+        return LlamaConfig(**kwargs)
+    return Qwen3Config(use_sliding_window=False, **kwargs)
+
+
+def build_model(cfg: ModelConfig, seed: int):
+    """Build a freshly initialised FP32 ``LlamaForCausalLM`` / ``Qwen3ForCausalLM`` from ``cfg``.
+
+    Initialisation is the library's own (normal std 0.02 for matrices, ones for RMSNorm) under
+    ``torch.manual_seed(seed)`` inside ``torch.random.fork_rng``, so every process gets
+    bit-identical weights for the same ``(cfg, seed)`` and the caller's global RNG state is
+    left untouched.  Attention uses PyTorch SDPA; the KV cache is off; the model is returned
+    in train mode on the CPU.  Source: HF transformers 5.x model classes; §13 architectures.
+
+    Args:
+        cfg: a :class:`ModelConfig` (a dict is accepted and validated).
+        seed: int in [0, 2**63).
+
+    Returns:
+        ``transformers.PreTrainedModel``; ``param_count`` ≈ 1.25 M for the defaults.
+
+    Raises:
+        ValueError: ``cfg`` invalid (pydantic.ValidationError) or ``seed`` not a non-negative int.
+    """
+    if not isinstance(cfg, ModelConfig):
+        cfg = ModelConfig.model_validate(cfg)
+    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**63:
+        raise ValueError(f"seed must be an int in [0, 2**63), got {seed!r}")
+    from transformers import LlamaForCausalLM, Qwen3ForCausalLM
+
+    hf_cfg = _hf_config(cfg)
+    cls = LlamaForCausalLM if cfg.arch == "llama" else Qwen3ForCausalLM
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = cls(hf_cfg)
+    model = model.to(dtype=torch.float32)
+    model.train()
+    return model
+
+
+def layer_of(param_name: str) -> str:
+    """Layer key of a parameter (or state-dict) name of a model from :func:`build_model`.
+
+    ``model.embed_tokens.*`` → ``"embed"``; ``model.layers.{i}.*`` → ``"layers.{i}"`` (plain
+    int, no padding); ``model.norm.*`` and ``lm_head.*`` → ``"head"``.
+
+    Raises:
+        ValueError: any other name (the message names ``param_name`` and its value).
+    """
+    if not isinstance(param_name, str):
+        raise ValueError(f"param_name must be a str, got {param_name!r}")
+    if param_name.startswith("model.embed_tokens."):
+        return "embed"
+    match = _LAYER_RE.match(param_name)
+    if match:
+        return f"layers.{int(match.group(1))}"
+    if param_name.startswith(("model.norm.", "lm_head.")):
+        return "head"
+    raise ValueError(f"param_name {param_name!r} belongs to no known layer (embed, layers.i, head)")
+
+
+def _layer_rank(key: str) -> tuple[int, int]:
+    if key == "embed":
+        return (0, 0)
+    if key == "head":
+        return (2, 0)
+    return (1, int(key.split(".", 1)[1]))
+
+
+def layer_table(model: torch.nn.Module) -> list[tuple[str, list[str], int]]:
+    """Per-layer parameter table: ``[(layer key, [param names], FP32 bytes), ...]``.
+
+    Layers come in model order ``embed, layers.0 … layers.{L-1}, head``; names inside a layer
+    keep ``named_parameters()`` order.  Every parameter appears exactly once: tied weights are
+    listed once, under their first name (with tied embeddings the shared matrix is
+    ``model.embed_tokens.weight`` in ``"embed"`` and ``"head"`` holds only ``model.norm.weight``).
+    Bytes are ``4 * numel`` whatever the tensor's current dtype (the PS keeps FP32, §12).
+
+    Raises:
+        ValueError: a parameter name unknown to :func:`layer_of`.
+    """
+    groups: dict[str, list[str]] = {}
+    sizes: dict[str, int] = {}
+    for name, param in model.named_parameters():  # remove_duplicate=True drops tied aliases
+        key = layer_of(name)
+        groups.setdefault(key, []).append(name)
+        sizes[key] = sizes.get(key, 0) + 4 * param.numel()
+    return [(key, groups[key], sizes[key]) for key in sorted(groups, key=_layer_rank)]
+
+
+def param_count(model: torch.nn.Module) -> int:
+    """Number of distinct parameters (scalars; tied weights counted once) of ``model``."""
+    return sum(p.numel() for p in model.parameters())

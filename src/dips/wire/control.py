@@ -1,0 +1,113 @@
+"""Thin gRPC plumbing for the control plane (§5 of the seed): servers, clients, auth, errors.
+
+Control messages are small metadata (< 1 KB per cluster); bulk tensors never travel here.
+Every call carries the run token in the ``x-dips-token`` metadata; a server built by
+:func:`make_server` refuses calls without it (``UNAUTHENTICATED``). Domain errors raised by a
+role map to gRPC status codes in :func:`grpc_errors`, and every client call has a deadline.
+"""
+
+from __future__ import annotations
+
+import functools
+import hmac
+import logging
+from concurrent import futures
+from typing import Any, Callable
+
+import grpc
+
+log = logging.getLogger(__name__)
+
+TOKEN_KEY = "x-dips-token"
+MAX_MESSAGE_BYTES = 4 << 20
+
+
+class PreconditionError(RuntimeError):
+    """The request is well formed but not valid in the current state (e.g. unknown cluster)."""
+
+
+class _AuthInterceptor(grpc.ServerInterceptor):
+    def __init__(self, token: str) -> None:
+        self._token = token.encode()
+
+        def deny(request: Any, context: grpc.ServicerContext) -> Any:
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong x-dips-token")
+
+        self._deny = grpc.unary_unary_rpc_method_handler(deny)
+
+    def intercept_service(self, continuation: Callable, details: grpc.HandlerCallDetails) -> Any:
+        meta = dict(details.invocation_metadata or ())
+        given = str(meta.get(TOKEN_KEY, "")).encode()
+        if hmac.compare_digest(given, self._token):
+            return continuation(details)
+        return self._deny
+
+
+def make_server(token: str, max_workers: int = 32) -> grpc.Server:
+    """A gRPC server that authenticates every call with ``token``.
+
+    Args:
+        token: the run secret (hex string).
+        max_workers: handler threads; leader handlers block (push admission), so keep it
+            above the number of clusters times two.
+    """
+    return grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
+        interceptors=[_AuthInterceptor(token)],
+        options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                 ("grpc.so_reuseport", 0)],
+    )
+
+
+def grpc_errors(method: Callable) -> Callable:
+    """Decorate a servicer method: map domain errors to gRPC status codes.
+
+    ``ValueError`` -> INVALID_ARGUMENT, ``PreconditionError``/``KeyError`` ->
+    FAILED_PRECONDITION, ``TimeoutError`` -> DEADLINE_EXCEEDED, anything else -> INTERNAL.
+    """
+
+    @functools.wraps(method)
+    def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
+        try:
+            return method(self, request, context)
+        except ValueError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except (PreconditionError, KeyError) as exc:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        except TimeoutError as exc:
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(exc))
+        except Exception as exc:
+            log.exception("%s failed", method.__name__)
+            context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+
+    return wrapper
+
+
+class Client:
+    """A stub wrapper adding the run token and a deadline to every call.
+
+    ``Client(stub_cls, "127.0.0.1:5000", token).Method(request, timeout=s)``; the default
+    deadline is ``timeout_s`` seconds. Raises ``grpc.RpcError`` as gRPC does.
+    """
+
+    def __init__(self, stub_cls: type, target: str, token: str, timeout_s: float = 30.0) -> None:
+        self.target = target
+        self.timeout_s = timeout_s
+        self._channel = grpc.insecure_channel(
+            target, options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                             ("grpc.enable_http_proxy", 0)])
+        self._stub = stub_cls(self._channel)
+        self._meta = ((TOKEN_KEY, token),)
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        rpc = getattr(self._stub, name)
+
+        def call(request: Any, timeout: float | None = None) -> Any:
+            return rpc(request, timeout=self.timeout_s if timeout is None else timeout,
+                       metadata=self._meta)
+
+        return call
+
+    def close(self) -> None:
+        self._channel.close()

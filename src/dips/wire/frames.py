@@ -1,0 +1,163 @@
+"""Tensor frame codec for the data plane (§5, §10, §12 of the seed).
+
+A message is a ZeroMQ multipart: ``[header, mac, payload_0, ..., payload_{n-1}]``.
+
+* ``header``: UTF-8 JSON object, small (< a few KB): ``{"v": 1, "op": str, ...,
+  "tensors": [{"name": str, "dtype": "bf16"|"fp32", "shape": [int, ...]}, ...]}``.
+* ``mac``: HMAC-SHA256 over the header and every payload, keyed with the run secret, so
+  an unauthenticated or altered message is refused before anything is decoded.
+* ``payload_k``: the raw little-endian bytes of tensor k (contiguous, C order).
+
+Nothing is ever unpickled. Decoding checks the frame count, the MAC, each dtype, each
+shape against the byte length, and (optionally) that values are finite; any failure raises
+:class:`FrameError` naming the field and the value, and nothing is returned.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+PROTOCOL_VERSION = 1
+MAX_HEADER_BYTES = 1 << 20
+
+DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp32": torch.float32}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+
+class FrameError(ValueError):
+    """A data-plane message that is malformed, unauthenticated or inconsistent."""
+
+
+@dataclass
+class Message:
+    """One decoded data-plane message.
+
+    Attributes:
+        header: the JSON header fields other than ``tensors`` (``op``, ``cluster``, ...).
+        tensors: name -> tensor, in the order they were sent; each tensor owns its memory.
+    """
+
+    header: dict[str, Any]
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def _mac(key: bytes, parts: Sequence[bytes | memoryview]) -> bytes:
+    mac = hmac.new(key, digestmod=hashlib.sha256)
+    for part in parts:
+        mac.update(part)
+    return mac.digest()
+
+
+def _tensor_bytes(t: torch.Tensor) -> memoryview:
+    # bf16 has no numpy dtype: view the storage as bytes without a copy.
+    flat = t.detach().contiguous().reshape(-1)
+    return memoryview(flat.view(torch.uint8).numpy())
+
+
+def encode(key: bytes, header: dict[str, Any],
+           tensors: Sequence[tuple[str, torch.Tensor]] = ()) -> list[bytes | memoryview]:
+    """Encode a header and named tensors into multipart frames.
+
+    Args:
+        key: the run's shared secret (bytes, >= 16).
+        header: JSON-serializable fields; must contain ``op``; must not contain ``tensors``.
+        tensors: (name, tensor) pairs; dtype BF16 or FP32, any shape, on CPU.
+
+    Returns:
+        ``[header, mac, payload...]`` ready for ``socket.send_multipart(..., copy=False)``.
+
+    Raises:
+        FrameError: unsupported dtype, missing ``op``, or a reserved header field.
+    """
+    if "op" not in header:
+        raise FrameError("header field 'op' is missing")
+    if "tensors" in header or "v" in header:
+        raise FrameError("header fields 'tensors' and 'v' are reserved")
+    meta = []
+    payloads: list[memoryview] = []
+    for name, t in tensors:
+        if t.dtype not in DTYPE_NAMES:
+            raise FrameError(f"tensor {name!r}: dtype {t.dtype} is not one of {sorted(DTYPES)}")
+        meta.append({"name": name, "dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape)})
+        payloads.append(_tensor_bytes(t))
+    head = json.dumps({"v": PROTOCOL_VERSION, **header, "tensors": meta},
+                      separators=(",", ":")).encode()
+    return [head, _mac(key, [head, *payloads]), *payloads]
+
+
+def decode(key: bytes, frames: Sequence[bytes | memoryview], *,
+           require_finite: bool = True) -> Message:
+    """Decode and verify multipart frames produced by :func:`encode`.
+
+    Args:
+        key: the run's shared secret.
+        frames: the received frames (bytes, memoryviews or zmq.Frame buffers).
+        require_finite: refuse NaN/Inf values in floating tensors.
+
+    Returns:
+        The :class:`Message`; tensors are fresh CPU tensors of the sent dtype and shape.
+
+    Raises:
+        FrameError: wrong frame count, bad MAC, bad JSON, unknown dtype, a shape that does not
+            match the payload length, non-finite values, or a protocol version mismatch.
+    """
+    if len(frames) < 2:
+        raise FrameError(f"frame count {len(frames)} < 2 (need header and mac)")
+    head = bytes(frames[0])
+    if len(head) > MAX_HEADER_BYTES:
+        raise FrameError(f"header length {len(head)} exceeds {MAX_HEADER_BYTES} bytes")
+    payloads = [memoryview(f) for f in frames[2:]]
+    if not hmac.compare_digest(_mac(key, [head, *payloads]), bytes(frames[1])):
+        raise FrameError("mac does not match: message unauthenticated or altered")
+    try:
+        header = json.loads(head)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise FrameError(f"header is not JSON: {exc}") from None
+    if not isinstance(header, dict):
+        raise FrameError(f"header is a {type(header).__name__}, expected an object")
+    if header.get("v") != PROTOCOL_VERSION:
+        raise FrameError(f"header field 'v' = {header.get('v')!r}, expected {PROTOCOL_VERSION}")
+    meta = header.pop("tensors", [])
+    header.pop("v")
+    if not isinstance(meta, list) or len(meta) != len(payloads):
+        n = len(meta) if isinstance(meta, list) else meta
+        raise FrameError(f"header lists {n} tensors but {len(payloads)} payload frames arrived")
+    tensors: dict[str, torch.Tensor] = {}
+    for m, payload in zip(meta, payloads):
+        name, t = _decode_tensor(m, payload)
+        if require_finite and not bool(torch.isfinite(t).all()):
+            raise FrameError(f"tensor {name!r} contains NaN or Inf")
+        if name in tensors:
+            raise FrameError(f"tensor {name!r} appears twice")
+        tensors[name] = t
+    return Message(header=header, tensors=tensors)
+
+
+def _decode_tensor(meta: Any, payload: memoryview) -> tuple[str, torch.Tensor]:
+    if not isinstance(meta, dict):
+        raise FrameError(f"tensor entry {meta!r} is not an object")
+    name = meta.get("name")
+    dtype_name = meta.get("dtype")
+    shape = meta.get("shape")
+    if not isinstance(name, str):
+        raise FrameError(f"tensor field 'name' = {name!r} is not a string")
+    if dtype_name not in DTYPES:
+        raise FrameError(f"tensor {name!r}: field 'dtype' = {dtype_name!r} not in {sorted(DTYPES)}")
+    if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+        raise FrameError(f"tensor {name!r}: field 'shape' = {shape!r} is not a list of sizes")
+    dtype = DTYPES[dtype_name]
+    expected = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+    if payload.nbytes != expected:
+        raise FrameError(f"tensor {name!r}: payload is {payload.nbytes} bytes, shape {shape} "
+                         f"of {dtype_name} needs {expected}")
+    out = torch.empty(shape, dtype=dtype)
+    if expected:
+        out.reshape(-1).view(torch.uint8).numpy()[:] = memoryview(payload).cast("B")
+    return name, out

@@ -1,0 +1,293 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Ack(_message.Message):
+    __slots__ = ("ok", "error")
+    OK_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    ok: bool
+    error: str
+    def __init__(self, ok: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
+
+class FollowerInfo(_message.Message):
+    __slots__ = ("index", "data_endpoint", "control_endpoint", "layers", "layer_bytes", "version")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    DATA_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    CONTROL_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    LAYER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    data_endpoint: str
+    control_endpoint: str
+    layers: _containers.RepeatedScalarFieldContainer[str]
+    layer_bytes: _containers.RepeatedScalarFieldContainer[int]
+    version: int
+    def __init__(self, index: _Optional[int] = ..., data_endpoint: _Optional[str] = ..., control_endpoint: _Optional[str] = ..., layers: _Optional[_Iterable[str]] = ..., layer_bytes: _Optional[_Iterable[int]] = ..., version: _Optional[int] = ...) -> None: ...
+
+class StageLayers(_message.Message):
+    __slots__ = ("layers",)
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    layers: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, layers: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class JoinRequest(_message.Message):
+    __slots__ = ("cluster_id", "stages")
+    CLUSTER_ID_FIELD_NUMBER: _ClassVar[int]
+    STAGES_FIELD_NUMBER: _ClassVar[int]
+    cluster_id: str
+    stages: _containers.RepeatedCompositeFieldContainer[StageLayers]
+    def __init__(self, cluster_id: _Optional[str] = ..., stages: _Optional[_Iterable[_Union[StageLayers, _Mapping]]] = ...) -> None: ...
+
+class JoinReply(_message.Message):
+    __slots__ = ("version", "followers", "heartbeat_interval_s")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    FOLLOWERS_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    followers: _containers.RepeatedCompositeFieldContainer[FollowerInfo]
+    heartbeat_interval_s: float
+    def __init__(self, version: _Optional[int] = ..., followers: _Optional[_Iterable[_Union[FollowerInfo, _Mapping]]] = ..., heartbeat_interval_s: _Optional[float] = ...) -> None: ...
+
+class PushRequest(_message.Message):
+    __slots__ = ("cluster_id", "base_version", "tokens", "inner_steps")
+    CLUSTER_ID_FIELD_NUMBER: _ClassVar[int]
+    BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    INNER_STEPS_FIELD_NUMBER: _ClassVar[int]
+    cluster_id: str
+    base_version: int
+    tokens: int
+    inner_steps: int
+    def __init__(self, cluster_id: _Optional[str] = ..., base_version: _Optional[int] = ..., tokens: _Optional[int] = ..., inner_steps: _Optional[int] = ...) -> None: ...
+
+class Transfer(_message.Message):
+    __slots__ = ("stage", "layer", "follower")
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    FOLLOWER_FIELD_NUMBER: _ClassVar[int]
+    stage: int
+    layer: str
+    follower: int
+    def __init__(self, stage: _Optional[int] = ..., layer: _Optional[str] = ..., follower: _Optional[int] = ...) -> None: ...
+
+class Step(_message.Message):
+    __slots__ = ("transfers",)
+    TRANSFERS_FIELD_NUMBER: _ClassVar[int]
+    transfers: _containers.RepeatedCompositeFieldContainer[Transfer]
+    def __init__(self, transfers: _Optional[_Iterable[_Union[Transfer, _Mapping]]] = ...) -> None: ...
+
+class PushGrant(_message.Message):
+    __slots__ = ("push_id", "round", "server_version", "schedule")
+    PUSH_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULE_FIELD_NUMBER: _ClassVar[int]
+    push_id: str
+    round: int
+    server_version: int
+    schedule: _containers.RepeatedCompositeFieldContainer[Step]
+    def __init__(self, push_id: _Optional[str] = ..., round: _Optional[int] = ..., server_version: _Optional[int] = ..., schedule: _Optional[_Iterable[_Union[Step, _Mapping]]] = ...) -> None: ...
+
+class PushDoneRequest(_message.Message):
+    __slots__ = ("cluster_id", "push_id", "ok", "error")
+    CLUSTER_ID_FIELD_NUMBER: _ClassVar[int]
+    PUSH_ID_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    cluster_id: str
+    push_id: str
+    ok: bool
+    error: str
+    def __init__(self, cluster_id: _Optional[str] = ..., push_id: _Optional[str] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
+
+class PushVerdict(_message.Message):
+    __slots__ = ("accepted", "has_score", "score", "threshold", "version", "round", "clip_factor", "reason")
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    HAS_SCORE_FIELD_NUMBER: _ClassVar[int]
+    SCORE_FIELD_NUMBER: _ClassVar[int]
+    THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    CLIP_FACTOR_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    accepted: bool
+    has_score: bool
+    score: float
+    threshold: float
+    version: int
+    round: int
+    clip_factor: float
+    reason: str
+    def __init__(self, accepted: _Optional[bool] = ..., has_score: _Optional[bool] = ..., score: _Optional[float] = ..., threshold: _Optional[float] = ..., version: _Optional[int] = ..., round: _Optional[int] = ..., clip_factor: _Optional[float] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class PullDoneRequest(_message.Message):
+    __slots__ = ("cluster_id", "version")
+    CLUSTER_ID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    cluster_id: str
+    version: int
+    def __init__(self, cluster_id: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("cluster_id", "inner_step", "tokens", "last_loss")
+    CLUSTER_ID_FIELD_NUMBER: _ClassVar[int]
+    INNER_STEP_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LAST_LOSS_FIELD_NUMBER: _ClassVar[int]
+    cluster_id: str
+    inner_step: int
+    tokens: int
+    last_loss: float
+    def __init__(self, cluster_id: _Optional[str] = ..., inner_step: _Optional[int] = ..., tokens: _Optional[int] = ..., last_loss: _Optional[float] = ...) -> None: ...
+
+class HeartbeatReply(_message.Message):
+    __slots__ = ("version", "stop")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    stop: bool
+    def __init__(self, version: _Optional[int] = ..., stop: _Optional[bool] = ...) -> None: ...
+
+class LeaveRequest(_message.Message):
+    __slots__ = ("cluster_id",)
+    CLUSTER_ID_FIELD_NUMBER: _ClassVar[int]
+    cluster_id: str
+    def __init__(self, cluster_id: _Optional[str] = ...) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ClusterStatus(_message.Message):
+    __slots__ = ("cluster_id", "inner_step", "tokens", "last_loss", "last_push", "pulled_version")
+    CLUSTER_ID_FIELD_NUMBER: _ClassVar[int]
+    INNER_STEP_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LAST_LOSS_FIELD_NUMBER: _ClassVar[int]
+    LAST_PUSH_FIELD_NUMBER: _ClassVar[int]
+    PULLED_VERSION_FIELD_NUMBER: _ClassVar[int]
+    cluster_id: str
+    inner_step: int
+    tokens: int
+    last_loss: float
+    last_push: str
+    pulled_version: int
+    def __init__(self, cluster_id: _Optional[str] = ..., inner_step: _Optional[int] = ..., tokens: _Optional[int] = ..., last_loss: _Optional[float] = ..., last_push: _Optional[str] = ..., pulled_version: _Optional[int] = ...) -> None: ...
+
+class StatusReply(_message.Message):
+    __slots__ = ("version", "rounds", "updates_pushed", "updates_accepted", "updates_rejected", "tokens_pushed", "tokens_accepted", "phase", "clusters", "followers", "outer_steps")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    UPDATES_PUSHED_FIELD_NUMBER: _ClassVar[int]
+    UPDATES_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    UPDATES_REJECTED_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PUSHED_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    CLUSTERS_FIELD_NUMBER: _ClassVar[int]
+    FOLLOWERS_FIELD_NUMBER: _ClassVar[int]
+    OUTER_STEPS_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    rounds: int
+    updates_pushed: int
+    updates_accepted: int
+    updates_rejected: int
+    tokens_pushed: int
+    tokens_accepted: int
+    phase: str
+    clusters: _containers.RepeatedCompositeFieldContainer[ClusterStatus]
+    followers: _containers.RepeatedCompositeFieldContainer[FollowerInfo]
+    outer_steps: int
+    def __init__(self, version: _Optional[int] = ..., rounds: _Optional[int] = ..., updates_pushed: _Optional[int] = ..., updates_accepted: _Optional[int] = ..., updates_rejected: _Optional[int] = ..., tokens_pushed: _Optional[int] = ..., tokens_accepted: _Optional[int] = ..., phase: _Optional[str] = ..., clusters: _Optional[_Iterable[_Union[ClusterStatus, _Mapping]]] = ..., followers: _Optional[_Iterable[_Union[FollowerInfo, _Mapping]]] = ..., outer_steps: _Optional[int] = ...) -> None: ...
+
+class ScoreRequest(_message.Message):
+    __slots__ = ("round", "cluster_ids")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    CLUSTER_IDS_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    cluster_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, round: _Optional[int] = ..., cluster_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ClusterNorm(_message.Message):
+    __slots__ = ("cluster_id", "valid", "sq_norm", "error")
+    CLUSTER_ID_FIELD_NUMBER: _ClassVar[int]
+    VALID_FIELD_NUMBER: _ClassVar[int]
+    SQ_NORM_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    cluster_id: str
+    valid: bool
+    sq_norm: float
+    error: str
+    def __init__(self, cluster_id: _Optional[str] = ..., valid: _Optional[bool] = ..., sq_norm: _Optional[float] = ..., error: _Optional[str] = ...) -> None: ...
+
+class ScoreReply(_message.Message):
+    __slots__ = ("norms", "version")
+    NORMS_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    norms: _containers.RepeatedCompositeFieldContainer[ClusterNorm]
+    version: int
+    def __init__(self, norms: _Optional[_Iterable[_Union[ClusterNorm, _Mapping]]] = ..., version: _Optional[int] = ...) -> None: ...
+
+class AggregateRequest(_message.Message):
+    __slots__ = ("round", "cluster_ids", "weights")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    CLUSTER_IDS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    cluster_ids: _containers.RepeatedScalarFieldContainer[str]
+    weights: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, round: _Optional[int] = ..., cluster_ids: _Optional[_Iterable[str]] = ..., weights: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class AggregateReply(_message.Message):
+    __slots__ = ("sq_norm",)
+    SQ_NORM_FIELD_NUMBER: _ClassVar[int]
+    sq_norm: float
+    def __init__(self, sq_norm: _Optional[float] = ...) -> None: ...
+
+class ApplyRequest(_message.Message):
+    __slots__ = ("round", "clip_factor", "new_version", "accepted", "weights")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    CLIP_FACTOR_FIELD_NUMBER: _ClassVar[int]
+    NEW_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    clip_factor: float
+    new_version: int
+    accepted: _containers.RepeatedScalarFieldContainer[str]
+    weights: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, round: _Optional[int] = ..., clip_factor: _Optional[float] = ..., new_version: _Optional[int] = ..., accepted: _Optional[_Iterable[str]] = ..., weights: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class ApplyReply(_message.Message):
+    __slots__ = ("version", "checksum")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    checksum: str
+    def __init__(self, version: _Optional[int] = ..., checksum: _Optional[str] = ...) -> None: ...
+
+class DiscardRequest(_message.Message):
+    __slots__ = ("round",)
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    def __init__(self, round: _Optional[int] = ...) -> None: ...
+
+class FollowerStateRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class FollowerState(_message.Message):
+    __slots__ = ("index", "version", "checksum")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    version: int
+    checksum: str
+    def __init__(self, index: _Optional[int] = ..., version: _Optional[int] = ..., checksum: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,171 @@
+"""gRPC servicers and clients for the leader and followers (thin: decode, call, encode).
+
+The servicers translate protobuf messages to plain Python calls on a role object (duck-typed,
+so this module imports nothing from :mod:`dips.roles`) and map domain errors to status codes
+through :func:`dips.wire.control.grpc_errors`. Blocking leader calls (push admission and the
+verdict) take their deadline from the gRPC context.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import grpc
+
+from dips.wire.control import Client, grpc_errors
+from dips.wire.pb import control_pb2 as pb
+from dips.wire.pb import control_pb2_grpc as pbg
+
+
+def _time_left(context: grpc.ServicerContext, default_s: float = 60.0) -> float:
+    left = context.time_remaining()
+    return default_s if left is None else max(0.0, left - 0.2)
+
+
+def follower_info(f: Any) -> pb.FollowerInfo:
+    return pb.FollowerInfo(index=f.index, data_endpoint=f.data_endpoint,
+                           control_endpoint=f.control_endpoint, layers=list(f.layers),
+                           layer_bytes=list(f.layer_bytes))
+
+
+class LeaderServicer(pbg.LeaderServicer):
+    """Serves :class:`dips.roles.leader.Leader` over gRPC.
+
+    Args:
+        leader: the role object.
+        make_follower_entry: ``pb.FollowerInfo -> FollowerEntry`` (the role's dataclass).
+    """
+
+    def __init__(self, leader: Any, make_follower_entry: Any) -> None:
+        self.leader = leader
+        self._entry = make_follower_entry
+
+    @grpc_errors
+    def RegisterFollower(self, request: pb.FollowerInfo, context: Any) -> pb.Ack:
+        self.leader.register_follower(self._entry(request))
+        return pb.Ack(ok=True)
+
+    @grpc_errors
+    def JoinCluster(self, request: pb.JoinRequest, context: Any) -> pb.JoinReply:
+        version, followers = self.leader.join_cluster(
+            request.cluster_id, [list(s.layers) for s in request.stages])
+        return pb.JoinReply(version=version, followers=[follower_info(f) for f in followers],
+                            heartbeat_interval_s=self.leader.cfg.heartbeat_interval_s)
+
+    @grpc_errors
+    def RequestPush(self, request: pb.PushRequest, context: Any) -> pb.PushGrant:
+        push, rnd, version, schedule = self.leader.request_push(
+            request.cluster_id, request.base_version, request.tokens, _time_left(context))
+        steps = [pb.Step(transfers=[pb.Transfer(stage=s, layer=l, follower=f) for s, l, f in step])
+                 for step in schedule]
+        return pb.PushGrant(push_id=push.push_id, round=rnd, server_version=version, schedule=steps)
+
+    @grpc_errors
+    def PushDone(self, request: pb.PushDoneRequest, context: Any) -> pb.PushVerdict:
+        v = self.leader.push_done(request.cluster_id, request.push_id, request.ok, request.error,
+                                  _time_left(context))
+        score = v.get("score")
+        return pb.PushVerdict(accepted=v["accepted"], has_score=score is not None,
+                              score=score if score is not None else math.nan,
+                              threshold=v.get("threshold") or math.nan, version=v["version"],
+                              round=v["round"], clip_factor=v.get("clip_factor") or 0.0,
+                              reason=v.get("reason", ""))
+
+    @grpc_errors
+    def PullDone(self, request: pb.PullDoneRequest, context: Any) -> pb.Ack:
+        self.leader.pull_done(request.cluster_id, request.version)
+        return pb.Ack(ok=True)
+
+    @grpc_errors
+    def Heartbeat(self, request: pb.HeartbeatRequest, context: Any) -> pb.HeartbeatReply:
+        version = self.leader.heartbeat(request.cluster_id, request.inner_step, request.tokens,
+                                        request.last_loss)
+        return pb.HeartbeatReply(version=version)
+
+    @grpc_errors
+    def LeaveCluster(self, request: pb.LeaveRequest, context: Any) -> pb.Ack:
+        self.leader.leave(request.cluster_id)
+        return pb.Ack(ok=True)
+
+    @grpc_errors
+    def GetStatus(self, request: pb.StatusRequest, context: Any) -> pb.StatusReply:
+        s = self.leader.status()
+        clusters = [pb.ClusterStatus(cluster_id=c["cluster_id"], inner_step=c["inner_step"],
+                                     tokens=c["tokens"], last_loss=c["last_loss"],
+                                     last_push=c["last_push"], pulled_version=c["pulled_version"])
+                    for c in s["clusters"]]
+        return pb.StatusReply(version=s["version"], rounds=s["rounds"],
+                              updates_pushed=s["updates_pushed"],
+                              updates_accepted=s["updates_accepted"],
+                              updates_rejected=s["updates_rejected"],
+                              tokens_pushed=s["tokens_pushed"], tokens_accepted=s["tokens_accepted"],
+                              outer_steps=s["outer_steps"], phase=s["phase"], clusters=clusters,
+                              followers=[follower_info(f) for f in s["followers"]])
+
+
+class FollowerServicer(pbg.FollowerServicer):
+    """Serves :class:`dips.roles.follower.FollowerShard` control calls over gRPC."""
+
+    def __init__(self, shard: Any) -> None:
+        self.shard = shard
+
+    @grpc_errors
+    def Score(self, request: pb.ScoreRequest, context: Any) -> pb.ScoreReply:
+        norms = self.shard.score(request.round, list(request.cluster_ids))
+        return pb.ScoreReply(version=self.shard.version, norms=[
+            pb.ClusterNorm(cluster_id=c, valid=v, sq_norm=g, error=e) for c, v, g, e in norms])
+
+    @grpc_errors
+    def Aggregate(self, request: pb.AggregateRequest, context: Any) -> pb.AggregateReply:
+        return pb.AggregateReply(sq_norm=self.shard.aggregate(
+            request.round, list(request.cluster_ids), list(request.weights)))
+
+    @grpc_errors
+    def Apply(self, request: pb.ApplyRequest, context: Any) -> pb.ApplyReply:
+        version, checksum = self.shard.apply(request.round, request.clip_factor,
+                                             request.new_version, list(request.accepted),
+                                             list(request.weights))
+        return pb.ApplyReply(version=version, checksum=checksum)
+
+    @grpc_errors
+    def Discard(self, request: pb.DiscardRequest, context: Any) -> pb.Ack:
+        self.shard.discard(request.round)
+        return pb.Ack(ok=True)
+
+    @grpc_errors
+    def GetState(self, request: pb.FollowerStateRequest, context: Any) -> pb.FollowerState:
+        index, version, checksum = self.shard.state()
+        return pb.FollowerState(index=index, version=version, checksum=checksum)
+
+
+class FollowerControlClient:
+    """The leader's view of one follower, over gRPC (implements the leader's FollowerControl)."""
+
+    def __init__(self, target: str, token: str, timeout_s: float = 60.0) -> None:
+        self._c = Client(pbg.FollowerStub, target, token, timeout_s)
+
+    def score(self, rnd: int, clusters: list[str]) -> list[tuple[str, bool, float, str]]:
+        reply = self._c.Score(pb.ScoreRequest(round=rnd, cluster_ids=clusters))
+        return [(n.cluster_id, n.valid, n.sq_norm, n.error) for n in reply.norms]
+
+    def aggregate(self, rnd: int, clusters: list[str], weights: list[float]) -> float:
+        return self._c.Aggregate(pb.AggregateRequest(round=rnd, cluster_ids=clusters,
+                                                     weights=weights)).sq_norm
+
+    def apply(self, rnd: int, clip: float, new_version: int, accepted: list[str],
+              weights: list[float]) -> tuple[int, str]:
+        r = self._c.Apply(pb.ApplyRequest(round=rnd, clip_factor=clip, new_version=new_version,
+                                          accepted=accepted, weights=weights))
+        return r.version, r.checksum
+
+    def discard(self, rnd: int) -> None:
+        self._c.Discard(pb.DiscardRequest(round=rnd))
+
+    def close(self) -> None:
+        self._c.close()
+
+
+def leader_client(target: str, token: str, timeout_s: float = 30.0) -> Client:
+    """A :class:`Client` for the Leader service at ``target`` (host:port)."""
+    return Client(pbg.LeaderStub, target, token, timeout_s)

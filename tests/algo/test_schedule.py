@@ -1,0 +1,114 @@
+"""Tests of the greedy communication schedule (§10 of the seed)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dips.algo.schedule import Transfer, greedy_schedule
+
+T = Transfer
+
+
+def test_hand_example_two_workers_two_followers():
+    steps = greedy_schedule([[0, 1], [2, 3]], {0: 0, 1: 1, 2: 0, 3: 1}, 2)
+    # step 0: w0 takes f0 (tie -> lowest id), layer 0; w1 finds f0 busy -> f1, layer 3.
+    # step 1: the remaining layer of each worker goes to the other follower.
+    assert steps == [[T(0, 0, 0), T(1, 3, 1)], [T(0, 1, 1), T(1, 2, 0)]]
+
+
+def test_hand_example_least_recently_used_rotation():
+    steps = greedy_schedule([[0, 1, 2, 3]], {0: 0, 1: 0, 2: 1, 3: 1}, 2)
+    # f0 (tie), then f1 (never used), then f0 (used at step 0 < 1), then f1.
+    assert steps == [[T(0, 0, 0)], [T(0, 2, 1)], [T(0, 1, 0)], [T(0, 3, 1)]]
+
+
+def test_last_used_is_honoured_and_not_mutated():
+    last_used = {0: -1, 1: -5}
+    steps = greedy_schedule([[0, 1]], {0: 0, 1: 1}, 2, last_used)
+    assert steps == [[T(0, 1, 1)], [T(0, 0, 0)]]
+    assert last_used == {0: -1, 1: -5}
+
+
+def test_empty_inputs():
+    assert greedy_schedule([], {}, 1) == []
+    assert greedy_schedule([[], []], {}, 3) == []
+
+
+@pytest.mark.parametrize(
+    "worker_layers,owner,num_followers,last_used,match",
+    [
+        ([[0], [0]], {0: 0}, 1, None, "layer 0 listed twice"),
+        ([[0, 0]], {0: 0}, 1, None, "layer 0 listed twice"),
+        ([[0, 1]], {0: 0}, 1, None, "layer 1 of worker 0 has no owner"),
+        ([[0]], {0: 2}, 2, None, r"owner\[0\].*2"),
+        ([[0]], {0: -1}, 2, None, r"owner\[0\].*-1"),
+        ([[0]], {0: 0}, 0, None, "num_followers.*0"),
+        ([[0]], {0: 0}, 1, {3: 0}, "last_used key.*3"),
+        ([[0]], {0: 0}, 1, {0: 0.5}, r"last_used\[0\].*0.5"),
+        ([["a"]], {"a": 0}, 1, None, "non-int layer 'a'"),
+    ],
+)
+def test_validation_errors(worker_layers, owner, num_followers, last_used, match):
+    with pytest.raises(ValueError, match=match):
+        greedy_schedule(worker_layers, owner, num_followers, last_used)
+
+
+@st.composite
+def push_shapes(draw):
+    num_followers = draw(st.integers(1, 5))
+    num_workers = draw(st.integers(1, 5))
+    num_layers = draw(st.integers(0, 24))
+    layer_ids = draw(st.permutations(range(num_layers)))
+    worker_layers = [[] for _ in range(num_workers)]
+    owner = {}
+    for layer in layer_ids:
+        worker_layers[draw(st.integers(0, num_workers - 1))].append(layer)
+        owner[layer] = draw(st.integers(0, num_followers - 1))
+    return worker_layers, owner, num_followers
+
+
+@settings(max_examples=200, deadline=None)
+@given(push_shapes())
+def test_schedule_properties(shape):
+    worker_layers, owner, num_followers = shape
+    steps = greedy_schedule(worker_layers, owner, num_followers)
+    flat = [t for step in steps for t in step]
+    worker_of = {layer: w for w, layers in enumerate(worker_layers) for layer in layers}
+
+    # Every layer exactly once, from its worker to its owner.
+    assert sorted(t.layer for t in flat) == sorted(worker_of)
+    for t in flat:
+        assert t.worker == worker_of[t.layer] and t.follower == owner[t.layer]
+
+    # No conflicts inside a step, no empty steps, workers in order.
+    for step in steps:
+        assert step
+        assert len({t.worker for t in step}) == len(step)
+        assert len({t.follower for t in step}) == len(step)
+        assert [t.worker for t in step] == sorted(t.worker for t in step)
+
+    # Per worker and follower, layers go in increasing order.
+    sent: dict[tuple[int, int], list[int]] = {}
+    for t in flat:
+        sent.setdefault((t.worker, t.follower), []).append(t.layer)
+    assert all(layers == sorted(layers) for layers in sent.values())
+
+    # Lower bound: one transfer per endpoint per step.
+    per_follower = Counter(owner[layer] for layer in worker_of)
+    per_worker = [len(layers) for layers in worker_layers]
+    assert len(steps) >= max([0, *per_worker, *per_follower.values()])
+
+    # Greedy maximality: a worker left out of a step had every eligible follower busy.
+    unsent = {w: set(layers) for w, layers in enumerate(worker_layers)}
+    for step in steps:
+        busy = {t.follower for t in step}
+        active = {t.worker for t in step}
+        for w, layers in unsent.items():
+            if w not in active:
+                assert {owner[layer] for layer in layers} <= busy
+        for t in step:
+            unsent[t.worker].discard(t.layer)

@@ -1,0 +1,114 @@
+"""End to end as real processes on loopback: `dips launch` with a leader, 2 followers and
+3 clusters (one pushing through 2 stage workers) on real text (§5, §6, §8, §11 of the seed).
+
+Checks the run's outputs and the DESIGN.md invariants: every follower applied the same
+accepted set and clip factor for each version, versions are consecutive and agree with the
+leader, each accepted update was applied exactly once, and the validation loss fell.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
+
+
+def _jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("launch")
+    proc = subprocess.run(
+        [sys.executable, "-m", "dips.cli", "launch", "--config", str(ROOT / "configs/tiny.yaml"),
+         "--run-dir", str(out), "--max-time", "30"],
+        cwd=ROOT, capture_output=True, text=True, timeout=400,
+        env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out
+
+
+def test_summary_has_every_field_and_loss_fell(run_dir):
+    s = json.loads((run_dir / "summary.json").read_text())
+    for key in ("method", "clusters", "followers", "H", "outer_steps", "tokens_consumed",
+                "tokens_accepted", "updates_pushed", "updates_rejected", "eval_loss_initial",
+                "eval_loss_final", "wall_time_s", "tokens_per_s"):
+        assert key in s, key
+    assert s["method"] == "di-ps" and s["clusters"] == 3 and s["followers"] == 2
+    assert s["outer_steps"] >= 3
+    assert s["eval_loss_final"] < s["eval_loss_initial"] - 0.3
+    assert 0 < s["tokens_accepted"] <= s["tokens_consumed"]
+
+
+def test_followers_agree_on_every_outer_step(run_dir):
+    leader = {r["version"]: r for r in _jsonl(run_dir / "outer_steps.jsonl") if r.get("accepted")}
+    applied = [_jsonl(run_dir / "followers" / str(i) / "applied.jsonl") for i in range(2)]
+    versions = [[r["version"] for r in a] for a in applied]
+    assert versions[0] == versions[1] == list(range(1, len(applied[0]) + 1))
+    assert sorted(leader) == versions[0]
+    for a, b in zip(*applied):
+        assert (a["round"], a["accepted"], a["weights"], a["clip_factor"]) == \
+               (b["round"], b["accepted"], b["weights"], b["clip_factor"])
+    for i, a in enumerate(applied):
+        for r in a:
+            lead = leader[r["version"]]
+            assert lead["accepted"] == r["accepted"] and lead["round"] == r["round"]
+            assert lead["clip_factor"] == r["clip_factor"]
+            assert lead["checksums"][str(i)] == r["checksum"]
+    # Exactly once: no (round, cluster) accepted twice, rounds strictly increasing.
+    pairs = [(r["round"], c) for r in applied[0] for c in r["accepted"]]
+    assert len(pairs) == len(set(pairs))
+    rounds = [r["round"] for r in applied[0]]
+    assert rounds == sorted(set(rounds))
+
+
+def test_outer_step_log_has_phases_and_weights(run_dir):
+    recs = _jsonl(run_dir / "outer_steps.jsonl")
+    assert recs
+    for r in recs:
+        for key in ("version", "clusters", "accepted", "rejected", "weights", "clip_factor",
+                    "push_s", "update_s", "pull_s"):
+            assert key in r, key
+        if r["accepted"]:
+            assert abs(sum(r["weights"].values()) - 1.0) < 1e-9
+            assert 0 < r["clip_factor"] <= 1.0
+
+
+def test_clusters_logged_steps_pushes_and_stage_workers(run_dir):
+    for cid, stages in (("a", 1), ("b", 2), ("c", 1)):
+        recs = _jsonl(run_dir / "clusters" / cid / "train.jsonl")
+        join = recs[0]
+        assert join["event"] == "join" and join["version"] == 0
+        assert len(join["stages"]) == stages
+        steps = [r for r in recs if "step" in r]
+        assert steps and all({"loss", "tokens", "time"} <= set(r) for r in steps)
+        pushes = [r["push"] for r in steps if "push" in r]
+        assert pushes, cid
+        versions = [p["version"] for p in pushes if p["ok"]]
+        assert versions == sorted(versions)
+
+
+def test_final_model_loads_with_transformers(run_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(run_dir / "final")
+    tok = AutoTokenizer.from_pretrained(run_dir / "final")
+    ids = tok("To be, or not to be", return_tensors="pt").input_ids
+    assert model(ids).logits.shape[-1] == 512
+
+
+def test_every_child_process_exited(run_dir):
+    pids = [e["pid"] for e in _jsonl(run_dir / "events.jsonl") if e["event"] == "start"]
+    assert len(pids) == 6
+    for pid in pids:
+        assert not Path(f"/proc/{pid}").exists() or \
+            "zombie" in Path(f"/proc/{pid}/status").read_text() or \
+            not Path(f"/proc/{pid}/cmdline").read_text()
