@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 RUN_DIR ?= runs/quickstart
 
-.PHONY: install demo test test-fast proto clean
+.PHONY: install demo test test-fast proto clean bench-reliability bench-shaping bench-real-vs-virtual bench-compare bench-dataplane
 
 $(STAMP): requirements.txt requirements-corpora.txt pyproject.toml
 	python3 -m venv $(VENV)
@@ -32,5 +32,29 @@ proto: install
 	$(PY) -m grpc_tools.protoc -Idips/wire/pb=proto/dips/v1 --python_out=src \
 		--grpc_python_out=src --pyi_out=src proto/dips/v1/control.proto
 
+# Real-time link shaping: delivered vs configured rate (tc tbf as root, token bucket), and a
+# real-time DiLoCo all-reduce against the ring's ideal (issue 3; about 1 minute).
+bench-shaping: install
+	$(PY) benchmarks/linkshaping/bench_shaping.py
+
+# Real time vs virtual time on configs/compare/eta100.yaml (baselines; about 5 minutes).
+bench-real-vs-virtual: install
+	$(PY) benchmarks/linkshaping/bench_real_vs_virtual.py
+
+# Di-PS vs data parallel, synchronous DiLoCo and naive async DiLoCo in virtual time: eta 10-200,
+# a slow link, weak scaling 1 -> 16 clusters, into runs/compare/ (issue 3; ~25-40 min on 2 cores).
+bench-compare: install
+	$(PY) benchmarks/compare/bench_compare.py --out runs/compare
+
+# Fault injection on the demo model: detection and recovery times per fault kind, outer steps
+# lost (issue 4; about 15 minutes on 2 cores). Figures go to RELIABILITY.md.
+bench-reliability: install
+	$(PY) benchmarks/reliability.py --config configs/quickstart.yaml --out runs/reliability
+
 clean:
 	rm -rf $(VENV) .cache runs
+
+# Data plane (issue 5): push+pull vs raw TCP, follower update vs fused SGD, pipelined vs naive
+# outer loop, the S x M schedule, sync overhead at H=64, dynamic vs fixed grace (~11 min).
+bench-dataplane: install
+	$(PY) benchmarks/dataplane/run_all.py

@@ -2,6 +2,7 @@
 
 * ``dips launch --config FILE --run-dir DIR [--max-time SECONDS]``: a whole Di-PS run on this
   machine (leader, followers, clusters as separate processes on 127.0.0.1); see README.
+* ``dips place --bandwidth B.csv --throughput p.csv``: where to put the PS (§10).
 * ``dips _leader`` / ``_follower`` / ``_cluster``: the processes ``launch`` starts (hidden).
 """
 
@@ -15,13 +16,23 @@ import typer
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Di-PS: asynchronous two-level training across heterogeneous clusters.")
 
+from dips.bench.cli import app as _bench_app  # noqa: E402  (light: typer only)
+
+app.add_typer(_bench_app, name="bench")
+
+from dips.placement_cli import place as _place  # noqa: E402  (light: csv + typer)
+
+app.command("place")(_place)
+
 
 @app.command()
 def launch(config: Path = typer.Option(..., "--config", exists=True, dir_okay=False,
                                        help="YAML run config, e.g. configs/quickstart.yaml"),
            run_dir: Path = typer.Option(..., "--run-dir", help="Where every output goes."),
            max_time: Optional[float] = typer.Option(None, "--max-time", min=1.0,
-                                                    help="Stop after this many seconds of training.")
+                                                    help="Stop after this many seconds of training."),
+           faults: Optional[Path] = typer.Option(None, "--faults", exists=True, dir_okay=False,
+                                                 help="YAML fault plan (kill, stop, cut_link).")
            ) -> None:
     """Train with a leader, M followers and N clusters as separate processes on 127.0.0.1."""
     from pydantic import ValidationError
@@ -29,12 +40,15 @@ def launch(config: Path = typer.Option(..., "--config", exists=True, dir_okay=Fa
     from dips.config import load_config
     from dips.emu.launcher import launch as run_launch
 
+    from dips.emu.faults import load_faults
+
     try:
         cfg = load_config(config)
+        plan = load_faults(faults) if faults else None
     except ValidationError as exc:
-        typer.echo(f"invalid config {config}:\n{exc}", err=True)
+        typer.echo(f"invalid config or fault plan:\n{exc}", err=True)
         raise typer.Exit(2)
-    summary = run_launch(cfg, run_dir.resolve(), max_time)
+    summary = run_launch(cfg, run_dir.resolve(), max_time, faults=plan)
     if summary.get("eval_loss_final") is None:
         raise typer.Exit(1)
 

@@ -14,7 +14,7 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from dips.train.model import ModelConfig
+from dips.train.model_config import ModelConfig
 
 
 class _Strict(BaseModel):
@@ -61,17 +61,22 @@ class PenaltySettings(_Strict):
 
 
 class ClusterSpec(_Strict):
-    """One cluster: its id, compute slowdown factor (>= 1) and stage workers."""
+    """One cluster: its id, compute slowdown factor (>= 1), stage workers, optional transient
+    slowdowns ``(start_s, end_s, factor)`` in seconds of training, and an optional upload rate
+    limit ``link_bps`` (bits/s; an application-level token bucket on its data plane)."""
 
     id: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
     slowdown: float = Field(1.0, ge=1.0)
     stages: int = Field(1, ge=1)
+    transient: list[tuple[float, float, float]] = Field(default_factory=list)
+    link_bps: float | None = Field(None, gt=0)
 
 
 class Timeouts(_Strict):
     """Seconds for each blocking phase."""
 
     rpc_s: float = Field(120.0, gt=0)
+    admit_s: float = Field(30.0, gt=0)
     push_s: float = Field(60.0, gt=0)
     pull_s: float = Field(60.0, gt=0)
     startup_s: float = Field(180.0, gt=0)
@@ -89,10 +94,17 @@ class RunConfig(_Strict):
     outer: OuterConfig = OuterConfig()
     penalty: PenaltySettings = PenaltySettings()
     grace_window_s: float = Field(1.0, ge=0)
+    grace_mode: Literal["fixed", "dynamic"] = "fixed"  # §7: dynamic = τ* = ln(C_m·λ)/λ
+    grace_max_s: float = Field(30.0, ge=0)             # clamp of the dynamic window
     heartbeat_interval_s: float = Field(1.0, gt=0)
+    missed_heartbeats: int = Field(3, ge=1)
+    checkpoint_keep: int = Field(3, ge=2)
+    lease_ahead: int = Field(2, ge=1)
+    supervise: bool = True
     followers: int = Field(2, ge=1)
     clusters: list[ClusterSpec] = Field(default_factory=lambda: [
         ClusterSpec(id=f"c{i}", slowdown=s) for i, s in enumerate((1.0, 1.33, 1.67, 2.0))])
+    step_s: float | None = Field(None, gt=0)  # calibrated inner-step seconds (real-time mode)
     token_budget: int = Field(2_000_000, ge=1)
     max_time_s: float | None = Field(None, gt=0)
     eval_batches: int = Field(8, ge=1)

@@ -112,3 +112,38 @@ def test_schedule_properties(shape):
                 assert {owner[layer] for layer in layers} <= busy
         for t in step:
             unsent[t.worker].discard(t.layer)
+
+
+@settings(max_examples=200, deadline=None)
+@given(push_shapes())
+def test_each_choice_is_the_least_recently_used_follower_and_earliest_layer(shape):
+    """Replays the §10 rule: in every step, worker w (in order) takes the least recently used
+    follower among those free in this step that own one of its unsent layers (ties -> lowest
+    id), and sends its earliest unsent layer owned by that follower."""
+    worker_layers, owner, num_followers = shape
+    steps = greedy_schedule(worker_layers, owner, num_followers)
+    last = {f: -1 for f in range(num_followers)}
+    unsent = [sorted(layers) for layers in worker_layers]
+    for k, step in enumerate(steps):
+        by_worker = {t.worker: t for t in step}
+        busy: set[int] = set()
+        for w in range(len(worker_layers)):
+            eligible = {owner[layer] for layer in unsent[w]} - busy
+            if not eligible:
+                assert w not in by_worker
+                continue
+            f = min(eligible, key=lambda x: (last[x], x))
+            layer = min(layer for layer in unsent[w] if owner[layer] == f)
+            assert by_worker[w] == T(w, layer, f)
+            unsent[w].remove(layer)
+            busy.add(f)
+            last[f] = k
+    assert not any(unsent)
+
+
+def test_a_new_cluster_schedule_depends_only_on_its_own_layers():
+    # Schedules are computed per push request; another cluster's schedule is never recomputed.
+    a = greedy_schedule([[0, 1, 2], [3, 4, 5]], {i: i % 3 for i in range(6)}, 3)
+    b = greedy_schedule([[0, 1, 2, 3, 4, 5]], {i: i % 3 for i in range(6)}, 3)
+    assert greedy_schedule([[0, 1, 2], [3, 4, 5]], {i: i % 3 for i in range(6)}, 3) == a
+    assert b != a and len(a) == 3 and len(b) == 6

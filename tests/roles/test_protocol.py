@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import secrets
 import threading
+import time
 
 import pytest
 import torch
 
 from dips.algo import PenaltyConfig, partition_contiguous
-from dips.roles.cluster import ClusterClient, fetch_global_model
+from dips.roles.client import ClusterClient
+from dips.roles.cluster import fetch_global_model
 from dips.roles.follower import FollowerShard
 from dips.roles.leader import FollowerEntry, Leader, LeaderConfig
 from dips.train.model import ModelConfig, build_model, layer_table
@@ -39,7 +41,7 @@ class Run:
         parts = partition_contiguous([b for _, _, b in table], 2)
         self.shards, self.servers = [], []
         cfg = LeaderConfig(grace_window_s=grace_s, push_timeout_s=20, pull_timeout_s=20,
-                           penalty=penalty or PenaltyConfig())
+                           followers=2, penalty=penalty or PenaltyConfig())
         self.leader = Leader(cfg, connect=lambda e: self.shards[e.index], run_dir=tmp_path)
         for i, r in enumerate(parts):
             layers = {table[j][0]: table[j][1] for j in r}
@@ -54,6 +56,10 @@ class Run:
         self.addr = f"127.0.0.1:{self.grpc.add_insecure_port('127.0.0.1:0')}"
         self.grpc.start()
         self.leader.start()
+        deadline = time.monotonic() + 20
+        while not self.leader.ready and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert self.leader.ready, "followers were not reconciled"
 
     def client(self, cid: str, stages: int = 1) -> ClusterClient:
         return ClusterClient(build_model(CFG, seed=1), self.addr, cid, self.secret, H=2,
@@ -177,7 +183,7 @@ def test_stale_and_invalid_push_requests_are_refused(run):
     c.join()
     lc = leader_client(run.addr, run.secret, timeout_s=5)
     with pytest.raises(grpc.RpcError) as exc:
-        lc.RequestPush(pb.PushRequest(cluster_id="a", base_version=3, tokens=10))
+        lc.RequestPush(pb.PushRequest(cluster_id="a", base_version=-1, tokens=10))
     assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "base_version" in exc.value.details()
     with pytest.raises(grpc.RpcError) as exc:

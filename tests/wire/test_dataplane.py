@@ -59,3 +59,143 @@ def test_timeout_when_nobody_answers():
     with pytest.raises(TimeoutError, match="no reply"):
         c.request({"op": "push"})
     c.close()
+
+
+# ----- streams (§10): chunked push/pull through the three server threads ------------------
+from dips.wire.stream import TensorSpec  # noqa: E402
+
+
+class _Sink:
+    def __init__(self, owner, specs):
+        self.owner, self.specs = owner, specs
+        self.bufs = [bytearray(s.nbytes) for s in specs]
+
+    def write(self, index, offset, data):
+        if self.owner.refuse_at is not None and offset >= self.owner.refuse_at:
+            raise ValueError(f"field 'offset' = {offset} refused")
+        self.bufs[index][offset:offset + len(data)] = data
+
+    def commit(self):
+        self.owner.committed.append(self)
+        return {"op": "ack", "n": len(self.specs)}
+
+    def abort(self, reason):
+        self.owner.aborted.append(reason)
+
+
+class _Source:
+    def __init__(self, owner, header):
+        self.owner = owner
+        self.header = {"op": "model", "got": header.get("want")}
+        self.tensors = owner.served
+        self.specs = [TensorSpec.of(n, t) for n, t in self.tensors]
+
+    def tensor(self, i):
+        return self.tensors[i][1]
+
+    def finish(self):
+        if self.owner.stale:
+            raise ValueError("field 'version' moved on")
+
+
+class _Streams:
+    def __init__(self):
+        self.committed, self.aborted = [], []
+        self.refuse_at = None
+        self.stale = False
+        g = torch.Generator().manual_seed(3)
+        self.served = [("a", torch.randn(300, 7, generator=g).to(torch.bfloat16)),
+                       ("b", torch.randn(5, generator=g))]
+
+    def handle(self, msg):
+        return _echo(msg)
+
+    def open_push(self, header, specs):
+        if header.get("layer") == "bad":
+            raise ValueError("push field 'layer' = 'bad' is not owned")
+        return _Sink(self, specs)
+
+    def open_pull(self, header):
+        return _Source(self, header)
+
+
+@pytest.fixture
+def streams():
+    st = _Streams()
+    s = DataServer(KEY, st.handle).start()  # streams found through the bound method
+    yield st, s
+    s.stop()
+
+
+def _layer():
+    g = torch.Generator().manual_seed(1)
+    return [("w", torch.randn(64, 65, generator=g).to(torch.bfloat16)),
+            ("b", torch.randn(3, generator=g).to(torch.bfloat16))]
+
+
+def test_stream_push_arrives_whole(streams):
+    st, server = streams
+    sent = []
+    c = DataClient(KEY, server.endpoint, timeout_s=10, limiter=sent.append)
+    tensors = _layer()
+    reply = c.push({"op": "push", "layer": "L"}, tensors, chunk_bytes=1024)
+    assert reply == {"op": "ack", "n": 2}
+    sink = st.committed[-1]
+    for (n, t), buf in zip(tensors, sink.bufs):
+        assert torch.equal(torch.frombuffer(buf, dtype=torch.bfloat16).reshape(t.shape), t)
+    # limiter saw begin + every chunk (64*65*2 = 8320 B -> 9 chunks; 6 B -> 1) + end
+    assert len(sent) == 1 + 9 + 1 + 1 and sum(sent[1:-1]) == 64 * 65 * 2 + 6
+    c.close()
+
+
+def test_stream_push_refusals_and_server_keeps_serving(streams):
+    st, server = streams
+    c = DataClient(KEY, server.endpoint, timeout_s=10)
+    with pytest.raises(DataPlaneError, match="'layer' = 'bad'"):
+        c.push({"op": "push", "layer": "bad"}, _layer(), chunk_bytes=1024)
+    st.refuse_at = 2048
+    with pytest.raises(DataPlaneError, match="'offset' = 2048 refused"):
+        c.push({"op": "push", "layer": "L"}, _layer(), chunk_bytes=1024)
+    assert st.aborted == ["field 'offset' = 2048 refused"]
+    st.refuse_at = None
+    bad = DataClient(b"w" * 32, server.endpoint, timeout_s=10)
+    with pytest.raises(FrameError, match="unauthenticated"):  # the reply, signed by the server
+        bad.push({"op": "push", "layer": "L"}, _layer(), chunk_bytes=1024)
+    bad.close()
+    n = len(st.committed)
+    assert c.push({"op": "push", "layer": "L"}, _layer(), chunk_bytes=1024)["op"] == "ack"
+    assert len(st.committed) == n + 1
+    c.close()
+
+
+def test_stream_pull_lands_in_destination(streams):
+    st, server = streams
+    c = DataClient(KEY, server.endpoint, timeout_s=10)
+    out = [(n, torch.empty_like(t)) for n, t in st.served]
+    head = c.pull({"op": "pull", "want": 4}, out, chunk_bytes=512)
+    assert head == {"op": "model", "got": 4}
+    for (_, got), (_, want) in zip(out, st.served):
+        assert torch.equal(got, want)
+    # A stream that announces other tensors than expected is refused, naming them.
+    wrong = [("a", torch.empty(300, 6, dtype=torch.bfloat16)), out[1]]
+    with pytest.raises(FrameError, match="stream announces"):
+        c.pull({"op": "pull"}, wrong, chunk_bytes=512)
+    # A source whose version moved on fails the stream instead of ending it.
+    st.stale = True
+    with pytest.raises(DataPlaneError, match="moved on"):
+        c.pull({"op": "pull"}, out, chunk_bytes=512)
+    st.stale = False
+    assert c.pull({"op": "pull", "want": 5}, out, chunk_bytes=512)["got"] == 5
+    c.close()
+
+
+def test_stream_pull_timeout_when_nobody_answers():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    c = DataClient(KEY, f"tcp://127.0.0.1:{port}", timeout_s=0.5)
+    with pytest.raises(TimeoutError, match="no reply"):
+        c.pull({"op": "pull"}, [("a", torch.empty(3))])
+    c.close()

@@ -1,32 +1,34 @@
 """Pure math and decisions of Di-PS: penalty, aggregation, clipping, outer optimizer, grace
-window, schedule and layer ownership (§6, §7, §8, §10 of the seed).
+window, schedule, layer ownership, data ledger and reconciliation (§6, §7, §8, §10, §12).
 
 Imports only torch and the standard library; no sockets, threads, sleeps, env reads or wall
-clock (time is passed in as float seconds).
+clock (time is passed in as float seconds). Names are loaded lazily from their submodules,
+so a process that needs no tensor math (the leader) never imports torch.
 """
 
-from dips.algo.aggregate import clip_factor, squared_norm, token_weights, weighted_mean
-from dips.algo.outer import OuterConfig, nesterov_step, pseudo_gradient
-from dips.algo.partition import min_max_part_sum, partition_contiguous
-from dips.algo.penalty import PenaltyConfig, PenaltyState, Verdict, decide
-from dips.algo.schedule import Transfer, greedy_schedule
-from dips.algo.window import FixedGraceWindow
+from importlib import import_module
+from typing import Any
 
-__all__ = [
-    "FixedGraceWindow",
-    "OuterConfig",
-    "PenaltyConfig",
-    "PenaltyState",
-    "Transfer",
-    "Verdict",
-    "clip_factor",
-    "decide",
-    "greedy_schedule",
-    "min_max_part_sum",
-    "nesterov_step",
-    "partition_contiguous",
-    "pseudo_gradient",
-    "squared_norm",
-    "token_weights",
-    "weighted_mean",
-]
+_LOCATIONS = {
+    "clip_factor": "aggregate", "squared_norm": "aggregate", "token_weights": "aggregate",
+    "weighted_mean": "aggregate",
+    "GraceEstimator": "grace", "GraceWindow": "grace", "expected_cost_s": "grace",
+    "optimal_grace_s": "grace",
+    "OuterConfig": "outer", "nesterov_step": "outer", "pseudo_gradient": "outer",
+    "min_max_part_sum": "partition", "partition_contiguous": "partition",
+    "PenaltyConfig": "penalty", "PenaltyState": "penalty", "Verdict": "penalty",
+    "decide": "penalty",
+    "best_placement": "placement", "placement_scores": "placement",
+    "Transfer": "schedule", "greedy_schedule": "schedule",
+    "FixedGraceWindow": "window",
+}
+
+__all__ = sorted(_LOCATIONS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LOCATIONS:
+        raise AttributeError(f"module 'dips.algo' has no attribute {name!r}")
+    value = getattr(import_module(f"dips.algo.{_LOCATIONS[name]}"), name)
+    globals()[name] = value
+    return value

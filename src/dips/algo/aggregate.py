@@ -17,7 +17,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import torch
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 # Elements per float64 chunk in squared_norm: bounds the temporary copy to 8 MiB.
 _NORM_CHUNK = 1 << 20
@@ -59,6 +62,8 @@ def token_weights(
 
 
 def _check_fp32(name: str, t: Any) -> None:
+    import torch  # lazily: the leader uses this module's scalar functions without torch
+
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype != torch.float32:
@@ -82,6 +87,8 @@ def weighted_mean(deltas: list[list[torch.Tensor]], weights: list[float]) -> lis
             with a different tensor count, or a tensor whose dtype is not FP32 / whose shape or
             device differs from cluster 0's (naming cluster, tensor index and shapes).
     """
+    import torch
+
     if not deltas:
         raise ValueError("deltas must be non-empty")
     if len(weights) != len(deltas):
@@ -128,6 +135,8 @@ def squared_norm(tensors: list[torch.Tensor]) -> float:
     Raises:
         ValueError: an element that is not a floating-point tensor (naming its index and dtype).
     """
+    import torch
+
     total = 0.0
     for k, t in enumerate(tensors):
         if not isinstance(t, torch.Tensor) or not t.is_floating_point():

@@ -29,6 +29,7 @@ from rich.console import Console
 
 from dips.algo import partition_contiguous
 from dips.config import RunConfig
+from dips.emu.faults import FaultInjector, FaultPlan
 from dips.emu.progress import Progress
 from dips.wire.pb import control_pb2 as pb
 from dips.wire.services import leader_client
@@ -41,6 +42,8 @@ class Child:
     name: str
     proc: subprocess.Popen
     log_path: Path
+    args: list[str] = field(default_factory=list)
+    restarts: int = 0
 
 
 @dataclass
@@ -58,15 +61,35 @@ class Launch:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         out = open(log_path, "ab")
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
-                   TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
+                   TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", DIPS_PROCESS=name,
+                   DIPS_FAILPOINTS=str(self.run_dir / "failpoints"))
         proc = subprocess.Popen([sys.executable, "-m", "dips.cli", *args], stdout=out,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                                 start_new_session=True)
         out.close()
-        child = Child(name, proc, log_path)
+        old = self.children.get(name)
+        child = Child(name, proc, log_path, list(args), old.restarts + 1 if old else 0)
         self.children[name] = child
-        self.event("start", name, pid=proc.pid)
+        self.event("start" if old is None else "restart", name, pid=proc.pid)
         return child
+
+    def pid_of(self, name: str) -> int | None:
+        """The pid of child ``name`` if it is running, else None."""
+        c = self.children.get(name)
+        return c.proc.pid if c is not None and c.proc.poll() is None else None
+
+    def supervise(self) -> None:
+        """Restart every child that exited (as an orchestrator would, §12); log each exit."""
+        for name, c in list(self.children.items()):
+            code = c.proc.poll()
+            if code is None:
+                continue
+            self.event("exited", name, returncode=code, pid=c.proc.pid)
+            if not self.cfg.supervise:
+                if not name.startswith("cluster-"):
+                    raise RuntimeError(f"{name} exited (code {code}); see {c.log_path}")
+                continue
+            self.spawn(name, c.args)
 
     def event(self, kind: str, name: str, **extra: Any) -> None:
         rec = {"time": time.time(), "event": kind, "process": name, **extra}
@@ -101,6 +124,7 @@ def prepare(cfg: RunConfig, run_dir: Path) -> dict[str, Any]:
     from dips.train.corpus import load_tokenizer, load_tokens
     from dips.train.loop import eval_loss
     from dips.train.model import build_model, layer_table
+    from dips.train.sampler import make_chunks
 
     cache = cfg.data.cache_dir.resolve()
     load_tokenizer(cache, cfg.data.vocab_size)
@@ -118,12 +142,26 @@ def prepare(cfg: RunConfig, run_dir: Path) -> dict[str, Any]:
             "follower_layers": [[table[i][0] for i in r] for r in parts],
             "init": "init/model.safetensors", "eval_loss_initial": initial,
             "train_tokens": int(len(data.train)), "val_tokens": int(len(data.val)),
-            "params": int(sum(p.numel() for p in model.parameters()))}
+            "params": int(sum(p.numel() for p in model.parameters())),
+            "windows_per_chunk": min(e - s for s, e in make_chunks(len(data.train),
+                                                                   cfg.data.num_chunks))
+            // (cfg.inner.seq_len + 1),
+            "leader_addr": f"127.0.0.1:{free_port()}",
+            "follower_ports": [[free_port(), free_port()] for _ in range(cfg.followers)]}
     (run_dir / "run.json").write_text(json.dumps(spec, indent=1))
     secret_path = run_dir / "secret"
     secret_path.write_text(secrets.token_hex(32))
     secret_path.chmod(0o600)
     return spec
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def _wait_for(cond: Any, timeout_s: float, what: str, launch: Launch) -> Any:
@@ -142,13 +180,13 @@ def _wait_for(cond: Any, timeout_s: float, what: str, launch: Launch) -> Any:
 
 def _status(client: Any) -> pb.StatusReply | None:
     try:
-        return client.GetStatus(pb.StatusRequest(), timeout=5.0)
+        return client.GetStatus(pb.StatusRequest(), timeout=1.0)
     except grpc.RpcError:
         return None
 
 
 def launch(cfg: RunConfig, run_dir: Path, max_time_s: float | None = None,
-           console: Console | None = None) -> dict[str, Any]:
+           console: Console | None = None, faults: FaultPlan | None = None) -> dict[str, Any]:
     """Run Di-PS end to end; returns (and writes) the summary. See the module docstring.
 
     Raises RuntimeError if a leader or follower process dies, TimeoutError on startup.
@@ -158,7 +196,9 @@ def launch(cfg: RunConfig, run_dir: Path, max_time_s: float | None = None,
     # A re-used run directory starts empty of the previous run's outputs (they are appended to).
     for stale in ("leader.addr", "events.jsonl", "outer_steps.jsonl", "summary.json"):
         (run_dir / stale).unlink(missing_ok=True)
-    for stale in ("followers", "clusters", "logs", "final", "init"):
+    for stale in ("leader.json", "leader_events.jsonl", "train_start"):
+        (run_dir / stale).unlink(missing_ok=True)
+    for stale in ("followers", "clusters", "logs", "final", "init", "failpoints"):
         shutil.rmtree(run_dir / stale, ignore_errors=True)
     max_time_s = max_time_s if max_time_s is not None else cfg.max_time_s
     t_start = time.time()
@@ -186,7 +226,11 @@ def launch(cfg: RunConfig, run_dir: Path, max_time_s: float | None = None,
         for c in cfg.clusters:
             run.spawn(f"cluster-{c.id}", ["_cluster", "--run-dir", str(run_dir), "--cluster-id", c.id])
         t_train = time.monotonic()
-        interrupted = _train(run, client, Progress(cfg, console), t_train, max_time_s)
+        (run_dir / "train_start").write_text(repr(time.time()))
+        injector = None
+        if faults is not None and faults.faults:
+            injector = FaultInjector(faults, run.pid_of, run_dir / "failpoints", run.event)
+        interrupted = _train(run, client, Progress(cfg, console), t_train, max_time_s, injector)
         summary = _finish(run, client, spec, secret, t_start, t_train, interrupted)
     except KeyboardInterrupt:
         console.print("[yellow]interrupted: stopping every process[/]")
@@ -202,22 +246,38 @@ def launch(cfg: RunConfig, run_dir: Path, max_time_s: float | None = None,
 
 
 def _train(run: Launch, client: Any, progress: Progress, t_train: float,
-           max_time_s: float | None) -> bool:
-    """Show progress until the token budget, the time limit or Ctrl-C. Returns interrupted."""
+           max_time_s: float | None, injector: FaultInjector | None = None) -> bool:
+    """Show progress, supervise the children and inject faults until the token budget, the
+    time limit or Ctrl-C. Returns whether it was interrupted."""
     cfg = run.cfg
     reason = "token budget"
+    liveness_s = max(3.0, cfg.missed_heartbeats * cfg.heartbeat_interval_s)
+    last_ok = time.monotonic()
+    answered: int | None = None
+    next_status = 0.0
+    status = None
     try:
         with progress.live() as live:
             while True:
-                time.sleep(0.5)
-                status = _status(client)
+                time.sleep(0.1)
                 elapsed = time.monotonic() - t_train
+                if injector is not None:
+                    injector.tick(elapsed)
+                run.supervise()
+                if time.monotonic() < next_status:
+                    continue
+                next_status = time.monotonic() + 0.5
+                status = _status(client)
+                leader_pid = run.pid_of("leader")
                 if status is not None:
+                    last_ok, answered = time.monotonic(), leader_pid
                     live.update(progress.render(status, elapsed))
-                for name in ["leader"] + [f"follower-{i}" for i in range(cfg.followers)]:
-                    if run.children[name].proc.poll() is not None:
-                        raise RuntimeError(f"{name} exited (code {run.children[name].proc.returncode});"
-                                           f" see {run.children[name].log_path}")
+                elif (cfg.supervise and leader_pid is not None and answered == leader_pid
+                      and time.monotonic() - last_ok > liveness_s):
+                    # A leader that answered before and then stayed silent for 3 heartbeat
+                    # intervals is hung: kill and restart it (a liveness probe, §12).
+                    run.event("unresponsive", "leader", silent_s=round(time.monotonic() - last_ok, 2))
+                    os.kill(leader_pid, signal.SIGKILL)
                 if status is not None and sum(c.tokens for c in status.clusters) >= cfg.token_budget:
                     break
                 if max_time_s is not None and elapsed >= max_time_s:

@@ -3,7 +3,8 @@
 Each reads ``RUN_DIR/run.json`` (written by the launcher: config, layer table, follower
 ownership) and ``RUN_DIR/secret``; binds its sockets to free ports on 127.0.0.1 and
 publishes them (the leader writes ``leader.addr``; followers register with the leader).
-SIGTERM or SIGINT stops a process cleanly; every wait has a timeout.
+SIGTERM or SIGINT stops a process cleanly; every wait has a timeout. torch is imported only by
+the processes that hold tensors, so the leader (metadata only) restarts in about a second.
 """
 
 from __future__ import annotations
@@ -13,12 +14,10 @@ import logging
 import signal
 import threading
 import time
-import zlib
 from pathlib import Path
 from typing import Any
 
 import grpc
-import torch
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +42,7 @@ def _setup_logging(run_dir: Path, name: str) -> None:
 def run_leader(run_dir: Path) -> None:
     """Serve the leader until SIGTERM; write its address to ``RUN_DIR/leader.addr``."""
     from dips.algo import PenaltyConfig
+    from dips.algo.ledger import ChunkLedger
     from dips.config import RunConfig
     from dips.roles.leader import FollowerEntry, Leader, LeaderConfig
     from dips.wire.control import make_server
@@ -58,24 +58,31 @@ def run_leader(run_dir: Path) -> None:
                         pull_timeout_s=cfg.timeouts.pull_s, max_norm=cfg.outer.max_norm,
                         uniform_weights=cfg.outer.uniform_weights,
                         heartbeat_interval_s=cfg.heartbeat_interval_s,
+                        missed_heartbeats=cfg.missed_heartbeats, followers=cfg.followers,
+                        grace_mode=cfg.grace_mode, grace_max_s=cfg.grace_max_s,
                         penalty=PenaltyConfig(alpha=pen.alpha, beta=pen.beta, warmup=pen.warmup,
                                               enabled=pen.enabled))
+    ledger = ChunkLedger(cfg.data.num_chunks, spec["windows_per_chunk"])
     leader = Leader(lcfg, lambda e: FollowerControlClient(e.control_endpoint, secret,
-                                                          cfg.timeouts.rpc_s), run_dir)
+                                                          cfg.timeouts.rpc_s),
+                    run_dir, ledger=ledger)
 
     def entry(info: Any) -> FollowerEntry:
         return FollowerEntry(info.index, info.data_endpoint, info.control_endpoint,
-                             list(info.layers), list(info.layer_bytes))
+                             list(info.layers), list(info.layer_bytes), info.incarnation)
 
     server = make_server(secret, max_workers=8 + 4 * len(cfg.clusters))
     pbg.add_LeaderServicer_to_server(LeaderServicer(leader, entry), server)
-    port = server.add_insecure_port("127.0.0.1:0")
+    # A fixed port (chosen by the launcher) so a restarted leader is found at the same address.
+    addr = spec["leader_addr"]
+    if server.add_insecure_port(addr) == 0:
+        raise RuntimeError(f"leader cannot bind {addr}")
     server.start()
     leader.start()
     tmp = run_dir / "leader.addr.tmp"
-    tmp.write_text(f"127.0.0.1:{port}")
+    tmp.write_text(addr)
     tmp.replace(run_dir / "leader.addr")
-    log.info("leader serving on 127.0.0.1:%d", port)
+    log.info("leader serving on %s (version %d)", addr, leader.version)
     stop.wait()
     leader.stop()
     server.stop(grace=2.0).wait(5.0)
@@ -86,12 +93,15 @@ def run_follower(run_dir: Path, index: int) -> None:
     from safetensors import safe_open
 
     from dips.config import RunConfig
+    from dips.roles.checkpoint import complete_versions, load_checkpoint
     from dips.roles.follower import FollowerShard
     from dips.wire.control import make_server
     from dips.wire.dataplane import DataServer
     from dips.wire.pb import control_pb2 as pb
     from dips.wire.pb import control_pb2_grpc as pbg
     from dips.wire.services import FollowerServicer, leader_client
+
+    import torch
 
     _setup_logging(run_dir, f"follower-{index}")
     torch.set_num_threads(1)
@@ -102,32 +112,47 @@ def run_follower(run_dir: Path, index: int) -> None:
     sizes = {layer: nbytes for layer, _, nbytes in spec["layers"]}
     owned = spec["follower_layers"][index]
     layers = {l: table[l] for l in owned}
-    with safe_open(str(run_dir / spec["init"]), framework="pt") as f:
-        params = {n: f.get_tensor(n).float() for names in layers.values() for n in names}
+    names = [n for ns in layers.values() for n in ns]
+    ckpt_dir = run_dir / "followers" / str(index) / "checkpoints"
+    saved = complete_versions(ckpt_dir)
+    momenta, version = None, 0
+    if saved:  # a restart: resume from the newest complete checkpoint (§12)
+        params, momenta, _ = load_checkpoint(ckpt_dir, saved[-1], names)
+        version = saved[-1]
+    else:
+        with safe_open(str(run_dir / spec["init"]), framework="pt") as f:
+            params = {n: f.get_tensor(n).float() for n in names}
     shard = FollowerShard(index, layers, params, cfg.outer.lr, cfg.outer.momentum,
-                          log_dir=run_dir / "followers" / str(index))
-    data = DataServer(bytes.fromhex(secret), shard.handle).start()
+                          log_dir=run_dir / "followers" / str(index), version=version,
+                          momenta=momenta, ckpt_dir=ckpt_dir, keep=cfg.checkpoint_keep)
+    # Fixed ports (chosen by the launcher): a restarted follower keeps its addresses (§12).
+    data_port, control_port = spec["follower_ports"][index]
+    data = DataServer(bytes.fromhex(secret), shard.handle, port=data_port).start()
     server = make_server(secret, max_workers=8)
     pbg.add_FollowerServicer_to_server(FollowerServicer(shard), server)
-    port = server.add_insecure_port("127.0.0.1:0")
+    port = server.add_insecure_port(f"127.0.0.1:{control_port}")
+    if port == 0:
+        raise RuntimeError(f"follower {index} cannot bind 127.0.0.1:{control_port}")
     server.start()
     leader = leader_client(_wait_leader(run_dir, stop, cfg.timeouts.startup_s), secret)
-    info = pb.FollowerInfo(index=index, data_endpoint=data.endpoint,
-                           control_endpoint=f"127.0.0.1:{port}", layers=owned,
-                           layer_bytes=[sizes[l] for l in owned], version=shard.version)
-    deadline = time.monotonic() + cfg.timeouts.startup_s
+    incarnation = time.time_ns()
+    log.info("follower %d serving layers %s at version %d (data %s)", index, owned,
+             shard.version, data.endpoint)
+    # Registration doubles as the heartbeat: the leader learns a restart from the incarnation,
+    # and a restarted leader learns this follower again within one interval (§12).
     while not stop.is_set():
+        info = pb.FollowerInfo(index=index, data_endpoint=data.endpoint,
+                               control_endpoint=f"127.0.0.1:{port}", layers=owned,
+                               layer_bytes=[sizes[l] for l in owned], version=shard.version,
+                               incarnation=incarnation)
         try:
-            leader.RegisterFollower(info, timeout=5.0)
-            break
+            leader.RegisterFollower(info, timeout=max(1.0, cfg.heartbeat_interval_s))
         except grpc.RpcError as exc:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"follower {index}: leader unreachable: {exc.details()}") from None
-            time.sleep(0.5)
-    log.info("follower %d serving layers %s (data %s)", index, owned, data.endpoint)
-    stop.wait()
+            log.debug("heartbeat to leader failed: %s", exc.code().name)
+        stop.wait(cfg.heartbeat_interval_s)
     server.stop(grace=2.0).wait(5.0)
     data.stop()
+    shard.close()
     leader.close()
 
 
@@ -148,12 +173,15 @@ def run_cluster(run_dir: Path, cluster_id: str) -> None:
     the steps that synced). Stops at SIGTERM, after the current inner step or sync.
     """
     from dips.config import RunConfig
-    from dips.emu.slowdown import Slowdown
-    from dips.roles.cluster import ClusterClient
+    from dips.emu.pacing import Pacer
+    from dips.roles.client import ClusterClient
     from dips.train.corpus import load_tokens
-    from dips.train.sampler import BatchSampler, assign_chunks, make_chunks
+    from dips.train.lease import LeaseSampler, NoData
+    from dips.train.sampler import make_chunks
     from dips.train.loop import inner_step, make_inner_optimizer
     from dips.train.model import build_model
+
+    import torch
 
     _setup_logging(run_dir, f"cluster-{cluster_id}")
     torch.set_num_threads(1)
@@ -164,16 +192,35 @@ def run_cluster(run_dir: Path, cluster_id: str) -> None:
     data = load_tokens(Path(spec["cache_dir"]), cfg.data.vocab_size, cfg.data.val_fraction,
                        cfg.data.max_train_tokens)
     chunks = make_chunks(len(data.train), cfg.data.num_chunks)
-    mine = assign_chunks(cfg.data.num_chunks, [c.id for c in cfg.clusters])[cluster_id]
-    sampler = BatchSampler(data.train, chunks, mine, cfg.inner.batch_size, cfg.inner.seq_len,
-                           seed=cfg.seed * 7919 + zlib.crc32(cluster_id.encode()))
+    sampler = LeaseSampler(data.train, chunks, cfg.inner.seq_len, cfg.inner.batch_size,
+                           seed=cfg.seed, ahead=cfg.lease_ahead)
     model = build_model(cfg.model, cfg.seed)
     opt = make_inner_optimizer(model, cfg.inner.lr, cfg.inner.weight_decay)
+    limiter = None
+    if me.link_bps is not None:  # application-level link shaping (no network namespace)
+        from dips.wire.shaping import TokenBucket
+
+        rate = me.link_bps / 8
+        limiter = TokenBucket(rate, max(65536.0, rate * 0.005)).consume
     client = ClusterClient(model, _wait_leader(run_dir, stop, cfg.timeouts.startup_s), cluster_id,
-                           secret, H=cfg.inner.H, stages=me.stages, timeout_s=cfg.timeouts.rpc_s,
-                           heartbeat_interval_s=cfg.heartbeat_interval_s)
-    client.join()
-    slow = Slowdown(me.slowdown)
+                           secret, H=cfg.inner.H, stages=me.stages, timeout_s=cfg.timeouts.push_s,
+                           admit_timeout_s=cfg.timeouts.admit_s,
+                           heartbeat_interval_s=cfg.heartbeat_interval_s, data=sampler,
+                           limiter=limiter)
+    deadline = time.monotonic() + cfg.timeouts.startup_s
+    while True:  # the leader may be restarting or waiting for followers: retry the join
+        try:
+            client.join()
+            break
+        except (grpc.RpcError, RuntimeError) as exc:
+            if stop.is_set() or time.monotonic() > deadline:
+                raise RuntimeError(f"cluster {cluster_id}: join failed: {exc}") from None
+            stop.wait(1.0)
+    # Injected delay per inner step (§13): proportional to the measured step, or padding to a
+    # calibrated step_s; transient slowdowns are timed from the launcher's training start.
+    pacer = Pacer(me.slowdown, cfg.step_s, me.transient)
+    start_file = run_dir / "train_start"
+    t_start = float(start_file.read_text()) if start_file.exists() else time.time()
     out_dir = run_dir / "clusters" / cluster_id
     out_dir.mkdir(parents=True, exist_ok=True)
     log.info("cluster %s joined at version %d, stages %s", cluster_id, client.version,
@@ -182,10 +229,17 @@ def run_cluster(run_dir: Path, cluster_id: str) -> None:
         out.write(json.dumps({"event": "join", "version": client.version,
                              "stages": client.stage_layers, "time": time.time()}) + "\n")
         while not stop.is_set():
+            try:
+                batch = sampler.next_batch()
+            except NoData:  # every leased window trained: lease more (the leader may be down)
+                client.maintain()
+                if sampler.available() < sampler.batch_size:
+                    stop.wait(0.5)
+                continue
             t0 = time.monotonic()
-            loss = inner_step(model, opt, sampler.next_batch(), cfg.inner.grad_clip)
+            loss = inner_step(model, opt, batch, cfg.inner.grad_clip)
             compute_s = time.monotonic() - t0
-            stop.wait(slow.delay(compute_s))
+            stop.wait(pacer.delay(compute_s, time.time() - t_start))
             res = client.step_done(sampler.tokens_per_batch, loss)
             rec: dict[str, Any] = {"step": client.inner_step, "loss": round(loss, 5),
                                    "tokens": client.tokens_total, "compute_s": round(compute_s, 4),
@@ -196,4 +250,5 @@ def run_cluster(run_dir: Path, cluster_id: str) -> None:
                                "reason": res.reason, "push_s": round(res.push_s, 4),
                                "wait_s": round(res.wait_s, 4), "pull_s": round(res.pull_s, 4)}
             out.write(json.dumps(rec) + "\n")
+    log.info("cluster %s: %d paced steps overran step_s", cluster_id, pacer.overruns)
     client.close()

@@ -1,135 +1,70 @@
-"""The leader: control plane of Di-PS (§5, §6, §8 of the seed). Metadata only.
+"""The leader: control plane of Di-PS (§5, §6, §8, §12 of the seed). Metadata only.
 
 The outer loop of §6 as a state machine with phases ``idle → window → push → update → pull``:
 
-* ``idle``: no request pending; the loop waits without timeout (the server never updates
-  with nothing to do).
+* ``idle``: no request pending; the loop waits (the server never updates with nothing to do).
 * ``window``: the first push request opens the grace window; every request that arrives
-  before it closes joins the same outer step (round). Each admitted cluster receives a
-  push id and a §10 communication schedule for its stage workers.
-* ``push``: the window has closed; the leader waits until every admitted cluster has
-  reported its push done (or the push timeout passes; a late push is then dropped).
-  Requests arriving from here on queue for the next round; their clusters wait, others train.
-* ``update``: followers report per-cluster ‖Δ‖² on their shards; the leader sums them,
-  runs the penalty (§8), computes token weights over the accepted set, sums the followers'
-  ‖δ‖², sends one clip factor min(1, c/‖δ‖₂) and the new version to every follower.
-* ``pull``: every cluster of the round is told the version to pull (accepted or not); the
-  next round opens when all have pulled or the pull timeout passes.
+  before it closes joins the same outer step (round), receiving a push id and a §10 schedule.
+* ``push``: the window has closed; the leader waits until every admitted cluster reported its
+  push done (or the push timeout passes; a late push is dropped). Later requests queue.
+* ``update``: :func:`dips.roles.leader_step.outer_step`: penalty over the summed ‖Δ‖²,
+  token weights, one clip factor, a two-phase apply on every follower.
+* ``pull``: every cluster of the round is told the version to pull; the next round opens
+  when all have pulled or the pull timeout passes.
 
-Tensors never pass through the leader: it only calls the followers' control service.
+Resilience (§12): clusters and followers heartbeat; a cluster silent for 3 intervals is
+removed (its data chunks return to the ledger) without pausing anyone; a silent follower is
+marked down and no round opens until every follower is up again and reconciled to one
+version. The leader checkpoints its metadata (membership, version, penalty history, ledger,
+counts; a few KB) atomically after every round and resumes from it after a restart.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import secrets
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import Any, Callable
 
-from dips.algo import (FixedGraceWindow, PenaltyConfig, PenaltyState, clip_factor, decide,
-                       greedy_schedule, token_weights)
-from dips.wire.control import PreconditionError
+from dips.algo import GraceWindow, PenaltyState, greedy_schedule
+from dips.algo.ledger import ChunkLedger
+from dips.roles import failpoints, leader_step
+from dips.wire.control import PreconditionError, UnavailableError
 
 log = logging.getLogger(__name__)
 
 
-class FollowerControl(Protocol):
-    """What the leader needs from a follower (implemented over gRPC by the roles' caller)."""
+from dips.roles.leader_members import Membership
+from dips.roles.leader_types import (ClusterEntry, FollowerControl, FollowerEntry, LeaderConfig,
+                                     Push, Round)
 
-    def score(self, rnd: int, clusters: list[str]) -> list[tuple[str, bool, float, str]]: ...
-    def aggregate(self, rnd: int, clusters: list[str], weights: list[float]) -> float: ...
-    def apply(self, rnd: int, clip: float, new_version: int, accepted: list[str],
-              weights: list[float]) -> tuple[int, str]: ...
-    def discard(self, rnd: int) -> None: ...
+__all__ = ["ClusterEntry", "FollowerControl", "FollowerEntry", "Leader", "LeaderConfig", "Push",
+           "Round"]
 
 
-@dataclass
-class FollowerEntry:
-    index: int
-    data_endpoint: str
-    control_endpoint: str
-    layers: list[str]
-    layer_bytes: list[int]
-    control: FollowerControl | None = None
-
-
-@dataclass
-class ClusterEntry:
-    cluster_id: str
-    stages: list[list[str]]
-    inner_step: int = 0
-    tokens: int = 0
-    last_loss: float = float("nan")
-    last_push: str = "-"
-    pulled_version: int = -1
-    last_seen: float = 0.0
-
-
-@dataclass
-class Push:
-    """One admitted push request of a round."""
-
-    cluster_id: str
-    push_id: str
-    base_version: int
-    tokens: int
-    done: bool = False
-    ok: bool = False
-    error: str = ""
-    pulled: bool = False
-    verdict: dict[str, Any] | None = None
-
-
-@dataclass
-class Round:
-    number: int
-    opened_at: float
-    closes_at: float
-    pushes: dict[str, Push] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class LeaderConfig:
-    """Leader settings. Times in seconds.
-
-    Attributes:
-        grace_window_s: fixed grace window length (§6, §7).
-        push_timeout_s: after the window closes, how long to wait for admitted pushes.
-        pull_timeout_s: how long to wait for the round's clusters to pull.
-        max_norm: global clip threshold c (§8; None disables clipping, an ablation).
-        uniform_weights: ablation: 1/n instead of token weights.
-        penalty: §8 settings (α, β, warm-up).
-    """
-
-    grace_window_s: float = 1.0
-    push_timeout_s: float = 60.0
-    pull_timeout_s: float = 60.0
-    max_norm: float | None = 1.0
-    uniform_weights: bool = False
-    heartbeat_interval_s: float = 1.0
-    penalty: PenaltyConfig = field(default_factory=PenaltyConfig)
-
-
-class Leader:
+class Leader(Membership):
     """The leader's state machine; gRPC handlers call its public methods from many threads.
 
     Args:
         cfg: :class:`LeaderConfig`.
         connect: ``FollowerEntry -> FollowerControl``, how to reach a registered follower.
-        run_dir: where ``outer_steps.jsonl`` goes (None: not written).
-        clock: wall clock in seconds (injectable for tests).
+        run_dir: where ``outer_steps.jsonl``, ``leader_events.jsonl`` and the metadata
+            checkpoint ``leader.json`` go (None: nothing written, no resume).
+        ledger: the data-chunk ledger (None: no chunk accounting).
+        clock: monotonic clock in seconds (injectable for tests).
     """
 
     def __init__(self, cfg: LeaderConfig, connect: Callable[[FollowerEntry], FollowerControl],
-                 run_dir: Path | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+                 run_dir: Path | None = None, ledger: ChunkLedger | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.cfg = cfg
         self._connect = connect
         self._clock = clock
-        self._window = FixedGraceWindow(cfg.grace_window_s)
+        self._window = GraceWindow(cfg.grace_mode, cfg.grace_window_s, cfg.grace_max_s)
         self._cond = threading.Condition()
         self._stop = threading.Event()
         self.followers: dict[int, FollowerEntry] = {}
@@ -138,108 +73,106 @@ class Leader:
         self.rounds = 0
         self.phase = "idle"
         self.penalty = PenaltyState()
+        self.ledger = ledger
         self.counts = {"updates_pushed": 0, "updates_accepted": 0, "updates_rejected": 0,
-                       "tokens_pushed": 0, "tokens_accepted": 0, "outer_steps": 0}
+                       "tokens_pushed": 0, "tokens_accepted": 0, "outer_steps": 0,
+                       "outer_steps_lost": 0, "restarts": 0}
+        self.needs_reconcile = True
+        self._version_stats: dict[int, tuple[int, int]] = {}
         self._queue: list[Push] = []
         self._round: Round | None = None
         self._layer_owner: dict[str, int] = {}
-        self._log_path = (run_dir / "outer_steps.jsonl") if run_dir else None
-        self._thread = threading.Thread(target=self._loop, name="leader-loop", daemon=True)
+        self._run_dir = run_dir
+        self._threads = [threading.Thread(target=self._loop, name="leader-loop", daemon=True),
+                         threading.Thread(target=self._monitor, name="leader-monitor", daemon=True)]
+        if run_dir is not None:
+            self._resume(run_dir / "leader.json")
 
     # ----- lifecycle -------------------------------------------------------------------
     def start(self) -> "Leader":
-        self._thread.start()
+        for t in self._threads:
+            t.start()
         return self
 
     def stop(self, timeout_s: float = 10.0) -> None:
         self._stop.set()
         with self._cond:
             self._cond.notify_all()
-        self._thread.join(timeout_s)
+        for t in self._threads:
+            if t.is_alive():
+                t.join(timeout_s)
 
-    # ----- membership ------------------------------------------------------------------
-    def register_follower(self, entry: FollowerEntry) -> None:
-        """Add (or replace) follower ``entry.index``. Raises ValueError on overlapping layers."""
+    def _resume(self, path: Path) -> None:
+        state = leader_step.load_state(path)
+        if state is None:
+            return
+        self.version, self.rounds = state["version"], state["rounds"]
+        self.counts.update(state["counts"])
+        self.counts["restarts"] += 1
+        self.penalty = PenaltyState.from_dict(state["penalty"])
+        self._version_stats = {int(v): (int(x[0]), int(x[1]))
+                               for v, x in state.get("version_stats", {}).items()}
+        # Members get a few extra intervals to find the restarted leader before removal.
+        grace = self._clock() + 2 * self.cfg.missed_heartbeats * self.cfg.heartbeat_interval_s
+        self.clusters = {c: ClusterEntry(c, stages, last_seen=grace)
+                         for c, stages in state["clusters"].items()}
+        if self.ledger is not None and state.get("ledger"):
+            self.ledger = ChunkLedger.from_dict(state["ledger"])
+            self.ledger.pending.clear()  # pushes in flight at the crash are lost
+        self.event("leader_resumed", version=self.version, rounds=self.rounds)
+
+    def checkpoint(self) -> None:
+        """Write ``leader.json`` (metadata only; a few KB) atomically."""
+        if self._run_dir is None:
+            return
         with self._cond:
-            for f in self.followers.values():
-                if f.index != entry.index and set(f.layers) & set(entry.layers):
-                    raise ValueError(f"follower {entry.index}: layers "
-                                     f"{sorted(set(f.layers) & set(entry.layers))} already owned "
-                                     f"by follower {f.index}")
-            entry.control = self._connect(entry)
-            self.followers[entry.index] = entry
-            self._layer_owner = {l: f.index for f in self.followers.values() for l in f.layers}
-            self._cond.notify_all()
+            state = {"version": self.version, "rounds": self.rounds, "counts": dict(self.counts),
+                     "penalty": self.penalty.to_dict(),
+                     "clusters": {c.cluster_id: c.stages for c in self.clusters.values()},
+                     "ledger": self.ledger.to_dict() if self.ledger else None,
+                     "version_stats": {str(v): list(x) for v, x in self._version_stats.items()}}
+        leader_step.save_state(self._run_dir / "leader.json", state)
 
-    def join_cluster(self, cluster_id: str, stages: list[list[str]]) -> tuple[int, list[FollowerEntry]]:
-        """Admit a cluster whose stage workers own ``stages`` (layer keys).
-
-        Returns the current version and the followers to pull from. Raises ValueError if the
-        stages do not cover every layer of the model exactly once, or the id is empty.
-        """
-        if not cluster_id:
-            raise ValueError("join field 'cluster_id' is empty")
-        with self._cond:
-            flat = [l for s in stages for l in s]
-            if sorted(flat) != sorted(self._layer_owner) or len(flat) != len(set(flat)):
-                raise ValueError(f"cluster {cluster_id!r}: stage layers {flat} do not cover the "
-                                 f"model's layers {sorted(self._layer_owner)} exactly once")
-            entry = self.clusters.get(cluster_id) or ClusterEntry(cluster_id, stages)
-            entry.stages = stages
-            entry.last_seen = self._clock()
-            self.clusters[cluster_id] = entry
-            return self.version, list(self.followers.values())
-
-    def heartbeat(self, cluster_id: str, inner_step: int, tokens: int, loss: float) -> int:
-        """Record a cluster's progress (metadata); returns the current version."""
-        with self._cond:
-            c = self._cluster(cluster_id)
-            c.inner_step, c.tokens, c.last_loss, c.last_seen = inner_step, tokens, loss, self._clock()
-            return self.version
-
-    def leave(self, cluster_id: str) -> None:
-        """Remove a cluster. A push it has in the current round counts as failed (if not yet
-        delivered) and the round stops waiting for its pull; a queued request is dropped."""
-        with self._cond:
-            self.clusters.pop(cluster_id, None)
-            self._queue = [p for p in self._queue if p.cluster_id != cluster_id]
-            push = self._round.pushes.get(cluster_id) if self._round else None
-            if push is not None:
-                if not push.done:
-                    push.done, push.ok, push.error = True, False, "cluster left"
-                push.pulled = True
-            self._cond.notify_all()
-
-    def _cluster(self, cluster_id: str) -> ClusterEntry:
-        if cluster_id not in self.clusters:
-            raise PreconditionError(f"cluster {cluster_id!r} has not joined")
-        return self.clusters[cluster_id]
+    def event(self, kind: str, **extra: Any) -> None:
+        """Append a timestamped event to ``leader_events.jsonl`` (and the log)."""
+        log.info("%s %s", kind, extra)
+        if self._run_dir is not None:
+            with open(self._run_dir / "leader_events.jsonl", "a") as f:
+                f.write(json.dumps({"time": time.time(), "event": kind, **extra}) + "\n")
 
     # ----- push / pull (called by cluster stage workers' client) ------------------------
-    def request_push(self, cluster_id: str, base_version: int, tokens: int,
-                     timeout_s: float) -> tuple[Push, int, int, list[list[tuple[int, str, int]]]]:
+    def request_push(self, cluster_id: str, base_version: int, tokens: int, timeout_s: float,
+                     progress: dict[int, int] | None = None
+                     ) -> tuple[Push, int, int, list[list[tuple[int, str, int]]]]:
         """Block until admitted into a grace window; returns (push, round, version, schedule).
 
-        The schedule is a list of steps of (stage, layer, follower). Raises ValueError on
-        tokens <= 0 or a base version from the future, TimeoutError if not admitted in time.
+        ``progress`` (chunk → window position reached) is recorded in the ledger. Raises
+        ValueError on tokens <= 0, a negative base version or a progress report the ledger
+        refuses; UnavailableError while followers are down or unreconciled; TimeoutError if
+        not admitted in time.
         """
         if tokens <= 0:
             raise ValueError(f"push field 'tokens' = {tokens} must be > 0")
+        if base_version < 0:
+            raise ValueError(f"push field 'base_version' = {base_version} must be >= 0")
         with self._cond:
-            cluster = self._cluster(cluster_id)
-            if base_version > self.version or base_version < 0:
-                raise ValueError(f"push field 'base_version' = {base_version}; leader is at "
-                                 f"version {self.version}")
+            cluster = self._member(cluster_id)
+            if not self.ready:
+                raise UnavailableError("followers not ready (down, missing or reconciling)")
             if any(p.cluster_id == cluster_id for p in self._queue) or (
                     self._round and cluster_id in self._round.pushes):
                 raise PreconditionError(f"cluster {cluster_id!r} already has a push in flight")
+            if self.ledger is not None:
+                self.ledger.report(cluster_id, progress or {})
             push = Push(cluster_id, secrets.token_hex(8), base_version, tokens)
+            with contextlib.suppress(ValueError):  # λ of §7 (a clock that steps back is ignored)
+                self._window.observe_request(self._clock())
             self._queue.append(push)
             self._cond.notify_all()
             deadline = self._clock() + timeout_s
             while not (self._round and self._round.pushes.get(cluster_id) is push):
                 left = deadline - self._clock()
-                if left <= 0 or self._stop.is_set():
+                if left <= 0 or self._stop.is_set() or push not in self._queue:
                     if push in self._queue:
                         self._queue.remove(push)
                     raise TimeoutError(f"cluster {cluster_id!r}: push not admitted in {timeout_s} s")
@@ -258,8 +191,9 @@ class Leader:
                   timeout_s: float) -> dict[str, Any]:
         """Report a push delivered (or failed); block until the round is decided.
 
-        Returns the verdict: accepted, score, threshold, version to pull, round, clip factor.
-        Raises PreconditionError for an unknown push id, TimeoutError if undecided in time.
+        Returns the verdict: accepted, score, threshold, version to pull, round, clip factor,
+        ledger holdings. Raises PreconditionError for an unknown push id, TimeoutError if
+        undecided in time.
         """
         with self._cond:
             rnd = self._round
@@ -278,9 +212,11 @@ class Leader:
             return push.verdict
 
     def pull_done(self, cluster_id: str, version: int) -> None:
+        """A cluster of the round pulled ``version`` (-1: it gave up; do not wait for it)."""
         with self._cond:
-            c = self._cluster(cluster_id)
-            c.pulled_version = version
+            c = self._member(cluster_id)
+            if version >= 0:
+                c.pulled_version = version
             if self._round and cluster_id in self._round.pushes:
                 self._round.pushes[cluster_id].pulled = True
             self._cond.notify_all()
@@ -289,129 +225,168 @@ class Leader:
     def _loop(self) -> None:
         while not self._stop.is_set():
             with self._cond:
-                if not self._queue:
+                reconcile = self.needs_reconcile and len(self.followers) == self.cfg.followers \
+                    and all(f.up for f in self.followers.values())
+                if not reconcile and not (self._queue and self.ready):
                     self._cond.wait(0.5)
                     continue
-                now = self._clock()
-                self.rounds += 1
-                rnd = Round(self.rounds, now, self._window.close_time(now))
-                self._round = rnd
-                self.phase = "window"
-                while True:
-                    for push in self._queue:
-                        rnd.pushes[push.cluster_id] = push
-                    self._queue.clear()
-                    self._cond.notify_all()
-                    left = rnd.closes_at - self._clock()
-                    if left <= 0 or self._stop.is_set():
-                        break
-                    self._cond.wait(left)
-                self.phase = "push"
-                push_deadline = self._clock() + self.cfg.push_timeout_s
-                while not all(p.done for p in rnd.pushes.values()):
-                    left = push_deadline - self._clock()
-                    if left <= 0 or self._stop.is_set():
-                        break
-                    self._cond.wait(min(left, 0.5))
-                self.phase = "update"
-                push_s = self._clock() - rnd.closes_at
-            try:
-                record = self._outer_step(rnd)
-            except Exception as exc:  # a failed step changes nothing at the leader
-                log.exception("round %d failed", rnd.number)
-                record = {"round": rnd.number, "error": str(exc), "version": self.version}
-                for p in rnd.pushes.values():
-                    p.verdict = p.verdict or {"accepted": False, "version": self.version,
-                                              "round": rnd.number, "reason": f"round failed: {exc}"}
-            update_s = self._clock() - rnd.closes_at - push_s
-            with self._cond:
-                self.phase = "pull"
-                self._cond.notify_all()
-                pull_deadline = self._clock() + self.cfg.pull_timeout_s
-                while not all(p.pulled or not p.done for p in rnd.pushes.values()):
-                    left = pull_deadline - self._clock()
-                    if left <= 0 or self._stop.is_set():
-                        break
-                    self._cond.wait(min(left, 0.5))
-                pull_s = self._clock() - rnd.closes_at - push_s - update_s
-                self._round = None
-                self.phase = "idle"
-                self._cond.notify_all()
-            record.update(window_s=round(rnd.closes_at - rnd.opened_at, 4), push_s=round(push_s, 4),
-                          update_s=round(update_s, 4), pull_s=round(pull_s, 4), time=time.time())
-            self._write(record)
+            if reconcile:
+                self._reconcile()
+                continue
+            self._round_once()
 
-    def _outer_step(self, rnd: Round) -> dict[str, Any]:
-        """Score, decide, aggregate, clip and apply one round. Runs without the lock held."""
-        pushes = rnd.pushes
-        delivered = sorted(c for c, p in pushes.items() if p.done and p.ok)
-        invalid: dict[str, str] = {c: (p.error or "push not delivered in time")
-                                   for c, p in pushes.items() if c not in delivered}
-        followers = [self.followers[i] for i in sorted(self.followers)]
-        norms = {c: 0.0 for c in delivered}
-        for f in followers:
-            for c, valid, sq, err in f.control.score(rnd.number, delivered):
-                if not valid:
-                    invalid.setdefault(c, f"follower {f.index}: {err}")
-                norms[c] += sq
-        scored = {c: g for c, g in norms.items() if c not in invalid}
-        accepted: list[str] = []
-        scores: dict[str, float | None] = {}
-        threshold = None
-        if scored:
-            verdict, self.penalty = decide(self.penalty, scored, self.cfg.penalty)
-            accepted, scores, threshold = verdict.accepted, dict(verdict.scores), verdict.threshold
-        tokens = {c: pushes[c].tokens for c in accepted}
-        weights: dict[str, float] = {}
-        clip, sq_norm, checksums = None, None, {}
-        if accepted:
-            weights = token_weights(tokens, accepted, uniform=self.cfg.uniform_weights)
-            w = [weights[c] for c in accepted]
-            sq_norm = sum(f.control.aggregate(rnd.number, accepted, w) for f in followers)
-            clip = clip_factor(sq_norm, self.cfg.max_norm if self.cfg.max_norm else float("inf"))
-            new_version = self.version + 1
-            for f in followers:
-                version, checksums[f.index] = f.control.apply(rnd.number, clip, new_version,
-                                                              accepted, w)
+    def _reconcile(self) -> None:
+        try:
+            target, lost = leader_step.reconcile(self)
+        except Exception as exc:
+            self.event("reconcile_failed", error=str(exc))
+            self._stop.wait(1.0)
+            return
+        with self._cond:
+            changed = target != self.version or lost
+            self.version = target
+            windows_lost = 0
+            if lost:
+                # The lost outer steps' updates and data no longer count: the ledger hands
+                # their windows out again (§12; nothing lost, nothing counted twice).
+                for v in [v for v in self._version_stats if v > target]:
+                    n, tokens = self._version_stats.pop(v)
+                    self.counts["updates_accepted"] -= n
+                    self.counts["updates_lost"] = self.counts.get("updates_lost", 0) + n
+                    self.counts["tokens_accepted"] -= tokens
+                    self.counts["outer_steps"] -= 1
+                if self.ledger is not None:
+                    windows_lost = self.ledger.rollback(target)
+            self.counts["outer_steps_lost"] += lost
+            self.needs_reconcile = False
+            self._cond.notify_all()
+        self.event("reconciled", version=target, lost=lost, changed=bool(changed),
+                   windows_lost=windows_lost)
+        if lost:
+            self._write({"event": "rollback", "version": target, "lost": lost, "time": time.time()})
+        self.checkpoint()
+
+    def decide(self, rnd: Round, new_version: int, accepted: list[str]) -> None:
+        """Record a decided outer step (every follower prepared it) durably, before commits:
+        version, counts and the ledger's accepted windows, then ``leader.json``."""
+        with self._cond:
             self.version = new_version
-        else:
-            for f in followers:
-                f.control.discard(rnd.number)
+            tokens = sum(rnd.pushes[c].tokens for c in accepted)
+            self.counts["updates_accepted"] += len(accepted)
+            self.counts["tokens_accepted"] += tokens
+            self.counts["outer_steps"] += 1
+            self._version_stats[new_version] = (len(accepted), tokens)
+            for v in sorted(self._version_stats)[:-64]:
+                del self._version_stats[v]
+            if self.ledger is not None:
+                for c in accepted:
+                    if c in self.clusters:
+                        self.ledger.resolve(c, True, new_version)
+        self.checkpoint()
+
+    def commit_failed(self, failed: list[int]) -> None:
+        """Some follower did not commit: reconcile before the next round."""
+        with self._cond:
+            self.needs_reconcile = True
+            for i in failed:
+                self.followers[i].up = False
+
+    def _round_once(self) -> None:
+        with self._cond:
+            now = self._clock()
+            self.rounds += 1
+            rnd = Round(self.rounds, now, self._window.close_time(now))
+            self._round = rnd
+            self.phase = "window"
+            while True:
+                for push in self._queue:
+                    rnd.pushes[push.cluster_id] = push
+                self._queue.clear()
+                self._cond.notify_all()
+                left = rnd.closes_at - self._clock()
+                if left <= 0 or self._stop.is_set():
+                    break
+                self._cond.wait(left)
+            self.phase = "push"
+            failpoints.hit("push")
+            push_deadline = self._clock() + self.cfg.push_timeout_s
+            while not all(p.done for p in rnd.pushes.values()):
+                left = push_deadline - self._clock()
+                if left <= 0 or self._stop.is_set():
+                    break
+                self._cond.wait(min(left, 0.5))
+            self.phase = "update"
+            push_s = self._clock() - rnd.closes_at
+        try:
+            record = leader_step.outer_step(self, rnd)
+        except Exception as exc:  # nothing was applied anywhere
+            log.exception("round %d failed", rnd.number)
+            record = {"round": rnd.number, "error": str(exc), "version": self.version,
+                      "clusters": sorted(rnd.pushes), "accepted": []}
+            with self._cond:
+                self.needs_reconcile = True
+        update_s = self._clock() - rnd.closes_at - push_s
+        self._settle(rnd, record)
+        failpoints.hit("pull")
+        with self._cond:
+            self.phase = "pull"
+            self._cond.notify_all()
+            pull_deadline = self._clock() + self.cfg.pull_timeout_s
+            while not all(p.pulled or not p.ok for p in rnd.pushes.values()):
+                left = pull_deadline - self._clock()
+                if left <= 0 or self._stop.is_set() or self.needs_reconcile:
+                    break  # a follower is down: pulls cannot complete until it is back
+                self._cond.wait(min(left, 0.5))
+            pull_s = self._clock() - rnd.closes_at - push_s - update_s
+            self._round = None
+            self.phase = "idle"
+            self._cond.notify_all()
+        with self._cond:  # C_m of §7: what a request that missed this window waited for
+            self._window.observe_round(max(update_s, 0.0), max(pull_s, 0.0))
+            grace = self._window.stats()
+        record.update(window_s=round(rnd.closes_at - rnd.opened_at, 4), push_s=round(push_s, 4),
+                      update_s=round(update_s, 4), pull_s=round(pull_s, 4), grace=grace,
+                      time=time.time())
+        self._write(record)
+        self.checkpoint()
+
+    def _settle(self, rnd: Round, record: dict[str, Any]) -> None:
+        """Counts, ledger and verdicts of a finished update phase; wakes the round's clusters."""
+        accepted = set(record.get("accepted", []))
+        pushes = rnd.pushes
         with self._cond:
             self.counts["updates_pushed"] += len(pushes)
-            self.counts["updates_accepted"] += len(accepted)
             self.counts["updates_rejected"] += len(pushes) - len(accepted)
             self.counts["tokens_pushed"] += sum(p.tokens for p in pushes.values())
-            self.counts["tokens_accepted"] += sum(tokens.values())
-            self.counts["outer_steps"] += 1 if accepted else 0
+            invalid = record.get("invalid", {})
             for c, p in pushes.items():
                 ok = c in accepted
-                reason = "accepted" if ok else invalid.get(c, "penalty: score above threshold")
-                p.verdict = {"accepted": ok, "score": scores.get(c), "threshold": threshold,
-                             "version": self.version, "round": rnd.number,
-                             "clip_factor": clip or 0.0, "reason": reason}
+                holdings = []
+                if self.ledger is not None and c in self.clusters:
+                    if not ok:  # accepted ones were resolved when the step was decided
+                        self.ledger.resolve(c, False)
+                    holdings = self.ledger.holdings(c)
+                reason = "accepted" if ok else invalid.get(c, record.get("error") or
+                                                           "penalty: score above threshold")
+                p.verdict = {"accepted": ok, "score": record.get("scores", {}).get(c),
+                             "threshold": record.get("threshold"), "version": self.version,
+                             "round": rnd.number, "clip_factor": record.get("clip_factor") or 0.0,
+                             "reason": reason, "holdings": holdings}
                 if c in self.clusters:
                     self.clusters[c].last_push = "accepted" if ok else "rejected"
             self._cond.notify_all()
-        return {"round": rnd.number, "version": self.version, "clusters": sorted(pushes),
-                "accepted": accepted,
-                "rejected": {c: {"score": scores.get(c), "reason": invalid.get(c, "penalty")}
-                             for c in sorted(pushes) if c not in accepted},
-                "scores": scores, "threshold": threshold,
-                "sq_norms": {c: norms.get(c) for c in sorted(pushes)},
-                "tokens": {c: p.tokens for c, p in pushes.items()},
-                "base_versions": {c: p.base_version for c, p in pushes.items()},
-                "weights": weights, "delta_sq_norm": sq_norm, "clip_factor": clip,
-                "checksums": checksums}
 
     def _write(self, record: dict[str, Any]) -> None:
-        if self._log_path:
-            with open(self._log_path, "a") as f:
+        if self._run_dir is not None:
+            with open(self._run_dir / "outer_steps.jsonl", "a") as f:
                 f.write(json.dumps(record) + "\n")
 
     # ----- status ----------------------------------------------------------------------
     def status(self) -> dict[str, Any]:
         with self._cond:
+            led = self.ledger.summary() if self.ledger else {"epoch": 0, "accepted_windows": 0}
             return {"version": self.version, "rounds": self.rounds, "phase": self.phase,
                     **self.counts, "clusters": [vars(c).copy() for c in self.clusters.values()],
-                    "followers": list(self.followers.values())}
+                    "followers": list(self.followers.values()),
+                    "followers_ready": sum(f.up for f in self.followers.values()),
+                    "accepted_windows": led["accepted_windows"], "ledger_epoch": led["epoch"]}

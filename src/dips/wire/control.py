@@ -26,6 +26,10 @@ class PreconditionError(RuntimeError):
     """The request is well formed but not valid in the current state (e.g. unknown cluster)."""
 
 
+class UnavailableError(RuntimeError):
+    """The service cannot serve the request right now (e.g. followers down); retry later."""
+
+
 class _AuthInterceptor(grpc.ServerInterceptor):
     def __init__(self, token: str) -> None:
         self._token = token.encode()
@@ -64,7 +68,8 @@ def grpc_errors(method: Callable) -> Callable:
     """Decorate a servicer method: map domain errors to gRPC status codes.
 
     ``ValueError`` -> INVALID_ARGUMENT, ``PreconditionError``/``KeyError`` ->
-    FAILED_PRECONDITION, ``TimeoutError`` -> DEADLINE_EXCEEDED, anything else -> INTERNAL.
+    FAILED_PRECONDITION, ``UnavailableError`` -> UNAVAILABLE, ``TimeoutError`` ->
+    DEADLINE_EXCEEDED, anything else -> INTERNAL.
     """
 
     @functools.wraps(method)
@@ -75,6 +80,8 @@ def grpc_errors(method: Callable) -> Callable:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except (PreconditionError, KeyError) as exc:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        except UnavailableError as exc:
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         except TimeoutError as exc:
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(exc))
         except Exception as exc:
@@ -96,7 +103,11 @@ class Client:
         self.timeout_s = timeout_s
         self._channel = grpc.insecure_channel(
             target, options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                             ("grpc.enable_http_proxy", 0)])
+                             ("grpc.enable_http_proxy", 0),
+                             # Find a restarted leader within about a second (§12).
+                             ("grpc.initial_reconnect_backoff_ms", 100),
+                             ("grpc.min_reconnect_backoff_ms", 100),
+                             ("grpc.max_reconnect_backoff_ms", 1000)])
         self._stub = stub_cls(self._channel)
         self._meta = ((TOKEN_KEY, token),)
 

@@ -1,148 +1,350 @@
-"""ZeroMQ data plane: stage workers <-> followers (§5, §10 of the seed).
+"""ZeroMQ data plane: stage workers <-> followers (§5, §10, §12 of the seed).
 
-Followers bind a ROUTER socket and answer each request with exactly one reply; a stage
-worker holds one REQ socket per follower. Messages are the authenticated frames of
-:mod:`dips.wire.frames` (raw tensor bytes + a JSON header; never pickle). Every blocking
-call has a timeout: a REQ socket whose reply did not arrive in time is closed and recreated,
-so a lost message never wedges the worker.
+A follower binds one ROUTER socket served by three threads, so bulk data never waits behind
+itself and never holds a lock that control calls (gRPC, another socket and thread pool) or
+checkpoint writes need:
+
+* ``data-io`` owns the socket: it receives each chunk straight into a preallocated buffer of a
+  :class:`~dips.wire.pool.ChunkRing` (``recv_into``; it blocks when the ring is exhausted, so
+  a fast sender meets back-pressure, not an unbounded queue) and forwards outgoing messages
+  that the other two threads post on an in-process socket (zero-copy).
+* ``data-consumer`` verifies each chunk of a push (:class:`~dips.wire.stream.StreamReader`) and
+  hands it to the role's sink (the follower forms Δ from it) while later chunks still arrive;
+  it also serves single-message requests (the ``handler``).
+* ``data-producer`` serves pull streams: it asks the role for each tensor in turn (the
+  follower converts the next layer to BF16 while libzmq sends the current one) and queues its
+  chunks without copying them.
+
+A :class:`DataClient` (one DEALER socket, one operation at a time) sends single messages
+(:meth:`~DataClient.request`, the codec of :mod:`dips.wire.frames`), pushes streams
+(:meth:`~DataClient.push`) and receives pull streams straight into caller-provided tensors
+(:meth:`~DataClient.pull`). Every blocking call has a timeout; after any failure the client's
+socket is closed and recreated, so no stale message is ever read as a reply.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import queue
 import threading
-from typing import Any, Callable, Sequence
+import time
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
 import zmq
 
+from dips.wire.dataclient import MSG, PULL, DataClient, DataPlaneError, xfer_id as _xfer_id
 from dips.wire.frames import FrameError, Message, decode, encode
+from dips.wire.pool import ChunkRing
+from dips.wire.stream import (BEGIN, CHUNK, END, MAX_CHUNK_BYTES, StreamReader, StreamWriter,
+                              TensorSpec, check_chunk_bytes)
 
 log = logging.getLogger(__name__)
 
 Handler = Callable[[Message], tuple[dict[str, Any], Sequence[tuple[str, torch.Tensor]]]]
 
 
-class DataPlaneError(RuntimeError):
-    """The peer answered a data-plane request with an error (its text is the message)."""
+class PushSink(Protocol):
+    """Where the chunks of one pushed transfer go (called from the consumer thread)."""
+
+    def write(self, index: int, offset: int, data: memoryview) -> None: ...
+    def commit(self) -> dict[str, Any]: ...
+    def abort(self, reason: str) -> None: ...
+
+
+class PullSource(Protocol):
+    """What one pull stream sends: ``header``, ``specs``, then ``tensor(i)`` for each spec;
+    ``finish()`` raises ValueError if what was sent is no longer valid (then no END is sent)."""
+
+    header: dict[str, Any]
+    specs: list[TensorSpec]
+
+    def tensor(self, index: int) -> torch.Tensor: ...
+    def finish(self) -> None: ...
+
+
+class StreamHandler(Protocol):
+    def open_push(self, header: dict[str, Any], specs: list[TensorSpec]) -> PushSink: ...
+    def open_pull(self, header: dict[str, Any]) -> PullSource: ...
+
+
+def _streams_of(handler: Any) -> StreamHandler | None:
+    owner = getattr(handler, "__self__", None)
+    if owner is not None and hasattr(owner, "open_push") and hasattr(owner, "open_pull"):
+        return owner
+    return None
+
+
+def _error(key: bytes, ident: bytes, exc: BaseException, xfer: bytes | None = None) -> list:
+    head = {"op": "error", "error": str(exc)}
+    if xfer is not None:
+        head["xfer"] = xfer.hex()
+    return [ident, MSG, *encode(key, head)]
+
+
+class _Xfer:
+    def __init__(self, reader: StreamReader, sink: PushSink) -> None:
+        self.reader, self.sink, self.failed, self.seen = reader, sink, False, time.monotonic()
 
 
 class DataServer:
-    """A ROUTER socket served by one thread; each request gets one reply from ``handler``.
+    """A ROUTER socket served by three threads (see the module docstring).
 
     Args:
         key: run secret used to authenticate every frame.
-        handler: ``Message -> (reply header, reply tensors)``; a raised ``ValueError``
-            (including :class:`FrameError`) becomes an ``{"op": "error"}`` reply naming it.
-        host: interface to bind (127.0.0.1 for local runs).
-        port: TCP port, 0 picks a free one (see :attr:`endpoint`).
+        handler: ``Message -> (reply header, reply tensors)`` for single-message requests; a
+            raised ``ValueError``/``KeyError`` (including :class:`FrameError`) becomes an
+            ``{"op": "error"}`` reply naming it.
+        host, port: where to bind (port 0 picks a free one, see :attr:`endpoint`).
         poll_s: seconds between checks of the stop flag.
+        streams: serves push/pull streams; default: the object ``handler`` is a bound method
+            of, if it has ``open_push`` and ``open_pull`` (e.g. a FollowerShard).
+        ring_chunks: receive buffers of :data:`~dips.wire.stream.MAX_CHUNK_BYTES` each.
+        stale_s: a push stream idle this long is aborted (its sender died).
     """
 
     def __init__(self, key: bytes, handler: Handler, host: str = "127.0.0.1", port: int = 0,
-                 poll_s: float = 0.1) -> None:
+                 poll_s: float = 0.1, *, streams: StreamHandler | None = None,
+                 ring_chunks: int = 8, stale_s: float = 120.0) -> None:
         self._key = key
         self._handler = handler
-        self._poll_ms = int(poll_s * 1000)
+        self._streams = streams or _streams_of(handler)
+        self._poll_s = poll_s
+        self._stale_s = stale_s
         self._ctx = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.RCVHWM, 32)
+        self._sock.setsockopt(zmq.SNDHWM, 0)  # outgoing chunks are zero-copy references
+        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         if port:
             self._sock.bind(f"tcp://{host}:{port}")
         else:
             port = self._sock.bind_to_random_port(f"tcp://{host}")
         self.endpoint = f"tcp://{host}:{port}"
+        self._outbox_addr = f"inproc://dips-outbox-{os.getpid()}-{id(self)}"
+        self._outbox = self._ctx.socket(zmq.PULL)
+        self._outbox.setsockopt(zmq.LINGER, 0)
+        self._outbox.bind(self._outbox_addr)
+        self._ring = ChunkRing(ring_chunks, MAX_CHUNK_BYTES)
+        self._inq: queue.Queue[tuple] = queue.Queue()
+        self._pullq: queue.Queue[tuple] = queue.Queue()
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._serve, name="data-server", daemon=True)
+        self._threads = [threading.Thread(target=f, name=n, daemon=True) for f, n in
+                         ((self._serve, "data-io"), (self._consume, "data-consumer"),
+                          (self._produce, "data-producer"))]
 
     def start(self) -> "DataServer":
-        self._thread.start()
+        for t in self._threads:
+            t.start()
         return self
 
     def stop(self, timeout_s: float = 5.0) -> None:
         self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout_s)
+        for t in self._threads:
+            if t.is_alive():
+                t.join(timeout_s)
         self._sock.close(0)
+        self._outbox.close(0)
 
+    # ----- data-io -------------------------------------------------------------------
     def _serve(self) -> None:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._outbox, zmq.POLLIN)
         while not self._stop.is_set():
-            if not poller.poll(self._poll_ms):
-                continue
-            frames = self._sock.recv_multipart(copy=False)
-            # REQ peers prefix [identity, empty delimiter].
-            if len(frames) < 2:
-                continue
-            envelope, body = frames[:2], [f.buffer for f in frames[2:]]
+            events = dict(poller.poll(int(self._poll_s * 1000)))
+            if self._outbox in events:
+                self._forward()
+            if self._sock in events:
+                self._receive()
+
+    def _forward(self) -> None:
+        for _ in range(256):
             try:
-                msg = decode(self._key, body)
-                header, tensors = self._handler(msg)
-            except (ValueError, KeyError) as exc:
-                log.warning("data-plane request refused: %s", exc)
-                header, tensors = {"op": "error", "error": str(exc)}, ()
-            except Exception as exc:  # keep serving other peers; report the failure
-                log.exception("data-plane handler failed")
-                header, tensors = {"op": "error", "error": f"internal: {exc}"}, ()
-            reply = encode(self._key, header, tensors)
-            self._sock.send_multipart([f.bytes for f in envelope] + reply, copy=False)
+                frames = self._outbox.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            try:
+                self._sock.send_multipart(frames, copy=False)
+            except zmq.ZMQError as exc:  # the peer is gone (EHOSTUNREACH): drop its reply
+                log.debug("data-plane reply dropped: %s", exc)
 
+    def _more(self) -> bool:
+        return bool(self._sock.getsockopt(zmq.RCVMORE))
 
-class DataClient:
-    """A REQ socket to one follower's :class:`DataServer`.
+    def _drain(self) -> None:
+        while self._more():
+            self._sock.recv(copy=False)
 
-    Not thread-safe: each stage worker owns its own clients.
+    def _receive(self) -> None:
+        sock = self._sock
+        ident = sock.recv()
+        kind = sock.recv() if self._more() else b""
+        if kind == CHUNK:
+            meta = sock.recv() if self._more() else b""
+            tag = sock.recv() if self._more() else b""
+            buf = None
+            while buf is None and not self._stop.is_set():
+                buf = self._ring.get(self._poll_s)
+            if buf is None:
+                return
+            n = sock.recv_into(buf) if self._more() else -1
+            self._drain()
+            self._inq.put((ident, CHUNK, meta, tag, buf, n))
+            return
+        frames = []
+        while self._more():
+            frames.append(sock.recv(copy=False).buffer)
+        if kind in (MSG, BEGIN, END):
+            self._inq.put((ident, kind, frames))
+        elif kind == PULL:
+            self._pullq.put((ident, frames))
+        else:
+            log.warning("data-plane message of unknown kind %r dropped", kind[:8])
 
-    Args:
-        key: run secret.
-        endpoint: ``tcp://host:port`` of the follower.
-        timeout_s: seconds to wait for each reply before raising ``TimeoutError``.
-    """
-
-    def __init__(self, key: bytes, endpoint: str, timeout_s: float = 60.0) -> None:
-        self._key = key
-        self.endpoint = endpoint
-        self.timeout_s = timeout_s
-        self._ctx = zmq.Context.instance()
-        self._sock: zmq.Socket | None = None
-
-    def _socket(self) -> zmq.Socket:
-        if self._sock is None:
-            sock = self._ctx.socket(zmq.REQ)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.SNDTIMEO, int(self.timeout_s * 1000))
-            sock.setsockopt(zmq.RCVTIMEO, int(self.timeout_s * 1000))
-            sock.connect(self.endpoint)
-            self._sock = sock
-        return self._sock
-
-    def request(self, header: dict[str, Any],
-                tensors: Sequence[tuple[str, torch.Tensor]] = ()) -> Message:
-        """Send one request and return the verified reply.
-
-        Raises:
-            TimeoutError: no reply within ``timeout_s`` (the socket is reset).
-            DataPlaneError: the follower replied with an error.
-            FrameError: the reply failed verification.
-        """
-        sock = self._socket()
+    # ----- data-consumer -------------------------------------------------------------
+    def _consume(self) -> None:
+        out = self._ctx.socket(zmq.PUSH)
+        out.setsockopt(zmq.LINGER, 0)
+        out.connect(self._outbox_addr)
+        xfers: dict[tuple[bytes, bytes], _Xfer] = {}
         try:
-            sock.send_multipart(encode(self._key, header, tensors), copy=False)
-            frames = sock.recv_multipart(copy=False)
-        except zmq.Again:
-            self.close()
-            raise TimeoutError(f"no reply from {self.endpoint} within {self.timeout_s} s "
-                               f"(op {header.get('op')!r})") from None
-        msg = decode(self._key, [f.buffer for f in frames])
-        if msg.header.get("op") == "error":
-            raise DataPlaneError(f"{self.endpoint}: {msg.header.get('error')}")
-        return msg
+            while not self._stop.is_set():
+                try:
+                    item = self._inq.get(timeout=self._poll_s)
+                except queue.Empty:
+                    self._purge(xfers)
+                    continue
+                ident, kind = item[0], item[1]
+                if kind == CHUNK:
+                    self._chunk(out, xfers, *item)
+                elif kind == BEGIN:
+                    self._begin(out, xfers, ident, item[2])
+                elif kind == END:
+                    self._end(out, xfers, ident, item[2])
+                else:
+                    out.send_multipart(self._single(ident, item[2]), copy=False)
+        finally:
+            for x in xfers.values():
+                if not x.failed:
+                    x.sink.abort("data server stopped")
+            out.close(0)
 
-    def close(self) -> None:
-        if self._sock is not None:
-            self._sock.close(0)
-            self._sock = None
+    def _single(self, ident: bytes, frames: list) -> list:
+        try:
+            msg = decode(self._key, frames)
+            header, tensors = self._handler(msg)
+        except (ValueError, KeyError) as exc:
+            log.warning("data-plane request refused: %s", exc)
+            return _error(self._key, ident, exc)
+        except Exception as exc:  # keep serving other peers; report the failure
+            log.exception("data-plane handler failed")
+            return _error(self._key, ident, RuntimeError(f"internal: {exc}"))
+        return [ident, MSG, *encode(self._key, header, tensors)]
+
+    def _fail(self, out: zmq.Socket, ident: bytes, x: _Xfer, exc: BaseException) -> None:
+        log.warning("data-plane push refused: %s", exc)
+        x.failed = True
+        x.sink.abort(str(exc))
+        out.send_multipart(_error(self._key, ident, exc, x.reader.xfer), copy=False)
+
+    def _begin(self, out: zmq.Socket, xfers: dict, ident: bytes, frames: list) -> None:
+        reader = None
+        try:
+            if len(frames) != 2:
+                raise FrameError(f"begin message has {len(frames)} frames, expected 2")
+            if self._streams is None:
+                raise ValueError("this data server does not accept streams")
+            reader = StreamReader(self._key, bytes(frames[0]), bytes(frames[1]))
+            sink = self._streams.open_push(reader.header, reader.specs)
+        except (ValueError, KeyError) as exc:
+            log.warning("data-plane push refused: %s", exc)
+            out.send_multipart(_error(self._key, ident, exc, reader and reader.xfer), copy=False)
+            return
+        xfers[(ident, reader.xfer)] = _Xfer(reader, sink)
+
+    def _chunk(self, out: zmq.Socket, xfers: dict, ident: bytes, _kind: bytes, meta: bytes,
+               tag: bytes, buf: bytearray, n: int) -> None:
+        try:
+            x = xfers.get((ident, meta[:16]))
+            if x is None or x.failed:
+                return  # the rest of a refused or forgotten stream
+            x.seen = time.monotonic()
+            try:
+                if not 0 <= n <= len(buf):
+                    raise FrameError(f"chunk data is {n} bytes, the limit is {len(buf)}")
+                view = memoryview(buf)[:n]
+                index, offset = x.reader.verify(meta, tag, view)
+                x.sink.write(index, offset, view)
+            except (ValueError, KeyError) as exc:
+                self._fail(out, ident, x, exc)
+        finally:
+            self._ring.put(buf)
+
+    def _end(self, out: zmq.Socket, xfers: dict, ident: bytes, frames: list) -> None:
+        meta = bytes(frames[0]) if frames else b""
+        x = xfers.pop((ident, meta[:16]), None)
+        if x is None or x.failed:
+            return
+        try:
+            if len(frames) != 2:
+                raise FrameError(f"end message has {len(frames)} frames, expected 2")
+            x.reader.end(meta, bytes(frames[1]))
+            reply = x.sink.commit()
+        except (ValueError, KeyError) as exc:
+            self._fail(out, ident, x, exc)
+            return
+        out.send_multipart([ident, MSG, *encode(self._key, {**reply, "xfer": x.reader.xfer.hex()})],
+                           copy=False)
+
+    def _purge(self, xfers: dict) -> None:
+        now = time.monotonic()
+        for k in [k for k, x in xfers.items() if now - x.seen > self._stale_s]:
+            x = xfers.pop(k)
+            if not x.failed:
+                x.sink.abort(f"stream idle for more than {self._stale_s} s")
+
+    # ----- data-producer -------------------------------------------------------------
+    def _produce(self) -> None:
+        out = self._ctx.socket(zmq.PUSH)
+        out.setsockopt(zmq.LINGER, 0)
+        out.setsockopt(zmq.SNDHWM, 0)
+        out.connect(self._outbox_addr)
+        try:
+            while not self._stop.is_set():
+                try:
+                    ident, frames = self._pullq.get(timeout=self._poll_s)
+                except queue.Empty:
+                    continue
+                self._serve_pull(out, ident, frames)
+        finally:
+            out.close(0)
+
+    def _serve_pull(self, out: zmq.Socket, ident: bytes, frames: list) -> None:
+        xfer = None
+        try:
+            msg = decode(self._key, frames)
+            xfer = _xfer_id(msg.header.pop("xfer", None))
+            chunk = check_chunk_bytes(msg.header.pop("chunk", None))
+            if self._streams is None:
+                raise ValueError("this data server does not serve streams")
+            src = self._streams.open_pull(msg.header)
+            writer = StreamWriter(self._key, src.header, src.specs, chunk, xfer=xfer)
+            out.send_multipart([ident, *writer.begin()])
+            for i in range(len(src.specs)):
+                for parts in writer.chunks(i, src.tensor(i)):
+                    out.send_multipart([ident, *parts], copy=False)
+            src.finish()
+            out.send_multipart([ident, *writer.end()])
+        except (ValueError, KeyError) as exc:
+            log.warning("data-plane pull refused: %s", exc)
+            out.send_multipart(_error(self._key, ident, exc, xfer), copy=False)
+        except Exception as exc:
+            log.exception("data-plane pull failed")
+            out.send_multipart(_error(self._key, ident, RuntimeError(f"internal: {exc}"), xfer))
 
 
-__all__ = ["DataClient", "DataPlaneError", "DataServer", "FrameError"]
+__all__ = ["DataClient", "DataPlaneError", "DataServer", "FrameError", "PullSource", "PushSink",
+           "StreamHandler"]

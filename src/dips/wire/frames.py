@@ -55,7 +55,8 @@ def _mac(key: bytes, parts: Sequence[bytes | memoryview]) -> bytes:
     return mac.digest()
 
 
-def _tensor_bytes(t: torch.Tensor) -> memoryview:
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """Raw bytes of a CPU tensor as a flat memoryview (zero-copy if ``t`` is contiguous)."""
     # bf16 has no numpy dtype: view the storage as bytes without a copy.
     flat = t.detach().contiguous().reshape(-1)
     return memoryview(flat.view(torch.uint8).numpy())
@@ -86,7 +87,7 @@ def encode(key: bytes, header: dict[str, Any],
         if t.dtype not in DTYPE_NAMES:
             raise FrameError(f"tensor {name!r}: dtype {t.dtype} is not one of {sorted(DTYPES)}")
         meta.append({"name": name, "dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape)})
-        payloads.append(_tensor_bytes(t))
+        payloads.append(tensor_bytes(t))
     head = json.dumps({"v": PROTOCOL_VERSION, **header, "tensors": meta},
                       separators=(",", ":")).encode()
     return [head, _mac(key, [head, *payloads]), *payloads]

@@ -26,7 +26,7 @@ def _time_left(context: grpc.ServicerContext, default_s: float = 60.0) -> float:
 def follower_info(f: Any) -> pb.FollowerInfo:
     return pb.FollowerInfo(index=f.index, data_endpoint=f.data_endpoint,
                            control_endpoint=f.control_endpoint, layers=list(f.layers),
-                           layer_bytes=list(f.layer_bytes))
+                           layer_bytes=list(f.layer_bytes), incarnation=f.incarnation)
 
 
 class LeaderServicer(pbg.LeaderServicer):
@@ -55,8 +55,12 @@ class LeaderServicer(pbg.LeaderServicer):
 
     @grpc_errors
     def RequestPush(self, request: pb.PushRequest, context: Any) -> pb.PushGrant:
+        progress = {int(c.chunk): int(c.position) for c in request.progress}
+        if len(progress) != len(request.progress):
+            raise ValueError("push field 'progress' lists a chunk twice")
         push, rnd, version, schedule = self.leader.request_push(
-            request.cluster_id, request.base_version, request.tokens, _time_left(context))
+            request.cluster_id, request.base_version, request.tokens, _time_left(context),
+            progress)
         steps = [pb.Step(transfers=[pb.Transfer(stage=s, layer=l, follower=f) for s, l, f in step])
                  for step in schedule]
         return pb.PushGrant(push_id=push.push_id, round=rnd, server_version=version, schedule=steps)
@@ -70,7 +74,9 @@ class LeaderServicer(pbg.LeaderServicer):
                               score=score if score is not None else math.nan,
                               threshold=v.get("threshold") or math.nan, version=v["version"],
                               round=v["round"], clip_factor=v.get("clip_factor") or 0.0,
-                              reason=v.get("reason", ""))
+                              reason=v.get("reason", ""),
+                              holdings=[pb.ChunkPos(chunk=c, position=p)
+                                        for c, p in v.get("holdings", [])])
 
     @grpc_errors
     def PullDone(self, request: pb.PullDoneRequest, context: Any) -> pb.Ack:
@@ -79,9 +85,9 @@ class LeaderServicer(pbg.LeaderServicer):
 
     @grpc_errors
     def Heartbeat(self, request: pb.HeartbeatRequest, context: Any) -> pb.HeartbeatReply:
-        version = self.leader.heartbeat(request.cluster_id, request.inner_step, request.tokens,
-                                        request.last_loss)
-        return pb.HeartbeatReply(version=version)
+        version, known = self.leader.heartbeat(request.cluster_id, request.inner_step,
+                                               request.tokens, request.last_loss)
+        return pb.HeartbeatReply(version=version, known=known)
 
     @grpc_errors
     def LeaveCluster(self, request: pb.LeaveRequest, context: Any) -> pb.Ack:
@@ -101,7 +107,19 @@ class LeaderServicer(pbg.LeaderServicer):
                               updates_rejected=s["updates_rejected"],
                               tokens_pushed=s["tokens_pushed"], tokens_accepted=s["tokens_accepted"],
                               outer_steps=s["outer_steps"], phase=s["phase"], clusters=clusters,
-                              followers=[follower_info(f) for f in s["followers"]])
+                              followers=[follower_info(f) for f in s["followers"]],
+                              followers_ready=s["followers_ready"],
+                              accepted_windows=s["accepted_windows"],
+                              ledger_epoch=s["ledger_epoch"],
+                              outer_steps_lost=s["outer_steps_lost"])
+
+    @grpc_errors
+    def Lease(self, request: pb.LeaseRequest, context: Any) -> pb.LeaseReply:
+        if request.n < 0:
+            raise ValueError(f"lease field 'n' = {request.n} must be >= 0")
+        holdings, windows, epoch = self.leader.lease(request.cluster_id, request.n)
+        return pb.LeaseReply(holdings=[pb.ChunkPos(chunk=c, position=p) for c, p in holdings],
+                             windows_per_chunk=windows, epoch=epoch)
 
 
 class FollowerServicer(pbg.FollowerServicer):
@@ -129,6 +147,21 @@ class FollowerServicer(pbg.FollowerServicer):
         return pb.ApplyReply(version=version, checksum=checksum)
 
     @grpc_errors
+    def Commit(self, request: pb.CommitRequest, context: Any) -> pb.ApplyReply:
+        version, checksum = self.shard.commit(request.new_version)
+        return pb.ApplyReply(version=version, checksum=checksum)
+
+    @grpc_errors
+    def Abort(self, request: pb.DiscardRequest, context: Any) -> pb.Ack:
+        self.shard.abort(request.round)
+        return pb.Ack(ok=True)
+
+    @grpc_errors
+    def Restore(self, request: pb.RestoreRequest, context: Any) -> pb.ApplyReply:
+        version, checksum = self.shard.restore(request.version)
+        return pb.ApplyReply(version=version, checksum=checksum)
+
+    @grpc_errors
     def Discard(self, request: pb.DiscardRequest, context: Any) -> pb.Ack:
         self.shard.discard(request.round)
         return pb.Ack(ok=True)
@@ -136,7 +169,9 @@ class FollowerServicer(pbg.FollowerServicer):
     @grpc_errors
     def GetState(self, request: pb.FollowerStateRequest, context: Any) -> pb.FollowerState:
         index, version, checksum = self.shard.state()
-        return pb.FollowerState(index=index, version=version, checksum=checksum)
+        return pb.FollowerState(index=index, version=version, checksum=checksum,
+                                prepared_version=self.shard.prepared_version,
+                                checkpoints=self.shard.checkpoint_versions())
 
 
 class FollowerControlClient:
@@ -159,8 +194,23 @@ class FollowerControlClient:
                                           accepted=accepted, weights=weights))
         return r.version, r.checksum
 
+    def commit(self, new_version: int) -> tuple[int, str]:
+        r = self._c.Commit(pb.CommitRequest(new_version=new_version))
+        return r.version, r.checksum
+
+    def abort(self, rnd: int) -> None:
+        self._c.Abort(pb.DiscardRequest(round=rnd))
+
+    def restore(self, version: int) -> tuple[int, str]:
+        r = self._c.Restore(pb.RestoreRequest(version=version))
+        return r.version, r.checksum
+
     def discard(self, rnd: int) -> None:
         self._c.Discard(pb.DiscardRequest(round=rnd))
+
+    def report(self) -> tuple[int, int, list[int]]:
+        r = self._c.GetState(pb.FollowerStateRequest())
+        return r.version, r.prepared_version, list(r.checkpoints)
 
     def close(self) -> None:
         self._c.close()

@@ -15,20 +15,26 @@ class Ack(_message.Message):
     def __init__(self, ok: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
 
 class FollowerInfo(_message.Message):
-    __slots__ = ("index", "data_endpoint", "control_endpoint", "layers", "layer_bytes", "version")
+    __slots__ = ("index", "data_endpoint", "control_endpoint", "layers", "layer_bytes", "version", "prepared_version", "checkpoints", "incarnation")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     DATA_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     CONTROL_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     LAYERS_FIELD_NUMBER: _ClassVar[int]
     LAYER_BYTES_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    PREPARED_VERSION_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     index: int
     data_endpoint: str
     control_endpoint: str
     layers: _containers.RepeatedScalarFieldContainer[str]
     layer_bytes: _containers.RepeatedScalarFieldContainer[int]
     version: int
-    def __init__(self, index: _Optional[int] = ..., data_endpoint: _Optional[str] = ..., control_endpoint: _Optional[str] = ..., layers: _Optional[_Iterable[str]] = ..., layer_bytes: _Optional[_Iterable[int]] = ..., version: _Optional[int] = ...) -> None: ...
+    prepared_version: int
+    checkpoints: _containers.RepeatedScalarFieldContainer[int]
+    incarnation: int
+    def __init__(self, index: _Optional[int] = ..., data_endpoint: _Optional[str] = ..., control_endpoint: _Optional[str] = ..., layers: _Optional[_Iterable[str]] = ..., layer_bytes: _Optional[_Iterable[int]] = ..., version: _Optional[int] = ..., prepared_version: _Optional[int] = ..., checkpoints: _Optional[_Iterable[int]] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class StageLayers(_message.Message):
     __slots__ = ("layers",)
@@ -55,16 +61,44 @@ class JoinReply(_message.Message):
     def __init__(self, version: _Optional[int] = ..., followers: _Optional[_Iterable[_Union[FollowerInfo, _Mapping]]] = ..., heartbeat_interval_s: _Optional[float] = ...) -> None: ...
 
 class PushRequest(_message.Message):
-    __slots__ = ("cluster_id", "base_version", "tokens", "inner_steps")
+    __slots__ = ("cluster_id", "base_version", "tokens", "inner_steps", "progress")
     CLUSTER_ID_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     INNER_STEPS_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
     cluster_id: str
     base_version: int
     tokens: int
     inner_steps: int
-    def __init__(self, cluster_id: _Optional[str] = ..., base_version: _Optional[int] = ..., tokens: _Optional[int] = ..., inner_steps: _Optional[int] = ...) -> None: ...
+    progress: _containers.RepeatedCompositeFieldContainer[ChunkPos]
+    def __init__(self, cluster_id: _Optional[str] = ..., base_version: _Optional[int] = ..., tokens: _Optional[int] = ..., inner_steps: _Optional[int] = ..., progress: _Optional[_Iterable[_Union[ChunkPos, _Mapping]]] = ...) -> None: ...
+
+class ChunkPos(_message.Message):
+    __slots__ = ("chunk", "position")
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    chunk: int
+    position: int
+    def __init__(self, chunk: _Optional[int] = ..., position: _Optional[int] = ...) -> None: ...
+
+class LeaseRequest(_message.Message):
+    __slots__ = ("cluster_id", "n")
+    CLUSTER_ID_FIELD_NUMBER: _ClassVar[int]
+    N_FIELD_NUMBER: _ClassVar[int]
+    cluster_id: str
+    n: int
+    def __init__(self, cluster_id: _Optional[str] = ..., n: _Optional[int] = ...) -> None: ...
+
+class LeaseReply(_message.Message):
+    __slots__ = ("holdings", "windows_per_chunk", "epoch")
+    HOLDINGS_FIELD_NUMBER: _ClassVar[int]
+    WINDOWS_PER_CHUNK_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    holdings: _containers.RepeatedCompositeFieldContainer[ChunkPos]
+    windows_per_chunk: int
+    epoch: int
+    def __init__(self, holdings: _Optional[_Iterable[_Union[ChunkPos, _Mapping]]] = ..., windows_per_chunk: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class Transfer(_message.Message):
     __slots__ = ("stage", "layer", "follower")
@@ -107,7 +141,7 @@ class PushDoneRequest(_message.Message):
     def __init__(self, cluster_id: _Optional[str] = ..., push_id: _Optional[str] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
 
 class PushVerdict(_message.Message):
-    __slots__ = ("accepted", "has_score", "score", "threshold", "version", "round", "clip_factor", "reason")
+    __slots__ = ("accepted", "has_score", "score", "threshold", "version", "round", "clip_factor", "reason", "holdings")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     HAS_SCORE_FIELD_NUMBER: _ClassVar[int]
     SCORE_FIELD_NUMBER: _ClassVar[int]
@@ -116,6 +150,7 @@ class PushVerdict(_message.Message):
     ROUND_FIELD_NUMBER: _ClassVar[int]
     CLIP_FACTOR_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    HOLDINGS_FIELD_NUMBER: _ClassVar[int]
     accepted: bool
     has_score: bool
     score: float
@@ -124,7 +159,8 @@ class PushVerdict(_message.Message):
     round: int
     clip_factor: float
     reason: str
-    def __init__(self, accepted: _Optional[bool] = ..., has_score: _Optional[bool] = ..., score: _Optional[float] = ..., threshold: _Optional[float] = ..., version: _Optional[int] = ..., round: _Optional[int] = ..., clip_factor: _Optional[float] = ..., reason: _Optional[str] = ...) -> None: ...
+    holdings: _containers.RepeatedCompositeFieldContainer[ChunkPos]
+    def __init__(self, accepted: _Optional[bool] = ..., has_score: _Optional[bool] = ..., score: _Optional[float] = ..., threshold: _Optional[float] = ..., version: _Optional[int] = ..., round: _Optional[int] = ..., clip_factor: _Optional[float] = ..., reason: _Optional[str] = ..., holdings: _Optional[_Iterable[_Union[ChunkPos, _Mapping]]] = ...) -> None: ...
 
 class PullDoneRequest(_message.Message):
     __slots__ = ("cluster_id", "version")
@@ -147,12 +183,14 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, cluster_id: _Optional[str] = ..., inner_step: _Optional[int] = ..., tokens: _Optional[int] = ..., last_loss: _Optional[float] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
-    __slots__ = ("version", "stop")
+    __slots__ = ("version", "stop", "known")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
+    KNOWN_FIELD_NUMBER: _ClassVar[int]
     version: int
     stop: bool
-    def __init__(self, version: _Optional[int] = ..., stop: _Optional[bool] = ...) -> None: ...
+    known: bool
+    def __init__(self, version: _Optional[int] = ..., stop: _Optional[bool] = ..., known: _Optional[bool] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
     __slots__ = ("cluster_id",)
@@ -181,7 +219,7 @@ class ClusterStatus(_message.Message):
     def __init__(self, cluster_id: _Optional[str] = ..., inner_step: _Optional[int] = ..., tokens: _Optional[int] = ..., last_loss: _Optional[float] = ..., last_push: _Optional[str] = ..., pulled_version: _Optional[int] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("version", "rounds", "updates_pushed", "updates_accepted", "updates_rejected", "tokens_pushed", "tokens_accepted", "phase", "clusters", "followers", "outer_steps")
+    __slots__ = ("version", "rounds", "updates_pushed", "updates_accepted", "updates_rejected", "tokens_pushed", "tokens_accepted", "phase", "clusters", "followers", "outer_steps", "followers_ready", "accepted_windows", "ledger_epoch", "outer_steps_lost")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
     UPDATES_PUSHED_FIELD_NUMBER: _ClassVar[int]
@@ -193,6 +231,10 @@ class StatusReply(_message.Message):
     CLUSTERS_FIELD_NUMBER: _ClassVar[int]
     FOLLOWERS_FIELD_NUMBER: _ClassVar[int]
     OUTER_STEPS_FIELD_NUMBER: _ClassVar[int]
+    FOLLOWERS_READY_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_WINDOWS_FIELD_NUMBER: _ClassVar[int]
+    LEDGER_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    OUTER_STEPS_LOST_FIELD_NUMBER: _ClassVar[int]
     version: int
     rounds: int
     updates_pushed: int
@@ -204,7 +246,11 @@ class StatusReply(_message.Message):
     clusters: _containers.RepeatedCompositeFieldContainer[ClusterStatus]
     followers: _containers.RepeatedCompositeFieldContainer[FollowerInfo]
     outer_steps: int
-    def __init__(self, version: _Optional[int] = ..., rounds: _Optional[int] = ..., updates_pushed: _Optional[int] = ..., updates_accepted: _Optional[int] = ..., updates_rejected: _Optional[int] = ..., tokens_pushed: _Optional[int] = ..., tokens_accepted: _Optional[int] = ..., phase: _Optional[str] = ..., clusters: _Optional[_Iterable[_Union[ClusterStatus, _Mapping]]] = ..., followers: _Optional[_Iterable[_Union[FollowerInfo, _Mapping]]] = ..., outer_steps: _Optional[int] = ...) -> None: ...
+    followers_ready: int
+    accepted_windows: int
+    ledger_epoch: int
+    outer_steps_lost: int
+    def __init__(self, version: _Optional[int] = ..., rounds: _Optional[int] = ..., updates_pushed: _Optional[int] = ..., updates_accepted: _Optional[int] = ..., updates_rejected: _Optional[int] = ..., tokens_pushed: _Optional[int] = ..., tokens_accepted: _Optional[int] = ..., phase: _Optional[str] = ..., clusters: _Optional[_Iterable[_Union[ClusterStatus, _Mapping]]] = ..., followers: _Optional[_Iterable[_Union[FollowerInfo, _Mapping]]] = ..., outer_steps: _Optional[int] = ..., followers_ready: _Optional[int] = ..., accepted_windows: _Optional[int] = ..., ledger_epoch: _Optional[int] = ..., outer_steps_lost: _Optional[int] = ...) -> None: ...
 
 class ScoreRequest(_message.Message):
     __slots__ = ("round", "cluster_ids")
@@ -272,6 +318,18 @@ class ApplyReply(_message.Message):
     checksum: str
     def __init__(self, version: _Optional[int] = ..., checksum: _Optional[str] = ...) -> None: ...
 
+class CommitRequest(_message.Message):
+    __slots__ = ("new_version",)
+    NEW_VERSION_FIELD_NUMBER: _ClassVar[int]
+    new_version: int
+    def __init__(self, new_version: _Optional[int] = ...) -> None: ...
+
+class RestoreRequest(_message.Message):
+    __slots__ = ("version",)
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    def __init__(self, version: _Optional[int] = ...) -> None: ...
+
 class DiscardRequest(_message.Message):
     __slots__ = ("round",)
     ROUND_FIELD_NUMBER: _ClassVar[int]
@@ -283,11 +341,15 @@ class FollowerStateRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class FollowerState(_message.Message):
-    __slots__ = ("index", "version", "checksum")
+    __slots__ = ("index", "version", "checksum", "prepared_version", "checkpoints")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    PREPARED_VERSION_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
     index: int
     version: int
     checksum: str
-    def __init__(self, index: _Optional[int] = ..., version: _Optional[int] = ..., checksum: _Optional[str] = ...) -> None: ...
+    prepared_version: int
+    checkpoints: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, index: _Optional[int] = ..., version: _Optional[int] = ..., checksum: _Optional[str] = ..., prepared_version: _Optional[int] = ..., checkpoints: _Optional[_Iterable[int]] = ...) -> None: ...

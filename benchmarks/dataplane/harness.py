@@ -1,0 +1,242 @@
+"""Set-up shared by the data-plane benchmarks: a large synthetic model, real followers in their
+own processes (FollowerShard + ZeroMQ DataServer + gRPC control, heartbeating like
+``dips launch``'s), the real leader with its gRPC service in this process, and the raw-TCP
+reference measured on the same machine in the same run.
+
+The model is ``n_layers`` square ``nn.Linear(width, width)`` blocks (one layer each): the
+data plane only sees named FP32 tensors grouped in layers, so a transformer of the same size
+would move the same bytes through the same code (building a 100M-parameter HF model costs
+tens of seconds here for nothing the benchmark measures).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import secrets
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+MP = mp.get_context("spawn")
+
+
+def layer_of(name: str) -> str:
+    return ".".join(name.split(".")[:2])
+
+
+def synthetic_model(n_layers: int, width: int, seed: int) -> torch.nn.Module:
+    """``n_layers`` blocks ``blocks.i`` of Linear(width, width): 4·width·(width+1) bytes each."""
+    with torch.device("meta"):
+        model = torch.nn.Module()
+        model.blocks = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(n_layers))
+    model = model.to_empty(device="cpu")
+    with torch.no_grad():
+        for k, (n, p) in enumerate(model.named_parameters()):
+            p.copy_(init_param(seed, k, p.shape))
+    return model
+
+
+def init_param(seed: int, k: int, shape: tuple[int, ...]) -> torch.Tensor:
+    """Parameter ``k`` of the synthetic model (its own generator: followers make only theirs)."""
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed * 100003 + k)) * 0.02
+
+
+def param_shapes(n_layers: int, width: int) -> list[tuple[str, tuple[int, ...]]]:
+    return [(f"blocks.{i}.{w}", (width, width) if w == "weight" else (width,))
+            for i in range(n_layers) for w in ("weight", "bias")]
+
+
+def perturb(model: torch.nn.Module, seed: int, scale: float = 1e-3) -> None:
+    """Stand-in for H inner steps: moves every parameter a little (deterministic)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g), alpha=scale)
+
+
+def wire_bytes(model: torch.nn.Module) -> int:
+    """Bytes of one BF16 copy of the model (one push, or one pull)."""
+    return sum(p.numel() * 2 for p in model.parameters())
+
+
+def model_layers(spec: tuple) -> list[tuple[str, list[str], int]]:
+    """``[(layer, [param names], FP32 bytes)]`` of a model spec: ``("synthetic", n_layers,
+    width, seed)`` or ``("llama", ModelConfig fields, seed)`` (:func:`dips.train.model.build_model`)."""
+    if spec[0] == "synthetic":
+        shapes = param_shapes(spec[1], spec[2])
+        return [(f"blocks.{i}", [n for n, _ in shapes if layer_of(n) == f"blocks.{i}"],
+                 4 * spec[2] * (spec[2] + 1)) for i in range(spec[1])]
+    from dips.train.model import ModelConfig, build_model, layer_table
+
+    return [(l, list(n), b) for l, n, b in layer_table(build_model(ModelConfig(**spec[1]), spec[2]))]
+
+
+def shard_params(spec: tuple, owned: list[str]) -> tuple[dict[str, list[str]], dict[str, torch.Tensor]]:
+    """The owned layers and their initial FP32 parameters (equal to a cluster's model)."""
+    if spec[0] == "synthetic":
+        shapes = param_shapes(spec[1], spec[2])
+        layers = {l: [n for n, _ in shapes if layer_of(n) == l] for l in owned}
+        return layers, {n: init_param(spec[3], k, s) for k, (n, s) in enumerate(shapes)
+                        if layer_of(n) in owned}
+    from dips.train.model import ModelConfig, build_model, layer_table
+
+    model = build_model(ModelConfig(**spec[1]), spec[2])
+    layers = {l: list(n) for l, n, _ in layer_table(model) if l in owned}
+    names = {n for ns in layers.values() for n in ns}
+    return layers, {n: p.detach().clone() for n, p in model.named_parameters() if n in names}
+
+
+def _follower_main(index: int, spec: tuple, owned: list[str], secret: str, leader_addr: str,
+                   ready: Any, stop: Any) -> None:
+    import grpc
+
+    from dips.roles.follower import FollowerShard
+    from dips.wire.control import make_server
+    from dips.wire.dataplane import DataServer
+    from dips.wire.pb import control_pb2 as pb
+    from dips.wire.pb import control_pb2_grpc as pbg
+    from dips.wire.services import FollowerServicer, leader_client
+
+    torch.set_num_threads(1)
+    layers, params = shard_params(spec, owned)
+    shard = FollowerShard(index, layers, params)
+    data = DataServer(bytes.fromhex(secret), shard.handle).start()
+    server = make_server(secret, max_workers=8)
+    pbg.add_FollowerServicer_to_server(FollowerServicer(shard), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    leader = leader_client(leader_addr, secret)
+    info = pb.FollowerInfo(index=index, data_endpoint=data.endpoint,
+                           control_endpoint=f"127.0.0.1:{port}", layers=owned,
+                           layer_bytes=[sum(params[n].numel() * 4 for n in layers[l]) for l in owned],
+                           version=0, incarnation=time.time_ns())
+    ready.set()
+    while not stop.is_set():  # registration doubles as the heartbeat, as in dips launch
+        try:
+            leader.RegisterFollower(info, timeout=2.0)
+        except grpc.RpcError:
+            pass
+        stop.wait(0.5)
+    server.stop(0)
+    data.stop()
+    leader.close()
+
+
+class PS:
+    """The leader (in process, real gRPC service) and M follower processes on loopback.
+
+    ``owners``: layer -> follower; default contiguous blocks balanced by bytes.
+    """
+
+    def __init__(self, spec: tuple, followers: int, *, grace_s: float = 0.0,
+                 grace_mode: str = "fixed", grace_max_s: float = 30.0,
+                 run_dir: Path | None = None, owners: dict[str, int] | None = None) -> None:
+        from dips.algo import PenaltyConfig, partition_contiguous
+        from dips.roles.leader import FollowerEntry, Leader, LeaderConfig
+        from dips.wire.control import make_server
+        from dips.wire.pb import control_pb2_grpc as pbg
+        from dips.wire.services import FollowerControlClient, LeaderServicer
+
+        self.secret = secrets.token_hex(32)
+        table = model_layers(spec)
+        names = [l for l, _, _ in table]
+        if owners is None:
+            parts = partition_contiguous([b for _, _, b in table], followers)
+            owners = {names[j]: i for i, r in enumerate(parts) for j in r}
+        self.owners = owners
+        cfg = LeaderConfig(grace_window_s=grace_s, grace_mode=grace_mode, grace_max_s=grace_max_s,
+                           push_timeout_s=300, pull_timeout_s=300, heartbeat_interval_s=0.5,
+                           missed_heartbeats=20, followers=followers,
+                           penalty=PenaltyConfig(enabled=False))
+        secret = self.secret
+        self.leader = Leader(cfg, lambda e: FollowerControlClient(e.control_endpoint, secret, 300.0),
+                             run_dir)
+        self.grpc = make_server(self.secret, max_workers=32)
+        pbg.add_LeaderServicer_to_server(LeaderServicer(self.leader, lambda info: FollowerEntry(
+            info.index, info.data_endpoint, info.control_endpoint, list(info.layers),
+            list(info.layer_bytes), info.incarnation)), self.grpc)
+        self.addr = f"127.0.0.1:{self.grpc.add_insecure_port('127.0.0.1:0')}"
+        self.grpc.start()
+        self.leader.start()
+        self._stop = MP.Event()
+        self.procs = []
+        for i in range(followers):
+            ready = MP.Event()
+            p = MP.Process(target=_follower_main, daemon=True, args=(
+                i, spec, [l for l in names if owners[l] == i], self.secret, self.addr, ready,
+                self._stop))
+            p.start()
+            self.procs.append((p, ready))
+        deadline = time.monotonic() + 180
+        while not self.leader.ready:
+            if time.monotonic() > deadline or any(not p.is_alive() for p, _ in self.procs):
+                self.close()
+                raise RuntimeError("followers did not come up")
+            time.sleep(0.1)
+
+    def endpoints(self) -> dict[int, str]:
+        return {f.index: f.data_endpoint for f in self.leader.follower_list()}
+
+    def client(self, cluster_id: str, stages: int, model: torch.nn.Module) -> Any:
+        """A joined ClusterClient for a synthetic ``model`` (H = 1: sync() is called directly)."""
+        from dips.roles.client import ClusterClient
+
+        c = ClusterClient(model, self.addr, cluster_id, self.secret, H=1, stages=stages,
+                          layer_of=layer_of, timeout_s=300, admit_timeout_s=300,
+                          heartbeat_interval_s=1.0)
+        c.join()
+        return c
+
+    def close(self) -> None:
+        self._stop.set()
+        for p, _ in self.procs:
+            p.join(15)
+            if p.is_alive():
+                p.kill()
+        self.leader.stop()
+        self.grpc.stop(0)
+
+
+def _raw_receiver(port: Any, nbytes: int, reps: int) -> None:
+    buf = bytearray(4 << 20)
+    view = memoryview(buf)
+    with socket.socket() as srv:
+        srv.bind(("127.0.0.1", 0))
+        srv.listen(1)
+        port.value = srv.getsockname()[1]
+        conn, _ = srv.accept()
+        with conn:
+            for _ in range(reps):
+                got = 0
+                while got < nbytes:
+                    n = conn.recv_into(view, min(len(buf), nbytes - got))
+                    if not n:
+                        return
+                    got += n
+                conn.sendall(b"k")
+
+
+def raw_tcp_bytes_per_s(nbytes: int, reps: int = 3) -> float:
+    """Best of ``reps`` loopback TCP transfers of ``nbytes`` between two processes (bytes/s)."""
+    port = MP.Value("i", 0)
+    p = MP.Process(target=_raw_receiver, args=(port, nbytes, reps), daemon=True)
+    p.start()
+    while not port.value:
+        time.sleep(0.01)
+    src = bytearray(4 << 20)
+    best = float("inf")
+    with socket.create_connection(("127.0.0.1", port.value)) as s:
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            sent = 0
+            while sent < nbytes:
+                n = min(len(src), nbytes - sent)
+                s.sendall(memoryview(src)[:n])
+                sent += n
+            s.recv(1)
+            best = min(best, time.perf_counter() - t0)
+    p.join(10)
+    return nbytes / best

@@ -1,0 +1,126 @@
+"""Reliability figures (§12, §16 of the seed): detection and recovery times per fault kind.
+
+Runs `dips launch` once per fault kind (kill -9 of the leader, of a follower inside an update,
+of a cluster inside a push; SIGSTOP/SIGCONT of a follower and of a cluster; a cut link), each
+with the fault at the same training time, and reads the run's events:
+
+* detection: fault -> the first event showing the system noticed (the supervisor saw the
+  process exit or stop answering; the leader marked a follower down or a cluster removed,
+  or saw it restarted),
+* recovery: fault -> the next completed outer step (any cluster), and -> the first
+  accepted outer step that includes the faulty cluster again after it re-joined (cluster
+  faults; this includes the H inner steps it trains before pushing),
+* lost: outer steps rolled back by reconciliation, rounds that failed, as a share of all.
+
+Prints a table and writes it as JSON (``--out``). Usage:
+    python benchmarks/reliability.py --config configs/quickstart.yaml --out runs/reliability
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+FAULTS = {
+    "leader kill -9": ("{at_s: %s, action: kill, target: leader}", "leader"),
+    "leader hang (SIGSTOP 8 s)": ("{at_s: %s, action: stop, target: leader, duration_s: 8}", "leader"),
+    "follower kill -9 in update": ("{phase: update, after_s: %s, action: kill, target: follower-1}",
+                                   "follower"),
+    "follower hang (SIGSTOP 5 s)": ("{at_s: %s, action: stop, target: follower-0, duration_s: 5}",
+                                    "follower"),
+    "cluster kill -9 in push": ("{phase: push, after_s: %s, action: kill, target: cluster-CID}",
+                                "cluster"),
+    "cluster hang (SIGSTOP 5 s)": ("{at_s: %s, action: stop, target: cluster-CID, duration_s: 5}",
+                                   "cluster"),
+    "cluster link cut 5 s": ("{at_s: %s, action: cut_link, target: cluster-CID, duration_s: 5}",
+                             "cluster"),
+}
+
+
+def jsonl(path: Path) -> list[dict]:
+    return [json.loads(l) for l in path.read_text().splitlines() if l.strip()] if path.exists() else []
+
+
+def measure(run_dir: Path, role: str, cid: str) -> dict:
+    events = jsonl(run_dir / "events.jsonl")
+    lead = jsonl(run_dir / "leader_events.jsonl")
+    steps = [r for r in jsonl(run_dir / "outer_steps.jsonl") if "round" in r]
+    fault = next(e for e in events if e["event"] == "fault")
+    t0 = fault.get("fired_at", fault["time"])
+    name = fault["process"]
+    if role == "leader":
+        seen = [e["time"] for e in events if e["time"] >= t0 and e["process"] == "leader"
+                and e["event"] in ("exited", "unresponsive")]
+    elif role == "follower":
+        idx = int(name.split("-")[1])
+        seen = [e["time"] for e in lead if e["time"] >= t0 and e.get("follower") == idx
+                and e["event"] in ("follower_down", "follower_up")]
+        seen += [e["time"] for e in lead if e["time"] >= t0 and e["event"] == "reconcile_failed"]
+    else:
+        seen = [e["time"] for e in lead if e["time"] >= t0 and e.get("cluster") == cid
+                and e["event"] in ("cluster_removed", "cluster_joined")]
+    after = [r for r in steps if r.get("time", 0) >= t0 and r.get("accepted")]
+    # A cluster is back once an accepted step includes it after it re-joined (if it had to).
+    rejoined = [e["time"] for e in lead if e["time"] >= t0 and e.get("cluster") == cid
+                and e["event"] == "cluster_joined"]
+    since = rejoined[0] if rejoined else t0
+    back = [r for r in after if cid in r["accepted"] and r["time"] >= since]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    state = json.loads((run_dir / "leader.json").read_text())
+    failed = sum(1 for r in steps if r.get("error"))
+    total = max(1, summary["outer_steps"] + state["counts"].get("outer_steps_lost", 0) + failed)
+    return {"detect_s": round(min(seen) - t0, 2) if seen else None,
+            "next_outer_step_s": round(after[0]["time"] - t0, 2) if after else None,
+            "cluster_back_s": round(back[0]["time"] - t0, 2) if back and role == "cluster" else None,
+            "outer_steps": summary["outer_steps"],
+            "steps_lost": state["counts"].get("outer_steps_lost", 0), "rounds_failed": failed,
+            "lost_share": round((state["counts"].get("outer_steps_lost", 0) + failed) / total, 4),
+            "eval_loss_initial": summary["eval_loss_initial"],
+            "eval_loss_final": summary["eval_loss_final"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default="configs/quickstart.yaml")
+    ap.add_argument("--out", default="runs/reliability")
+    ap.add_argument("--at", type=float, default=30.0, help="training time of the fault, s")
+    ap.add_argument("--max-time", type=float, default=75.0)
+    ap.add_argument("--cluster", default="c1", help="the cluster to fault")
+    ap.add_argument("--only", default=None, help="substring of the fault kinds to run")
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = {}
+    for kind, (fault, role) in FAULTS.items():
+        if args.only and args.only not in kind:
+            continue
+        run_dir = out / kind.split(" (")[0].replace(" ", "-")
+        plan = out / "faults.yaml"
+        plan.write_text("faults:\n  - " + (fault % args.at).replace("CID", args.cluster) + "\n")
+        t = time.time()
+        proc = subprocess.run([sys.executable, "-m", "dips.cli", "launch", "--config", args.config,
+                               "--run-dir", str(run_dir), "--max-time", str(args.max_time),
+                               "--faults", str(plan)], capture_output=True, text=True,
+                              timeout=args.max_time + 400)
+        if proc.returncode != 0:
+            print(f"{kind}: launch failed\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+            continue
+        rows[kind] = measure(run_dir, role, args.cluster)
+        rows[kind]["run_s"] = round(time.time() - t, 1)
+        print(kind, rows[kind], flush=True)
+    (out / "reliability.json").write_text(json.dumps(rows, indent=1))
+    print("\n| fault | detection (s) | next outer step (s) | cluster back in a step (s) | "
+          "steps lost + failed rounds / all | eval loss initial → final |")
+    print("|---|---|---|---|---|---|")
+    for kind, r in rows.items():
+        print(f"| {kind} | {r['detect_s']} | {r['next_outer_step_s']} | {r['cluster_back_s'] or '-'} "
+              f"| {r['steps_lost'] + r['rounds_failed']} / {r['outer_steps']} ({r['lost_share']:.1%}) "
+              f"| {r['eval_loss_initial']:.2f} → {r['eval_loss_final']:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,221 @@
+"""The data-chunk ledger kept by the leader (§12, §16, §18 of the seed: with a dynamic set of
+clusters, data chunks must be coordinated globally; pre-cut many more chunks than clusters).
+
+Unit of account: a *window* (one training sequence of T+1 tokens). Chunk c holds
+``windows_per_chunk`` windows, visited in a fixed order; a cluster holding chunk c trains
+its windows in that order from the chunk's *accepted* position onward.
+
+Semantics (the rule that makes "never lost, never counted twice" hold):
+
+* A window counts as trained exactly when the push that trained it is **accepted**.
+* ``lease`` hands free chunks (those not held and not finished) to a cluster, each with the
+  position to start from (its accepted position; a chunk left half-done by a crashed or
+  departed cluster is resumed where its last accepted push ended).
+* ``report`` records, for a push, how far the cluster got in each chunk it holds.
+* ``resolve(accepted=True)`` advances each reported chunk's accepted position; a chunk
+  whose windows are all accepted is finished. ``resolve(accepted=False)`` (rejected, failed
+  or lost push) discards the report: the cluster must restart those chunks at their accepted
+  positions (see :meth:`ChunkLedger.holdings`), so the rejected windows are trained again.
+* ``release`` (graceful leave, heartbeat timeout, crash before rejoin) returns a cluster's
+  chunks to the pool at their accepted positions and discards any pending report.
+* When every chunk is finished, an epoch ends and all chunks become free again at 0.
+* ``rollback(version)``: when followers are reconciled to an older version (§12; a follower
+  lost an outer step it had committed), the windows accepted by the lost versions are
+  un-accepted again and their chunks returned to the pool, so that data is trained again.
+  The ledger keeps the window ranges of the last ``history`` versions for this.
+
+Accounting identity, checked by :meth:`check`: for every chunk, 0 <= accepted <=
+windows_per_chunk, and a chunk is held by at most one cluster. The accepted window count
+summed over epochs equals the windows of accepted pushes: nothing lost, nothing twice.
+Pure: no clocks, threads or I/O.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class LedgerError(ValueError):
+    """A report or request that contradicts the ledger (names the field and value)."""
+
+
+@dataclass
+class _Chunk:
+    holder: str | None = None
+    accepted: int = 0
+    finished: bool = False
+
+
+@dataclass
+class ChunkLedger:
+    """Which chunks each cluster holds, has trained, and has had accepted.
+
+    Args:
+        num_chunks: chunks of the training stream (>= 1).
+        windows_per_chunk: windows (sequences of T+1 tokens) in each chunk (>= 1).
+
+    Raises:
+        LedgerError: non-positive sizes.
+    """
+
+    num_chunks: int
+    windows_per_chunk: int
+    epoch: int = 0
+    accepted_windows: int = 0
+    chunks: list[_Chunk] = field(default_factory=list)
+    pending: dict[str, dict[int, int]] = field(default_factory=dict)
+    history: dict[int, list[tuple[int, int, int]]] = field(default_factory=dict)
+    keep_history: int = 64
+
+    def __post_init__(self) -> None:
+        if self.num_chunks < 1 or self.windows_per_chunk < 1:
+            raise LedgerError(f"num_chunks = {self.num_chunks}, windows_per_chunk = "
+                              f"{self.windows_per_chunk}: both must be >= 1")
+        if not self.chunks:
+            self.chunks = [_Chunk() for _ in range(self.num_chunks)]
+
+    # ----- queries ----------------------------------------------------------------------
+    def holdings(self, cluster: str) -> list[tuple[int, int]]:
+        """(chunk, accepted position) of every chunk ``cluster`` holds, in chunk order."""
+        return [(i, c.accepted) for i, c in enumerate(self.chunks) if c.holder == cluster]
+
+    def free_chunks(self) -> list[int]:
+        return [i for i, c in enumerate(self.chunks) if c.holder is None and not c.finished]
+
+    # ----- transitions ------------------------------------------------------------------
+    def lease(self, cluster: str, n: int) -> list[tuple[int, int]]:
+        """Give ``cluster`` up to ``n`` more free chunks; returns [(chunk, start position)].
+
+        Partially accepted chunks go first (they were left by a departed cluster). If no chunk
+        is free and every chunk is finished, a new epoch starts. Raises LedgerError for n < 1
+        or an empty cluster id.
+        """
+        if not cluster or n < 1:
+            raise LedgerError(f"lease(cluster={cluster!r}, n={n}): need an id and n >= 1")
+        if all(c.finished for c in self.chunks):
+            self._new_epoch()
+        free = sorted(self.free_chunks(), key=lambda i: (self.chunks[i].accepted == 0, i))
+        out = []
+        for i in free[:n]:
+            self.chunks[i].holder = cluster
+            out.append((i, self.chunks[i].accepted))
+        return out
+
+    def report(self, cluster: str, progress: dict[int, int]) -> None:
+        """Record that ``cluster``'s push trained chunk → window position ``progress``.
+
+        Raises LedgerError if a chunk is not held by ``cluster``, or a position is before the
+        accepted one or past the chunk's end. Replaces an earlier unresolved report.
+        """
+        for chunk, upto in progress.items():
+            if not 0 <= chunk < self.num_chunks:
+                raise LedgerError(f"report field 'chunk' = {chunk} not in [0, {self.num_chunks})")
+            c = self.chunks[chunk]
+            if c.holder != cluster:
+                raise LedgerError(f"report: chunk {chunk} is held by {c.holder!r}, not {cluster!r}")
+            if not c.accepted <= upto <= self.windows_per_chunk:
+                raise LedgerError(f"report: chunk {chunk} position {upto} not in "
+                                  f"[{c.accepted}, {self.windows_per_chunk}]")
+        self.pending[cluster] = dict(progress)
+
+    def resolve(self, cluster: str, accepted: bool, version: int | None = None) -> int:
+        """Settle ``cluster``'s pending report; returns the windows newly accepted (0 if none).
+
+        ``version``: the outer step that accepted it (recorded so :meth:`rollback` can undo it).
+        """
+        progress = self.pending.pop(cluster, {})
+        if not accepted:
+            return 0
+        gained = 0
+        ranges = self.history.setdefault(version, []) if version is not None else []
+        for chunk, upto in progress.items():
+            c = self.chunks[chunk]
+            if c.holder != cluster:
+                continue  # released meanwhile: the report no longer counts
+            gained += upto - c.accepted
+            ranges.append((chunk, c.accepted, upto))
+            c.accepted = upto
+            if upto == self.windows_per_chunk:
+                c.finished, c.holder = True, None
+        self.accepted_windows += gained
+        for old in sorted(self.history)[:-self.keep_history]:
+            del self.history[old]
+        return gained
+
+    def rollback(self, version: int) -> int:
+        """Un-accept the windows of every recorded version above ``version``; their chunks
+        return to the pool. Returns the windows un-accepted."""
+        lost = 0
+        for v in sorted((v for v in self.history if v > version), reverse=True):
+            for chunk, start, upto in reversed(self.history.pop(v)):
+                c = self.chunks[chunk]
+                if c.accepted != upto:
+                    continue  # a new epoch reset it: nothing to undo
+                c.accepted, c.finished, c.holder = start, False, None
+                lost += upto - start
+        self.accepted_windows -= lost
+        return lost
+
+    def release(self, cluster: str) -> list[int]:
+        """Return every chunk ``cluster`` holds to the pool; returns their ids."""
+        self.pending.pop(cluster, None)
+        out = []
+        for i, c in enumerate(self.chunks):
+            if c.holder == cluster:
+                c.holder = None
+                out.append(i)
+        return out
+
+    def _new_epoch(self) -> None:
+        self.epoch += 1
+        for c in self.chunks:
+            c.accepted, c.finished, c.holder = 0, False, None
+
+    # ----- invariants and persistence ---------------------------------------------------
+    def check(self) -> None:
+        """Raise LedgerError if an invariant is broken (see module docstring)."""
+        total = 0
+        for i, c in enumerate(self.chunks):
+            if not 0 <= c.accepted <= self.windows_per_chunk:
+                raise LedgerError(f"chunk {i}: accepted {c.accepted} out of range")
+            if c.finished != (c.accepted == self.windows_per_chunk):
+                raise LedgerError(f"chunk {i}: finished={c.finished} but accepted={c.accepted}")
+            if c.finished and c.holder is not None:
+                raise LedgerError(f"chunk {i}: finished but held by {c.holder!r}")
+            total += c.accepted
+        expected = self.accepted_windows - self.epoch * self.num_chunks * self.windows_per_chunk
+        if total != expected:
+            raise LedgerError(f"accepted windows {total} in chunks != {expected} accounted")
+
+    def summary(self) -> dict[str, Any]:
+        """Counts for logs: epoch, accepted windows (all epochs), finished/held/free chunks."""
+        return {"epoch": self.epoch, "accepted_windows": self.accepted_windows,
+                "finished": sum(c.finished for c in self.chunks),
+                "held": sum(c.holder is not None for c in self.chunks),
+                "free": len(self.free_chunks())}
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able state (for the leader's checkpoint)."""
+        return {"num_chunks": self.num_chunks, "windows_per_chunk": self.windows_per_chunk,
+                "epoch": self.epoch, "accepted_windows": self.accepted_windows,
+                "chunks": [[c.holder, c.accepted, c.finished] for c in self.chunks],
+                "pending": {k: {str(c): u for c, u in v.items()} for k, v in self.pending.items()},
+                "history": {str(v): [list(r) for r in rs] for v, rs in self.history.items()}}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ChunkLedger":
+        """Inverse of :meth:`to_dict`; raises LedgerError if the state is inconsistent."""
+        try:
+            led = cls(int(d["num_chunks"]), int(d["windows_per_chunk"]), int(d["epoch"]),
+                      int(d["accepted_windows"]),
+                      [_Chunk(h, int(a), bool(f)) for h, a, f in d["chunks"]],
+                      {k: {int(c): int(u) for c, u in v.items()} for k, v in d["pending"].items()},
+                      {int(v): [tuple(int(x) for x in r) for r in rs]
+                       for v, rs in d.get("history", {}).items()})
+        except (KeyError, TypeError, ValueError) as exc:
+            raise LedgerError(f"ledger state is malformed: {exc}") from None
+        if len(led.chunks) != led.num_chunks:
+            raise LedgerError(f"ledger state has {len(led.chunks)} chunks, expected {led.num_chunks}")
+        led.check()
+        return led

@@ -1,0 +1,127 @@
+"""Synchronous baselines in virtual time: cross-cluster data parallel and synchronous DiLoCo (§3, §4).
+
+Both run the real model, data chunks and inner AdamW of :mod:`dips.emu.vworld`; the virtual
+clock charges compute and ring all-reduce times (:mod:`dips.emu.vclock`).
+
+* **Data parallel** (``dp``): every inner step each cluster computes the gradient of its own
+  batch, the gradients are all-reduced (mean) and one AdamW step is applied to the replicated
+  model.  The replicas stay bit-identical, so one model holds them.  A step lasts as long as
+  the slowest cluster's compute, then the all-reduce of the BF16 gradient (model-sized) over
+  the slowest link: the WAN sits on the critical path of every step (§4).
+* **Synchronous DiLoCo** (``diloco``): every H inner steps a barrier, then a ring all-reduce of
+  the BF16 pseudo-gradients Δ_i = θ − θ_i, their uniform mean, and the same Nesterov outer step
+  (lr 0.7, momentum 0.8, no clipping, FP32) applied by every cluster's replica of the outer
+  optimizer (§3).  Each round lasts as long as the slowest cluster plus the slowest link.
+
+Runs stop at the end of the step/round that reaches the token budget.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from dips.algo import nesterov_step, pseudo_gradient, weighted_mean
+from dips.bench.result import MethodResult
+from dips.bench.runners import register
+from dips.bench.scenario import Scenario
+from dips.emu.vclock import ring_allreduce_s
+from dips.emu.vworld import World, bf16_copy, load_params
+
+__all__ = ["run_diloco", "run_dp"]
+
+
+def _mean_loss(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy (nats/token), as :func:`dips.train.loop.inner_step` computes it."""
+    logits = model(input_ids=batch[:, :-1], use_cache=False).logits
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), batch[:, 1:].reshape(-1))
+
+
+@register("virtual", "dp")
+def run_dp(scenario: Scenario, out_dir: Path) -> MethodResult:
+    """Cross-cluster data parallel in virtual time (see the module docstring).
+
+    Raises FloatingPointError on a non-finite loss.
+    """
+    s = scenario
+    world = World(s, out_dir, "dp", replicas=False)
+    model, opt = world.clusters[0].model, world.clusters[0].opt
+    specs = [c.spec for c in world.clusters]
+    n = len(world.clusters)
+    t = 0.0
+    world.maybe_eval(0.0, lambda: model)
+    while not world.done:
+        durations = [world.step_s(c, t) for c in world.clusters]
+        compute_end = t + max(durations)
+        model.train()
+        opt.zero_grad(set_to_none=True)
+        total = 0.0
+        for c in world.clusters:
+            loss = _mean_loss(model, c.sampler.next_batch()) / n  # mean of the clusters' gradients
+            value = float(loss.detach())
+            if not math.isfinite(value):
+                raise FloatingPointError(f"dp: loss of cluster {c.spec.id} is {value}")
+            total += value
+            loss.backward()
+            c.tokens += c.sampler.tokens_per_batch
+            c.steps += 1
+        if s.inner.grad_clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), float(s.inner.grad_clip))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        ar = ring_allreduce_s(specs, compute_end, world.transfer_bytes, s.timing.latency_s)
+        for c, d in zip(world.clusters, durations):
+            c.comm_s += ar
+            c.idle_s += (max(durations) - d) + ar
+            c.last_loss = total
+        t = compute_end + ar
+        world.maybe_eval(t, lambda: model)
+    return world.result(t, world.tokens, 0, 0, 0, model, {"allreduce_per_step_s": ar if n > 1 else 0.0})
+
+
+@register("virtual", "diloco")
+def run_diloco(scenario: Scenario, out_dir: Path) -> MethodResult:
+    """Synchronous DiLoCo in virtual time (see the module docstring)."""
+    s = scenario
+    world = World(s, out_dir, "diloco")
+    specs = [c.spec for c in world.clusters]
+    n = len(world.clusters)
+    names = world.names
+    theta = [p.detach().clone() for _, p in world.clusters[0].model.named_parameters()]
+    momenta = [torch.zeros_like(p) for p in theta]
+    t = 0.0
+    rounds = pushed = 0
+    world.maybe_eval(0.0, lambda: dict(zip(names, theta)))
+    while not world.done:
+        ends = []
+        for c in world.clusters:
+            tc = t
+            for _ in range(s.inner.H):
+                tc += world.step_s(c, tc)
+                c.step()
+            ends.append(tc)
+        barrier = max(ends)
+        ar = ring_allreduce_s(specs, barrier, world.transfer_bytes, s.timing.latency_s)
+        deltas = []
+        for c in world.clusters:
+            local = bf16_copy(c.model)
+            deltas.append([pseudo_gradient(p, local[name]) for name, p in zip(names, theta)])
+        mean = weighted_mean(deltas, [1.0 / n] * n)
+        nesterov_step(theta, momenta, mean, s.outer.lr, s.outer.momentum)
+        for c, end in zip(world.clusters, ends):
+            load_params(c.model, dict(zip(names, theta)))
+            c.comm_s += ar
+            c.idle_s += (barrier - end) + ar
+            c.tokens_since_sync = 0
+        rounds += 1
+        pushed += n
+        t = barrier + ar
+        world.log(round=rounds, time=round(t, 6), barrier_wait_s={c.spec.id: barrier - e for c, e
+                                                                 in zip(world.clusters, ends)},
+                  allreduce_s=ar)
+        world.maybe_eval(t, lambda: dict(zip(names, theta)))
+    return world.result(t, world.tokens, pushed, pushed, 0, dict(zip(names, theta)),
+                        {"rounds": rounds, "outer_steps": rounds})

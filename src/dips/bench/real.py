@@ -1,0 +1,204 @@
+"""Real-time runners of ``dips bench compare`` (``mode: real``; seed §4, §13–§15).
+
+Real processes, real gloo/ZeroMQ/gRPC traffic.  The baselines (``dp``, ``diloco``,
+``async-diloco``) run through :func:`dips.baselines.real_launch.launch_baseline`, one process
+per cluster, with the scenario's compute heterogeneity (calibrated inner steps, transients)
+and links (kernel ``tc tbf`` in network namespaces as root, else the token bucket).  Di-PS and
+its ablations run the real system of ``dips launch`` (:func:`dips.emu.launcher.launch`).
+
+Mapping emulated → real (:class:`dips.bench.scenario.RealTime`): with ``ts = real.time_scale``,
+an inner step at slowdown 1 lasts ``timing.step_s × ts`` s; a transfer carries
+``payload_bytes`` (default: the model's BF16 size) and a link of ``g`` Gbit/s runs at
+``g·1e9 × payload_bytes / (transfer_bytes × ts)`` bit/s, so that transfer time / step time is
+the scenario's (and so the paper's, §13).  ``timing.latency_s`` is not emulated in real time
+(``netem`` is unavailable); ``timing.server_gbit`` and ``update_s`` neither (real followers).
+"""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+from typing import Any
+
+from dips.baselines.real_common import ClusterRun, WorkerSpec
+from dips.bench.result import CurvePoint, MethodResult
+from dips.bench.runners import register
+from dips.bench.scenario import Scenario
+
+__all__ = ["dips_run_config", "link_rate_bps", "worker_spec"]
+
+
+def _params(s: Scenario) -> int:
+    from dips.train.model import build_model, param_count
+
+    return param_count(build_model(s.model, s.seed))
+
+
+def link_rate_bps(s: Scenario, gbit: float, n_params: int) -> float:
+    """Real link rate (bits/s) standing for an emulated ``gbit`` Gbit/s link (module docstring)."""
+    payload = s.real.payload_bytes or 2 * n_params
+    return gbit * 1e9 * payload / (s.transfer_bytes(n_params) * s.real.time_scale)
+
+
+def _budget(s: Scenario) -> int:
+    if s.token_budget is None:
+        raise ValueError(f"scenario {s.name!r}: token_budget is None; real-time runs need one")
+    return s.token_budget
+
+
+def worker_spec(s: Scenario, method: str) -> WorkerSpec:
+    """The :class:`WorkerSpec` of baseline ``method`` on scenario ``s`` (real time).
+
+    Raises ValueError: no token budget, or a link slower than 8 kbit/s once scaled.
+    """
+    ts, n = s.real.time_scale, _params(s)
+    clusters = []
+    for c in s.clusters:
+        rate = link_rate_bps(s, c.bandwidth_gbit, n)
+        if rate < 8000:
+            raise ValueError(f"cluster {c.id!r}: bandwidth_gbit = {c.bandwidth_gbit} scales to "
+                             f"{rate:.0f} bit/s (< 8 kbit/s); raise real.payload_bytes or time_scale")
+        clusters.append(ClusterRun(
+            id=c.id, slowdown=c.slowdown, rate_bps=rate,
+            transient=[(t.start_s * ts, t.end_s * ts, t.factor) for t in c.transient],
+            rate_schedule=[(ch.at_s * ts, link_rate_bps(s, ch.gbit, n)) for ch in c.bandwidth_schedule]))
+    data = s.data.model_copy(update={"cache_dir": Path(s.data.cache_dir).resolve()})
+    return WorkerSpec(
+        method=method, seed=s.seed, model=s.model, data=data, inner=s.inner, outer_lr=s.outer.lr,
+        outer_momentum=s.outer.momentum, token_budget=_budget(s), max_time_s=s.real.max_time_s,
+        step_s=None if s.real.measured_step else s.timing.step_s * ts,
+        payload_bytes=s.real.payload_bytes or 2 * n, clusters=clusters,
+        eval_every_tokens=s.eval_every_tokens, eval_batches=s.eval_batches,
+        eval_batch_size=s.eval_batch_size)
+
+
+def _baseline(method: str):
+    def runner(scenario: Scenario, out_dir: Path) -> MethodResult:
+        from dips.baselines.real_launch import launch_baseline
+
+        out_dir.mkdir(parents=True, exist_ok=True)
+        res = launch_baseline(worker_spec(scenario, method), out_dir, shaping=scenario.real.shaping)
+        res.extra["time_scale"] = scenario.real.time_scale
+        res.extra["emulated_time_s"] = res.time_s / scenario.real.time_scale
+        return res
+
+    runner.__name__ = f"run_{method.replace('-', '_')}_real"
+    runner.__doc__ = f"Real-time ``{method}`` on a scenario (module docstring)."
+    return register("real", method)(runner)
+
+
+run_dp_real = _baseline("dp")
+run_diloco_real = _baseline("diloco")
+run_async_diloco_real = _baseline("async-diloco")
+
+_ABLATIONS = {"di-ps": {}, "di-ps-no-penalty": {"penalty": False}, "di-ps-uniform": {"uniform": True},
+              "di-ps-no-clip": {"clip": False}, "di-ps-no-grace": {"grace": False}}
+
+
+def dips_run_config(s: Scenario, method: str) -> Any:
+    """The :class:`dips.config.RunConfig` of Di-PS (or an ablation) on scenario ``s``.
+
+    Ablations (issue 3): ``di-ps-no-penalty`` disables the §8 penalty, ``di-ps-uniform`` uses
+    uniform instead of token weights, ``di-ps-no-clip`` removes the clip (max_norm None),
+    ``di-ps-no-grace`` sets the grace window to 0.  The grace window is scaled by
+    ``real.time_scale`` like every emulated duration.
+    """
+    from dips.config import ClusterSpec, RunConfig
+
+    ab = _ABLATIONS[method]
+    outer = s.outer.model_copy(update={"uniform_weights": ab.get("uniform", s.outer.uniform_weights),
+                                       **({"max_norm": None} if ab.get("clip") is False else {})})
+    penalty = s.penalty.model_copy(update={"enabled": ab.get("penalty", s.penalty.enabled)})
+    data = s.data.model_copy(update={"cache_dir": Path(s.data.cache_dir).resolve()})
+    ts, n = s.real.time_scale, _params(s)
+    # Di-PS moves the real BF16 model (2 bytes/parameter) per push and per pull: its link runs
+    # at the rate that makes those bytes take the emulated transfer time (token bucket on the
+    # clusters' data plane; bandwidth schedules are not applied to Di-PS in real time).
+    clusters = [ClusterSpec(id=c.id, slowdown=c.slowdown, stages=c.stages,
+                            transient=[(t.start_s * ts, t.end_s * ts, t.factor) for t in c.transient],
+                            link_bps=c.bandwidth_gbit * 1e9 * 2 * n / (s.transfer_bytes(n) * ts))
+                for c in s.clusters]
+    return RunConfig(
+        name=f"{s.name}-{method}", seed=s.seed, model=s.model, data=data, inner=s.inner,
+        outer=outer, penalty=penalty, followers=s.followers,
+        grace_window_s=0.0 if ab.get("grace") is False else s.grace_window_s * s.real.time_scale,
+        step_s=None if s.real.measured_step else s.timing.step_s * ts,
+        clusters=clusters,
+        token_budget=_budget(s), max_time_s=s.real.max_time_s, eval_batches=s.eval_batches,
+        eval_batch_size=s.eval_batch_size)
+
+
+def _dips_time_to_budget(logs: list[list[dict[str, Any]]], budget: int) -> float | None:
+    """Seconds from the first cluster's join to the inner step at which the clusters' summed
+    tokens reached ``budget`` (the last step if never), from ``train.jsonl`` epoch times; the
+    same clock as the baselines' (process start-up excluded).  None without records."""
+    joins = [r["time"] for recs in logs for r in recs if r.get("event") == "join"]
+    events = []
+    for recs in logs:
+        prev = 0
+        for r in recs:
+            if "step" in r and "tokens" in r:
+                events.append((r["time"], r["tokens"] - prev))
+                prev = r["tokens"]
+    if not joins or not events:
+        return None
+    total, end = 0, None
+    for t, dt in sorted(events):
+        total += dt
+        end = t
+        if total >= budget:
+            break
+    return round(end - min(joins), 4)
+
+
+def _dips_clusters(cfg: Any, logs: list[list[dict[str, Any]]], time_s: float) -> dict[str, Any]:
+    """Per cluster: tokens, pushes, push+pull seconds, waiting seconds, idle fraction of time_s."""
+    out = {}
+    for c, recs in zip(cfg.clusters, logs):
+        push = [r["push"] for r in recs if "push" in r]
+        comm = sum(p["push_s"] + p["pull_s"] for p in push)
+        wait = sum(p["wait_s"] for p in push)
+        out[c.id] = {"tokens": max((r.get("tokens", 0) for r in recs), default=0), "pushes": len(push),
+                     "accepted": sum(1 for p in push if p.get("accepted")), "comm_s": round(comm, 4),
+                     "wait_s": round(wait, 4), "idle_frac": (comm + wait) / time_s if time_s > 0 else 0.0}
+    return out
+
+
+def _dips(method: str):
+    def runner(scenario: Scenario, out_dir: Path) -> MethodResult:
+        from rich.console import Console
+
+        from dips.baselines.real_results import read_jsonl
+        from dips.emu.launcher import launch
+
+        out_dir.mkdir(parents=True, exist_ok=True)
+        cfg = dips_run_config(scenario, method)
+        summary = launch(cfg, out_dir, scenario.real.max_time_s, console=Console(file=io.StringIO()))
+        if not summary or summary.get("eval_loss_final") is None:
+            raise RuntimeError(f"{method}: the Di-PS run produced no final model; see {out_dir}")
+        logs = [read_jsonl(out_dir / "clusters" / c.id / "train.jsonl") for c in cfg.clusters]
+        push = [r["push"] for recs in logs for r in recs if "push" in r]
+        time_s = _dips_time_to_budget(logs, cfg.token_budget) or float(summary["train_time_s"])
+        return MethodResult(
+            method=method, mode="real", time_s=time_s, tokens=summary["tokens_consumed"],
+            tokens_accepted=summary["tokens_accepted"],
+            comm_s=round(sum(p["push_s"] + p["pull_s"] for p in push), 4),
+            updates_pushed=summary["updates_pushed"], updates_accepted=summary["updates_accepted"],
+            updates_rejected=summary["updates_rejected"], final_eval_loss=summary["eval_loss_final"],
+            tokens_per_s=round(summary["tokens_consumed"] / time_s, 2) if time_s > 0 else 0.0,
+            curve=[CurvePoint(0.0, 0, summary["eval_loss_initial"]),
+                   CurvePoint(time_s, summary["tokens_consumed"], summary["eval_loss_final"])],
+            shaping="none",
+            extra={"wait_s": round(sum(p["wait_s"] for p in push), 4), "outer_steps": summary["outer_steps"],
+                   "rounds": summary.get("rounds"), "clusters": _dips_clusters(cfg, logs, time_s),
+                   "time_scale": scenario.real.time_scale, "emulated_time_s": time_s / scenario.real.time_scale,
+                   "note": "Di-PS runs on loopback, unshaped, with slowdowns proportional to the "
+                           "measured step (launcher hooks for namespaces and calibrated steps pending)"})
+
+    runner.__name__ = f"run_{method.replace('-', '_')}_real"
+    runner.__doc__ = f"Real-time ``{method}``: the real Di-PS processes of ``dips launch``."
+    return register("real", method)(runner)
+
+
+for _m in _ABLATIONS:
+    _dips(_m)

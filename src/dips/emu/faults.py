@@ -1,0 +1,126 @@
+"""Fault injection for ``dips launch --faults FILE`` (§12, §16 of the seed).
+
+The YAML file holds ``faults:``, a list of entries::
+
+    - {at_s: 20, action: kill, target: leader}            # kill -9 at t = 20 s of training
+    - {at_s: 30, action: stop, target: follower-1, duration_s: 4}   # SIGSTOP, SIGCONT 4 s later
+    - {phase: update, after_s: 15, action: kill, target: follower-0}  # crash inside an update
+    - {phase: push, after_s: 10, action: kill, target: cluster-c2}    # crash while pushing
+    - {at_s: 40, action: cut_link, target: cluster-c3, duration_s: 6} # link down, then restored
+
+``target`` is a process name of the run (``leader``, ``follower-<i>``, ``cluster-<id>``).
+``phase`` faults arm a failpoint (:mod:`dips.roles.failpoints`) that the target trips at that
+protocol phase (``push``, ``update`` or ``pull``) after ``after_s``. Every injected fault and
+every recovery is an event in ``events.jsonl`` with its timestamp.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any, Callable, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class Fault(BaseModel):
+    """One fault. Times in seconds since training started."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    action: Literal["kill", "stop", "cut_link"]
+    target: str = Field(pattern=r"^(leader|follower-\d+|cluster-[A-Za-z0-9_.-]+)$")
+    at_s: float | None = Field(None, ge=0)
+    phase: Literal["push", "update", "pull"] | None = None
+    after_s: float = Field(0.0, ge=0)
+    duration_s: float = Field(5.0, gt=0)
+
+    @model_validator(mode="after")
+    def _when(self) -> "Fault":
+        if (self.at_s is None) == (self.phase is None):
+            raise ValueError(f"fault {self.action} {self.target}: give exactly one of at_s, phase")
+        if self.phase is not None and self.action != "kill":
+            raise ValueError(f"fault {self.action} {self.target}: phase faults must be kill")
+        return self
+
+
+class FaultPlan(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    faults: list[Fault] = Field(default_factory=list)
+
+
+def load_faults(path: Path) -> FaultPlan:
+    """Read a fault plan. Raises FileNotFoundError or pydantic.ValidationError (names the field)."""
+    with open(path) as f:
+        return FaultPlan.model_validate(yaml.safe_load(f) or {})
+
+
+class FaultInjector:
+    """Fires the plan's faults as training time passes.
+
+    Args:
+        plan: the faults.
+        pid_of: process name -> pid of the live child (None if not running).
+        failpoints: the failpoint directory given to the children.
+        event: ``(kind, process, **extra)`` recorder (the launcher's events.jsonl).
+    """
+
+    def __init__(self, plan: FaultPlan, pid_of: Callable[[str], int | None], failpoints: Path,
+                 event: Callable[..., None]) -> None:
+        self.pending = sorted(plan.faults, key=lambda f: f.at_s if f.at_s is not None else f.after_s)
+        self._pid_of = pid_of
+        self._dir = failpoints
+        self._event = event
+        self._undo: list[tuple[float, str, str, int | None]] = []
+        self._armed: list[tuple[Fault, Path]] = []
+        failpoints.mkdir(parents=True, exist_ok=True)
+
+    def tick(self, t: float) -> None:
+        """Fire everything due at training time ``t`` (seconds)."""
+        for f in [f for f in self.pending if (f.at_s if f.at_s is not None else f.after_s) <= t]:
+            self.pending.remove(f)
+            self._fire(f, t)
+        for item in [u for u in self._undo if u[0] <= t]:
+            self._undo.remove(item)
+            _, kind, target, pid = item
+            if kind == "cont" and pid is not None and self._pid_of(target) == pid:
+                os.kill(pid, signal.SIGCONT)
+                self._event("fault_cleared", target, action="stop", pid=pid)
+            elif kind == "link_up":
+                (self._dir / f"{target}.link_down").unlink(missing_ok=True)
+                self._event("fault_cleared", target, action="cut_link")
+        for f, marker in list(self._armed):
+            if marker.exists():
+                self._armed.remove((f, marker))
+                fired = float(marker.read_text() or time.time())
+                self._event("fault", f.target, action="kill", phase=f.phase, fired_at=fired)
+
+    def _fire(self, f: Fault, t: float) -> None:
+        if f.phase is not None:
+            (self._dir / f"{f.target}.{f.phase}").write_text("armed")
+            self._armed.append((f, self._dir / f"{f.target}.{f.phase}.fired"))
+            self._event("fault_armed", f.target, action="kill", phase=f.phase)
+            return
+        pid = self._pid_of(f.target)
+        if f.action == "cut_link":
+            (self._dir / f"{f.target}.link_down").write_text("down")
+            self._undo.append((t + f.duration_s, "link_up", f.target, None))
+            self._event("fault", f.target, action="cut_link", duration_s=f.duration_s)
+            return
+        if pid is None:
+            self._event("fault_skipped", f.target, action=f.action, reason="not running")
+            return
+        if f.action == "kill":
+            os.kill(pid, signal.SIGKILL)
+            self._event("fault", f.target, action="kill", pid=pid)
+        else:
+            os.kill(pid, signal.SIGSTOP)
+            self._undo.append((t + f.duration_s, "cont", f.target, pid))
+            self._event("fault", f.target, action="stop", pid=pid, duration_s=f.duration_s)
+
+    def summary(self) -> dict[str, Any]:
+        return {"pending": len(self.pending), "armed": len(self._armed)}

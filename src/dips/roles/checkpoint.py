@@ -1,0 +1,148 @@
+"""Follower shard checkpoints (§12 of the seed): parameters, Nesterov momentum and version.
+
+Layout under a follower's checkpoint directory::
+
+    v000042/shard.safetensors   θ as "param/<name>", momentum as "momentum/<name>" (FP32)
+    v000042/meta.json           {"version": 42, "index": i, "checksum": ..., "names": [...]}
+
+A checkpoint is *complete* once ``meta.json`` exists: the tensors are written first into a
+temporary directory that is renamed into place, and ``meta.json`` last, so a crash mid-write
+leaves nothing that looks complete. The newest K complete checkpoints are kept. Writing runs
+in a background thread (:class:`CheckpointWriter`) on a private copy of the tensors, so the
+follower never waits for the disk; :meth:`CheckpointWriter.wait` makes a version durable.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import threading
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+log = logging.getLogger(__name__)
+
+
+def _dir(root: Path, version: int) -> Path:
+    return root / f"v{version:06d}"
+
+
+def complete_versions(root: Path) -> list[int]:
+    """Versions with a complete checkpoint under ``root``, ascending."""
+    if not root.exists():
+        return []
+    out = []
+    for d in root.iterdir():
+        if d.name.startswith("v") and d.name[1:].isdigit() and (d / "meta.json").exists():
+            out.append(int(d.name[1:]))
+    return sorted(out)
+
+
+def save_checkpoint(root: Path, version: int, index: int, params: dict[str, torch.Tensor],
+                    momenta: dict[str, torch.Tensor], checksum: str, keep: int) -> Path:
+    """Write one complete checkpoint and prune to the newest ``keep``. Returns its directory."""
+    final = _dir(root, version)
+    if (final / "meta.json").exists():
+        return final
+    tmp = root / f".tmp-v{version:06d}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    tensors = {f"param/{n}": t for n, t in params.items()}
+    tensors.update({f"momentum/{n}": t for n, t in momenta.items()})
+    save_file(tensors, str(tmp / "shard.safetensors"))
+    shutil.rmtree(final, ignore_errors=True)
+    tmp.rename(final)
+    meta = {"version": version, "index": index, "checksum": checksum, "names": sorted(params)}
+    (final / "meta.json.tmp").write_text(json.dumps(meta))
+    (final / "meta.json.tmp").rename(final / "meta.json")
+    for old in complete_versions(root)[:-keep]:
+        shutil.rmtree(_dir(root, old), ignore_errors=True)
+    return final
+
+
+def load_checkpoint(root: Path, version: int, names: list[str]
+                    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict]:
+    """(params, momenta, meta) of checkpoint ``version``.
+
+    Raises FileNotFoundError if it is not complete, ValueError if its tensors do not match
+    ``names`` exactly.
+    """
+    d = _dir(root, version)
+    meta = json.loads((d / "meta.json").read_text())
+    tensors = load_file(str(d / "shard.safetensors"))
+    params = {k[len("param/"):]: v for k, v in tensors.items() if k.startswith("param/")}
+    momenta = {k[len("momentum/"):]: v for k, v in tensors.items() if k.startswith("momentum/")}
+    if sorted(params) != sorted(names) or sorted(momenta) != sorted(names):
+        raise ValueError(f"checkpoint {d}: tensors {sorted(params)} do not match shard {sorted(names)}")
+    if meta.get("version") != version:
+        raise ValueError(f"checkpoint {d}: meta version {meta.get('version')} != {version}")
+    return params, momenta, meta
+
+
+class CheckpointWriter:
+    """Writes checkpoints in one background thread, newest request wins.
+
+    Args:
+        root: checkpoint directory of this follower.
+        index: follower index (recorded in meta.json).
+        keep: complete checkpoints to keep (K >= 2, so a rollback target always exists).
+    """
+
+    def __init__(self, root: Path, index: int, keep: int = 3) -> None:
+        if keep < 2:
+            raise ValueError(f"checkpoint keep = {keep} must be >= 2")
+        self.root = root
+        self.index = index
+        self.keep = keep
+        self._cond = threading.Condition()
+        self._job: tuple[int, dict, dict, str] | None = None
+        self._written = max(complete_versions(root), default=-1)
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="checkpoint", daemon=True)
+        self._thread.start()
+
+    def submit(self, version: int, params: dict[str, torch.Tensor],
+               momenta: dict[str, torch.Tensor], checksum: str) -> None:
+        """Queue a checkpoint of ``version``; the tensors are copied now (callers may mutate)."""
+        job = (version, {n: t.clone() for n, t in params.items()},
+               {n: t.clone() for n, t in momenta.items()}, checksum)
+        with self._cond:
+            self._job = job
+            self._cond.notify_all()
+
+    def wait(self, version: int, timeout_s: float) -> bool:
+        """Block until a checkpoint of ``version`` (or newer) is complete; False on timeout."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._written >= version, timeout_s)
+
+    @property
+    def written(self) -> int:
+        with self._cond:
+            return self._written
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._job is not None or self._stop)
+                if self._job is None:
+                    return
+                version, params, momenta, checksum = self._job
+                self._job = None
+            try:
+                save_checkpoint(self.root, version, self.index, params, momenta, checksum, self.keep)
+            except OSError:
+                log.exception("checkpoint of version %d failed", version)
+                continue
+            with self._cond:
+                self._written = max(self._written, version)
+                self._cond.notify_all()
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Finish the pending write (if any) and stop the thread."""
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        self._thread.join(timeout_s)

@@ -1,0 +1,140 @@
+"""The leader's membership: followers and clusters joining, heartbeating, leaving, being
+removed after missed heartbeats (§12), and data-chunk leases from the ledger.
+
+A mixin of :class:`dips.roles.leader.Leader` (which owns the lock ``self._cond`` and the state);
+split out to keep each module small.
+"""
+
+from __future__ import annotations
+
+from dips.algo.ledger import ChunkLedger
+from dips.roles.leader_types import ClusterEntry, FollowerEntry
+from dips.wire.control import PreconditionError, UnavailableError
+
+
+class Membership:
+    """Membership methods of the leader (see the module docstring)."""
+
+    ledger: ChunkLedger | None
+
+    def register_follower(self, entry: FollowerEntry) -> None:
+        """Add a follower or refresh its heartbeat. A new incarnation (restart) or a follower
+        that was down triggers reconciliation. Raises ValueError on overlapping layers."""
+        with self._cond:
+            for f in self.followers.values():
+                if f.index != entry.index and set(f.layers) & set(entry.layers):
+                    raise ValueError(f"follower {entry.index}: layers "
+                                     f"{sorted(set(f.layers) & set(entry.layers))} already owned "
+                                     f"by follower {f.index}")
+            old = self.followers.get(entry.index)
+            if old is not None and old.incarnation == entry.incarnation and old.up:
+                old.last_seen = self._clock()
+                return
+            entry.control = self._connect(entry)
+            entry.last_seen = self._clock()
+            self.followers[entry.index] = entry
+            self._layer_owner = {l: f.index for f in self.followers.values() for l in f.layers}
+            self.needs_reconcile = True
+            self._cond.notify_all()
+        self.event("follower_up", follower=entry.index, incarnation=entry.incarnation,
+                   restarted=old is not None and old.incarnation != entry.incarnation)
+
+    def follower_list(self) -> list[FollowerEntry]:
+        with self._cond:
+            return [self.followers[i] for i in sorted(self.followers)]
+
+    @property
+    def ready(self) -> bool:
+        """Every follower registered, up, and reconciled to one version."""
+        return (len(self.followers) == self.cfg.followers and not self.needs_reconcile
+                and all(f.up for f in self.followers.values()))
+
+    def join_cluster(self, cluster_id: str, stages: list[list[str]]) -> tuple[int, list[FollowerEntry]]:
+        """Admit (or re-admit) a cluster whose stage workers own ``stages`` (layer keys).
+
+        A re-joining cluster lost its local state: its chunks return to the ledger. Returns
+        the current version and the followers to pull from. Raises ValueError if the stages
+        do not cover every layer exactly once or the id is empty; UnavailableError while
+        followers are missing.
+        """
+        if not cluster_id:
+            raise ValueError("join field 'cluster_id' is empty")
+        with self._cond:
+            if len(self.followers) < self.cfg.followers:
+                raise UnavailableError(f"{len(self.followers)}/{self.cfg.followers} followers registered")
+            flat = [l for s in stages for l in s]
+            if sorted(flat) != sorted(self._layer_owner) or len(flat) != len(set(flat)):
+                raise ValueError(f"cluster {cluster_id!r}: stage layers {flat} do not cover the "
+                                 f"model's layers {sorted(self._layer_owner)} exactly once")
+            rejoin = cluster_id in self.clusters
+            self._drop_cluster(cluster_id)
+            self.clusters[cluster_id] = ClusterEntry(cluster_id, stages, last_seen=self._clock())
+            version, followers = self.version, list(self.followers.values())
+        self.event("cluster_joined", cluster=cluster_id, rejoin=rejoin, version=version)
+        return version, followers
+
+    def heartbeat(self, cluster_id: str, inner_step: int, tokens: int, loss: float) -> tuple[int, bool]:
+        """Record a cluster's progress; returns (version, known). Unknown: it must re-join."""
+        with self._cond:
+            c = self.clusters.get(cluster_id)
+            if c is None:
+                return self.version, False
+            c.inner_step, c.tokens, c.last_loss, c.last_seen = inner_step, tokens, loss, self._clock()
+            return self.version, True
+
+    def leave(self, cluster_id: str) -> None:
+        """A graceful leave: like a removal, its chunks return to the ledger."""
+        with self._cond:
+            known = self._drop_cluster(cluster_id)
+        if known:
+            self.event("cluster_left", cluster=cluster_id)
+
+    def _drop_cluster(self, cluster_id: str, reason: str = "cluster left") -> bool:
+        """Remove a cluster (lock held): ledger release, queued request dropped, a push in the
+        current round failed and no longer awaited. Returns whether it was a member."""
+        known = self.clusters.pop(cluster_id, None) is not None
+        if self.ledger is not None:
+            self.ledger.release(cluster_id)
+        self._queue = [p for p in self._queue if p.cluster_id != cluster_id]
+        push = self._round.pushes.get(cluster_id) if self._round else None
+        if push is not None:
+            if not push.done:
+                push.done, push.ok, push.error = True, False, reason
+            push.pulled = True
+        self._cond.notify_all()
+        return known
+
+    def lease(self, cluster_id: str, n: int) -> tuple[list[tuple[int, int]], int, int]:
+        """Lease ``n`` more chunks to a member; returns (holdings, windows per chunk, epoch)."""
+        with self._cond:
+            self._member(cluster_id)
+            if self.ledger is None:
+                raise PreconditionError("this run has no data-chunk ledger")
+            if n > 0:
+                self.ledger.lease(cluster_id, n)
+            return self.ledger.holdings(cluster_id), self.ledger.windows_per_chunk, self.ledger.epoch
+
+    def _member(self, cluster_id: str) -> ClusterEntry:
+        if cluster_id not in self.clusters:
+            raise PreconditionError(f"cluster {cluster_id!r} has not joined")
+        return self.clusters[cluster_id]
+
+    def _monitor(self) -> None:
+        """Remove silent clusters; mark silent followers down (§12: 3 missed heartbeats)."""
+        limit = self.cfg.missed_heartbeats * self.cfg.heartbeat_interval_s
+        while not self._stop.wait(min(0.25, self.cfg.heartbeat_interval_s / 2)):
+            events = []
+            with self._cond:
+                now = self._clock()
+                for c in [c for c in self.clusters.values() if now - c.last_seen > limit]:
+                    self._drop_cluster(c.cluster_id, "heartbeat timeout")
+                    events.append(("cluster_removed", {"cluster": c.cluster_id,
+                                                       "silent_s": round(now - c.last_seen, 3)}))
+                for f in self.followers.values():
+                    if f.up and now - f.last_seen > limit:
+                        f.up = False
+                        self.needs_reconcile = True
+                        events.append(("follower_down", {"follower": f.index,
+                                                         "silent_s": round(now - f.last_seen, 3)}))
+            for kind, extra in events:
+                self.event(kind, **extra)

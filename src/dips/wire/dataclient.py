@@ -1,0 +1,228 @@
+"""The stage-worker side of the ZeroMQ data plane (§5, §10, §12 of the seed).
+
+One :class:`DataClient` is one DEALER connection to one follower's
+:class:`~dips.wire.dataplane.DataServer`; it runs one operation at a time (not thread-safe:
+each stage worker owns its clients). Message kinds (first frame):
+
+* ``M``: a single authenticated message of :mod:`dips.wire.frames`; every reply is one.
+* ``B``/``C``/``E``: a chunked stream (:mod:`dips.wire.stream`); a push is answered by one
+  ``M`` (ack or error) naming the stream's ``xfer`` id.
+* ``R``: a pull request (an ``M``-encoded message with ``xfer`` and ``chunk``), answered by a
+  stream, or by an ``M`` error at any point of it.
+
+Several pushes may be in flight on one client (start them in order, finish them in any
+order: replies are matched by ``xfer``). Sends are zero-copy (``copy=False``): a tensor
+passed to :meth:`DataClient.push_start` must stay unchanged until its
+:meth:`DataClient.push_finish` returns.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Sequence
+
+import torch
+import zmq
+
+from dips.wire.frames import FrameError, Message, decode, encode, tensor_bytes
+from dips.wire.stream import (BEGIN, CHUNK, DEFAULT_CHUNK_BYTES, END, StreamReader, StreamWriter,
+                              TensorSpec)
+
+MSG, PULL = b"M", b"R"
+
+
+class DataPlaneError(RuntimeError):
+    """The peer answered a data-plane request with an error (its text is the message)."""
+
+
+def xfer_id(value: Any) -> bytes:
+    """Parse a 16-byte transfer id from hex. Raises FrameError naming the value."""
+    try:
+        x = bytes.fromhex(value)
+    except (TypeError, ValueError):
+        x = b""
+    if len(x) != 16:
+        raise FrameError(f"field 'xfer' = {value!r} is not a 16-byte hex id")
+    return x
+
+
+class DataClient:
+    """A DEALER socket to one follower's data server.
+
+    Args:
+        key: run secret.
+        endpoint: ``tcp://host:port`` of the follower.
+        timeout_s: seconds to wait for each reply or message before ``TimeoutError``.
+        limiter: called with a byte count before each message or chunk is sent (e.g.
+            :meth:`dips.wire.shaping.TokenBucket.consume`, to emulate a slower link).
+    """
+
+    def __init__(self, key: bytes, endpoint: str, timeout_s: float = 60.0,
+                 limiter: Callable[[int], Any] | None = None) -> None:
+        self._key = key
+        self.endpoint = endpoint
+        self.timeout_s = timeout_s
+        self.limiter = limiter
+        self._ctx = zmq.Context.instance()
+        self._sock: zmq.Socket | None = None
+        self._early: dict[str, Message] = {}
+
+    def _socket(self) -> zmq.Socket:
+        if self._sock is None:
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, 0)   # queued chunks are references, not copies
+            sock.setsockopt(zmq.RCVHWM, 32)  # at most 32 chunks read ahead of the consumer
+            sock.setsockopt(zmq.SNDTIMEO, int(self.timeout_s * 1000))
+            sock.setsockopt(zmq.RCVTIMEO, int(self.timeout_s * 1000))
+            sock.connect(self.endpoint)
+            self._sock = sock
+        return self._sock
+
+    def _send(self, parts: list, nbytes: int) -> None:
+        if self.limiter is not None:
+            self.limiter(nbytes)
+        self._socket().send_multipart(parts, copy=False)
+
+    def _guard(self, what: str, fn: Callable[[], Any]) -> Any:
+        try:
+            return fn()
+        except zmq.Again:
+            self.close()
+            raise TimeoutError(f"no reply from {self.endpoint} within {self.timeout_s} s "
+                               f"({what})") from None
+        except BaseException:
+            self.close()  # never read the rest of a broken exchange as a later reply
+            raise
+
+    def _reply(self, xfer: bytes | None, what: str) -> Message:
+        msg = self._early.pop(xfer.hex(), None) if xfer is not None else None
+        while msg is None:
+            frames = self._socket().recv_multipart(copy=False)
+            if not frames or frames[0].bytes != MSG:
+                raise FrameError(f"expected a reply from {self.endpoint}, got kind "
+                                 f"{frames[0].bytes[:8] if frames else b''!r} ({what})")
+            msg = decode(self._key, [f.buffer for f in frames[1:]])
+            got = msg.header.pop("xfer", None)
+            if xfer is not None and got is not None and got != xfer.hex():
+                self._early[got] = msg  # the reply to another stream still in flight
+                msg = None
+        if msg.header.get("op") == "error":
+            raise DataPlaneError(f"{self.endpoint}: {msg.header.get('error')}")
+        return msg
+
+    def request(self, header: dict[str, Any],
+                tensors: Sequence[tuple[str, torch.Tensor]] = ()) -> Message:
+        """Send one message and return the verified reply.
+
+        Raises:
+            TimeoutError: no reply within ``timeout_s`` (the socket is reset).
+            DataPlaneError: the follower replied with an error.
+            FrameError: bad input, or the reply failed verification.
+        """
+        def run() -> Message:
+            frames = encode(self._key, header, tensors)
+            self._send([MSG, *frames], sum(memoryview(f).nbytes for f in frames))
+            return self._reply(None, f"op {header.get('op')!r}")
+        return self._guard(f"op {header.get('op')!r}", run)
+
+    def push_start(self, header: dict[str, Any], tensors: Sequence[tuple[str, torch.Tensor]],
+                   chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> StreamWriter:
+        """Queue a stream of ``tensors`` (contiguous BF16/FP32) in chunks; return its handle.
+
+        Returns as soon as everything is queued (libzmq sends in the background).
+        Raises FrameError for bad input, TimeoutError if the queue stays full.
+        """
+        def run() -> StreamWriter:
+            w = StreamWriter(self._key, header, [TensorSpec.of(n, t) for n, t in tensors],
+                             chunk_bytes)
+            self._send(w.begin(), len(w.head))
+            for i, (_, t) in enumerate(tensors):
+                for parts in w.chunks(i, t):
+                    self._send(parts, memoryview(parts[3]).nbytes)
+            self._send(w.end(), 64)
+            return w
+        return self._guard(f"push {header.get('op')!r}", run)
+
+    def push_finish(self, pending: StreamWriter) -> dict[str, Any]:
+        """Wait for the follower's reply to a stream; return its header.
+
+        Raises TimeoutError, DataPlaneError (refused: the reason names the field), FrameError.
+        """
+        return self._guard("push reply", lambda: self._reply(pending.xfer, "push").header)
+
+    def push(self, header: dict[str, Any], tensors: Sequence[tuple[str, torch.Tensor]],
+             chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> dict[str, Any]:
+        """:meth:`push_start` then :meth:`push_finish`."""
+        return self.push_finish(self.push_start(header, tensors, chunk_bytes))
+
+    def pull(self, header: dict[str, Any], out: Sequence[tuple[str, torch.Tensor]],
+             chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> dict[str, Any]:
+        """Request a stream and receive it straight into ``out`` (no intermediate copy).
+
+        ``out`` lists the expected tensors in order (contiguous CPU tensors); the stream must
+        announce exactly these names, dtypes and shapes. ``out`` holds partial data if an
+        error is raised, so it must be a staging area, never live parameters.
+
+        Returns the reply header. Raises TimeoutError, DataPlaneError (refused), FrameError
+        (announced tensors differ, chunk out of order/wrong size/unauthenticated, truncated).
+        """
+        for n, t in out:
+            if not t.is_contiguous():
+                raise ValueError(f"pull destination {n!r} is not contiguous")
+        want = [TensorSpec.of(n, t) for n, t in out]
+        xfer = os.urandom(16)
+
+        def run() -> dict[str, Any]:
+            req = encode(self._key, {**header, "xfer": xfer.hex(), "chunk": chunk_bytes})
+            self._send([PULL, *req], sum(memoryview(f).nbytes for f in req))
+            sock = self._socket()
+            parts = sock.recv_multipart()
+            if parts[0] == MSG:
+                decode_reply = self._check_error(parts)
+                raise FrameError(f"expected a stream from {self.endpoint}, got {decode_reply}")
+            if parts[0] != BEGIN or len(parts) != 3:
+                raise FrameError(f"expected a stream begin from {self.endpoint}, got kind "
+                                 f"{parts[0][:8]!r} with {len(parts)} frames")
+            reader = StreamReader(self._key, parts[1], parts[2])
+            if reader.xfer != xfer:
+                raise FrameError(f"stream {reader.xfer.hex()} answers another request")
+            if reader.specs != want:
+                raise FrameError(f"stream announces {[(s.name, s.dtype, s.shape) for s in reader.specs]}, "
+                                 f"expected {[(s.name, s.dtype, s.shape) for s in want]}")
+            dests = [tensor_bytes(t) for _, t in out]
+            while True:
+                kind = sock.recv()
+                if kind == CHUNK and sock.getsockopt(zmq.RCVMORE):
+                    meta = sock.recv()
+                    i, off, n = reader.expect(meta)
+                    tag = sock.recv()
+                    view = dests[i][off:off + n]
+                    got = sock.recv_into(view)
+                    if got != n:
+                        raise FrameError(f"chunk {reader.received} of tensor {want[i].name!r} is "
+                                         f"{got} bytes, expected {n}")
+                    reader.verify(meta, tag, view)
+                elif kind == END:
+                    rest = sock.recv_multipart()
+                    if len(rest) != 2:
+                        raise FrameError(f"end message has {len(rest)} frames, expected 2")
+                    reader.end(rest[0], rest[1])
+                    return reader.header
+                elif kind == MSG:
+                    raise FrameError(f"stream interrupted: {self._check_error([kind, *sock.recv_multipart()])}")
+                else:
+                    raise FrameError(f"unexpected message kind {kind[:8]!r} inside a stream")
+        return self._guard(f"pull {header.get('op')!r}", run)
+
+    def _check_error(self, parts: list[bytes]) -> dict[str, Any]:
+        msg = decode(self._key, parts[1:])
+        if msg.header.get("op") == "error":
+            raise DataPlaneError(f"{self.endpoint}: {msg.header.get('error')}")
+        return msg.header
+
+    def close(self) -> None:
+        self._early.clear()
+        if self._sock is not None:
+            self._sock.close(0)
+            self._sock = None

@@ -1,0 +1,275 @@
+"""Chunked tensor streams for the data plane (§10, §12 of the seed).
+
+A large transfer (one layer of a push, or the layers of a pull) travels as a sequence of
+ZeroMQ messages on one connection, so the receiver can verify and consume chunk k while chunk
+k+1 is still on the wire (a single multipart message is delivered only once complete):
+
+* ``BEGIN  [b"B", head, mac]``: ``head`` is UTF-8 JSON ``{"v": 2, "op": ..., "xfer": hex,
+  "chunk": bytes, "tensors": [{"name", "dtype", "shape"}, ...], ...}``;
+  ``mac = HMAC-SHA256(key, b"dips/begin" + head)``.
+* ``CHUNK  [b"C", meta, tag, data]``: ``meta = xfer (16 bytes) + seq (uint32 LE)``; ``data`` is
+  1 chunk of raw little-endian tensor bytes. Each tensor is cut on its own into pieces of
+  ``chunk`` bytes (the last may be shorter; an empty tensor has none), in tensor order.
+  ``tag = Poly1305(k_seq, data)`` with the one-time key ``k_seq = HMAC-SHA256(key,
+  b"dips/chunk" + xfer + seq)``: the HMAC binds every chunk to its transfer and position, and
+  Poly1305 (≈ 12 GB/s here, against 1.7 GB/s for HMAC-SHA256 itself) authenticates its bytes.
+* ``END    [b"E", meta, mac]``: ``meta = xfer + count``; ``mac = HMAC-SHA256(key, b"dips/end"
+  + xfer + count + tag_0 + ... + tag_{n-1})``, so the HMAC covers the header and every chunk.
+
+:class:`StreamReader` refuses, with a :class:`~dips.wire.frames.FrameError` naming the field
+and value, a header that is unauthenticated or malformed, a chunk that is out of order
+(reordered or lost), of the wrong size, unauthenticated, surplus, or an END that comes before
+all chunks (truncated). Nothing here allocates per chunk: data are memoryviews.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import math
+import os
+import struct
+from dataclasses import dataclass
+from typing import Any, Iterator, Sequence
+
+import torch
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives.poly1305 import Poly1305
+
+from dips.wire.frames import DTYPE_NAMES, DTYPES, MAX_HEADER_BYTES, FrameError, tensor_bytes
+
+STREAM_VERSION = 2
+BEGIN, CHUNK, END = b"B", b"C", b"E"
+DEFAULT_CHUNK_BYTES = 2 << 20
+MIN_CHUNK_BYTES = 256
+MAX_CHUNK_BYTES = 4 << 20
+_META = struct.Struct("<16sI")
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Name, wire dtype ("bf16" | "fp32") and shape of one streamed tensor."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * DTYPES[self.dtype].itemsize
+
+    @staticmethod
+    def of(name: str, t: torch.Tensor) -> "TensorSpec":
+        """Spec of a CPU tensor. Raises FrameError for a dtype other than BF16/FP32."""
+        if t.dtype not in DTYPE_NAMES:
+            raise FrameError(f"tensor {name!r}: dtype {t.dtype} is not one of {sorted(DTYPES)}")
+        return TensorSpec(name, DTYPE_NAMES[t.dtype], tuple(t.shape))
+
+
+def check_chunk_bytes(chunk_bytes: Any) -> int:
+    """Return ``chunk_bytes`` if it is an int in [256 B, 4 MiB] and a multiple of 4, else raise."""
+    if (isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int)
+            or not MIN_CHUNK_BYTES <= chunk_bytes <= MAX_CHUNK_BYTES or chunk_bytes % 4):
+        raise FrameError(f"field 'chunk' = {chunk_bytes!r} must be a multiple of 4 in "
+                         f"[{MIN_CHUNK_BYTES}, {MAX_CHUNK_BYTES}] bytes")
+    return chunk_bytes
+
+
+def plan_chunks(specs: Sequence[TensorSpec], chunk_bytes: int) -> list[tuple[int, int, int]]:
+    """Chunks of a transfer in order: ``(tensor index, byte offset, nbytes)``."""
+    out = []
+    for i, s in enumerate(specs):
+        n = s.nbytes
+        out.extend((i, off, min(chunk_bytes, n - off)) for off in range(0, n, chunk_bytes))
+    return out
+
+
+def _chunk_key(key: bytes, xfer: bytes, seq: int) -> bytes:
+    return hmac.digest(key, b"dips/chunk" + _META.pack(xfer, seq), "sha256")
+
+
+def _end_mac(key: bytes, xfer: bytes, count: int, tags: Sequence[bytes]) -> bytes:
+    mac = hmac.new(key, b"dips/end" + _META.pack(xfer, count), hashlib.sha256)
+    for t in tags:
+        mac.update(t)
+    return mac.digest()
+
+
+class StreamWriter:
+    """Builds the messages of one transfer (sender side).
+
+    Args:
+        key: the run secret. header: JSON fields (must contain ``op``; ``v``, ``xfer``,
+            ``chunk`` and ``tensors`` are reserved). specs: the tensors, in sending order.
+        chunk_bytes: piece size (see :func:`check_chunk_bytes`). xfer: 16-byte transfer id
+            (default: random).
+
+    Raises:
+        FrameError: a reserved or missing header field, a bad chunk size.
+    """
+
+    def __init__(self, key: bytes, header: dict[str, Any], specs: Sequence[TensorSpec],
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, xfer: bytes | None = None) -> None:
+        if "op" not in header:
+            raise FrameError("header field 'op' is missing")
+        reserved = {"v", "xfer", "chunk", "tensors"} & set(header)
+        if reserved:
+            raise FrameError(f"header fields {sorted(reserved)} are reserved")
+        self._key = key
+        self.xfer = xfer or os.urandom(16)
+        self.chunk_bytes = check_chunk_bytes(chunk_bytes)
+        self.specs = list(specs)
+        self.plan = plan_chunks(self.specs, self.chunk_bytes)
+        self._starts = [sum(1 for c in self.plan if c[0] < i) for i in range(len(self.specs))]
+        self.head = json.dumps({"v": STREAM_VERSION, **header, "xfer": self.xfer.hex(),
+                                "chunk": self.chunk_bytes,
+                                "tensors": [{"name": s.name, "dtype": s.dtype, "shape": list(s.shape)}
+                                            for s in self.specs]}, separators=(",", ":")).encode()
+        self._tags: list[bytes] = []
+
+    def begin(self) -> list[bytes]:
+        return [BEGIN, self.head, hmac.digest(self._key, b"dips/begin" + self.head, "sha256")]
+
+    def chunks(self, index: int, tensor: torch.Tensor) -> Iterator[list[Any]]:
+        """Yield ``[b"C", meta, tag, data]`` for every piece of tensor ``index`` (in order).
+
+        ``data`` is a zero-copy view of ``tensor``: keep it unchanged until it is sent.
+        Raises FrameError if ``tensor`` does not match its spec or comes out of order.
+        """
+        spec = self.specs[index]
+        if TensorSpec.of(spec.name, tensor) != spec or not tensor.is_contiguous():
+            raise FrameError(f"tensor {spec.name!r}: {tensor.dtype} {tuple(tensor.shape)} does not "
+                             f"match its spec {spec.dtype} {list(spec.shape)} (or not contiguous)")
+        if len(self._tags) != self._starts[index]:
+            raise FrameError(f"tensor {spec.name!r} sent out of order")
+        raw = tensor_bytes(tensor)
+        for seq in range(self._starts[index], len(self.plan)):
+            i, off, n = self.plan[seq]
+            if i != index:
+                break
+            data = raw[off:off + n]
+            tag = Poly1305.generate_tag(_chunk_key(self._key, self.xfer, seq), data)
+            self._tags.append(tag)
+            yield [CHUNK, _META.pack(self.xfer, seq), tag, data]
+
+    def end(self) -> list[bytes]:
+        """The END message. Raises FrameError if some chunk was not produced."""
+        if len(self._tags) != len(self.plan):
+            raise FrameError(f"stream ended after {len(self._tags)} of {len(self.plan)} chunks")
+        count = len(self.plan)
+        return [END, _META.pack(self.xfer, count), _end_mac(self._key, self.xfer, count, self._tags)]
+
+
+class StreamReader:
+    """Verifies one incoming transfer (receiver side); see the module docstring.
+
+    Args:
+        key: the run secret. head, mac: the BEGIN message's JSON and MAC.
+
+    Attributes:
+        header: JSON fields other than the reserved ones. specs: the announced tensors.
+        plan: ``(tensor index, byte offset, nbytes)`` per chunk. xfer: the 16-byte id.
+
+    Raises:
+        FrameError: unauthenticated or malformed header (field and value named).
+    """
+
+    def __init__(self, key: bytes, head: bytes, mac: bytes) -> None:
+        if len(head) > MAX_HEADER_BYTES:
+            raise FrameError(f"header length {len(head)} exceeds {MAX_HEADER_BYTES} bytes")
+        if not hmac.compare_digest(hmac.digest(key, b"dips/begin" + head, "sha256"), mac):
+            raise FrameError("begin mac does not match: stream unauthenticated or altered")
+        try:
+            h = json.loads(head)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise FrameError(f"stream header is not JSON: {exc}") from None
+        if not isinstance(h, dict) or h.get("v") != STREAM_VERSION:
+            raise FrameError(f"stream header field 'v' = {h.get('v') if isinstance(h, dict) else h!r}, "
+                             f"expected {STREAM_VERSION}")
+        try:
+            self.xfer = bytes.fromhex(h.pop("xfer"))
+            assert len(self.xfer) == 16
+        except (KeyError, ValueError, TypeError, AssertionError):
+            raise FrameError("stream header field 'xfer' is not a 16-byte hex id") from None
+        self.chunk_bytes = check_chunk_bytes(h.pop("chunk", None))
+        self.specs = [_spec(m) for m in _list(h.pop("tensors", None))]
+        if len({s.name for s in self.specs}) != len(self.specs):
+            raise FrameError(f"stream header lists a tensor twice: {[s.name for s in self.specs]}")
+        h.pop("v")
+        self.header = h
+        self.plan = plan_chunks(self.specs, self.chunk_bytes)
+        self._key = key
+        self._tags: list[bytes] = []
+
+    @property
+    def received(self) -> int:
+        return len(self._tags)
+
+    def expect(self, meta: bytes) -> tuple[int, int, int]:
+        """Check a chunk's ``meta`` names this transfer and the next position; return its place
+        ``(tensor index, byte offset, nbytes)``. Raises FrameError (reordered, lost, surplus)."""
+        try:
+            xfer, seq = _META.unpack(meta)
+        except struct.error:
+            raise FrameError(f"chunk meta is {len(meta)} bytes, expected {_META.size}") from None
+        if xfer != self.xfer:
+            raise FrameError(f"chunk of transfer {xfer.hex()} inside transfer {self.xfer.hex()}")
+        if seq >= len(self.plan):
+            raise FrameError(f"chunk seq {seq} beyond the {len(self.plan)} chunks announced")
+        if seq != len(self._tags):
+            raise FrameError(f"chunk seq {seq} arrived where seq {len(self._tags)} was expected "
+                             f"(reordered or lost)")
+        return self.plan[seq]
+
+    def verify(self, meta: bytes, tag: bytes, data: memoryview | bytes) -> tuple[int, int]:
+        """Verify the next chunk; return ``(tensor index, byte offset)`` where it belongs.
+
+        Raises FrameError: out of order, wrong size, or tag mismatch (unauthenticated/altered).
+        """
+        i, off, n = self.expect(meta)
+        if len(data) != n:
+            raise FrameError(f"chunk {len(self._tags)} of tensor {self.specs[i].name!r} is "
+                             f"{len(data)} bytes, expected {n}")
+        seq = len(self._tags)
+        try:
+            Poly1305.verify_tag(_chunk_key(self._key, self.xfer, seq), data, tag)
+        except InvalidSignature:
+            raise FrameError(f"chunk {seq} of tensor {self.specs[i].name!r}: tag does not match "
+                             f"(unauthenticated or altered)") from None
+        self._tags.append(bytes(tag))
+        return i, off
+
+    def end(self, meta: bytes, mac: bytes) -> None:
+        """Verify the END message. Raises FrameError if truncated or unauthenticated."""
+        try:
+            xfer, count = _META.unpack(meta)
+        except struct.error:
+            raise FrameError(f"end meta is {len(meta)} bytes, expected {_META.size}") from None
+        if xfer != self.xfer:
+            raise FrameError(f"end of transfer {xfer.hex()} inside transfer {self.xfer.hex()}")
+        if count != len(self.plan) or len(self._tags) != len(self.plan):
+            raise FrameError(f"stream truncated: {len(self._tags)} of {len(self.plan)} chunks "
+                             f"received, end says {count}")
+        if not hmac.compare_digest(_end_mac(self._key, self.xfer, count, self._tags), mac):
+            raise FrameError("end mac does not match: stream unauthenticated or altered")
+
+
+def _list(x: Any) -> list:
+    if not isinstance(x, list):
+        raise FrameError(f"stream header field 'tensors' = {x!r} is not a list")
+    return x
+
+
+def _spec(m: Any) -> TensorSpec:
+    if not isinstance(m, dict):
+        raise FrameError(f"tensor entry {m!r} is not an object")
+    name, dtype, shape = m.get("name"), m.get("dtype"), m.get("shape")
+    if not isinstance(name, str):
+        raise FrameError(f"tensor field 'name' = {name!r} is not a string")
+    if dtype not in DTYPES:
+        raise FrameError(f"tensor {name!r}: field 'dtype' = {dtype!r} not in {sorted(DTYPES)}")
+    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool)
+                                              and d >= 0 for d in shape):
+        raise FrameError(f"tensor {name!r}: field 'shape' = {shape!r} is not a list of sizes")
+    return TensorSpec(name, dtype, tuple(shape))

@@ -1,0 +1,81 @@
+"""Scenario → real-time run mapping (dips.bench.real) and shaping choice; no processes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from dips.baselines.real_launch import resolve_shaping
+from dips.bench.real import dips_run_config, link_rate_bps, worker_spec
+from dips.bench.runners import get_runner
+from dips.bench.scenario import METHODS, Scenario, load_scenario
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture(scope="module")
+def scenario() -> Scenario:
+    s = load_scenario(ROOT / "configs/compare/tiny.yaml").model_dump()
+    s["clusters"] = [
+        {"id": "a", "slowdown": 1.0, "bandwidth_gbit": 10.0,
+         "transient": [{"start_s": 20.0, "end_s": 40.0, "factor": 2.0}]},
+        {"id": "b", "slowdown": 2.0, "bandwidth_gbit": 10.0,
+         "bandwidth_schedule": [{"at_s": 100.0, "gbit": 1.0}]}]
+    s.update(eta=None, n_clusters=None, mode="real", real={"time_scale": 0.1})
+    return Scenario.model_validate(s)
+
+
+def test_worker_spec_keeps_the_transfer_over_step_ratio(scenario):
+    spec = worker_spec(scenario, "diloco")
+    n = spec.payload_bytes // 2  # default payload: the model's own BF16 size
+    assert spec.step_s == pytest.approx(scenario.timing.step_s * 0.1)
+    a, b = spec.clusters
+    real_transfer_s = spec.payload_bytes * 8 / a.rate_bps
+    emulated_transfer_s = scenario.transfer_bytes(n) * 8 / 10e9
+    assert real_transfer_s == pytest.approx(emulated_transfer_s * 0.1)
+    assert real_transfer_s / (scenario.inner.H * spec.step_s) == pytest.approx(
+        scenario.transfer_over_round(n, 10.0))
+    assert a.transient == [(2.0, 4.0, 2.0)]
+    assert b.rate_schedule == [(pytest.approx(10.0), pytest.approx(link_rate_bps(scenario, 1.0, n)))]
+    assert b.rate_schedule[0][1] == pytest.approx(a.rate_bps / 10)
+    assert spec.token_budget == scenario.token_budget and spec.data.cache_dir.is_absolute()
+
+
+def test_measured_step_and_payload_padding(scenario):
+    s = scenario.model_copy(update={"real": scenario.real.model_copy(
+        update={"measured_step": True, "payload_bytes": 1 << 20})})
+    spec = worker_spec(s, "dp")
+    assert spec.step_s is None and spec.payload_bytes == 1 << 20
+    # A bigger payload needs a proportionally faster link for the same transfer time.
+    assert spec.clusters[0].rate_bps == pytest.approx(
+        worker_spec(scenario, "dp").clusters[0].rate_bps * (1 << 20) / worker_spec(scenario, "dp").payload_bytes)
+
+
+def test_dips_ablations(scenario):
+    base = dips_run_config(scenario, "di-ps")
+    assert base.penalty.enabled and not base.outer.uniform_weights and base.outer.max_norm == 1.0
+    assert base.grace_window_s == pytest.approx(scenario.grace_window_s * 0.1)
+    assert [c.slowdown for c in base.clusters] == [1.0, 2.0]
+    assert not dips_run_config(scenario, "di-ps-no-penalty").penalty.enabled
+    assert dips_run_config(scenario, "di-ps-uniform").outer.uniform_weights
+    assert dips_run_config(scenario, "di-ps-no-clip").outer.max_norm is None
+    assert dips_run_config(scenario, "di-ps-no-grace").grace_window_s == 0.0
+
+
+def test_every_method_has_a_real_time_runner():
+    for method in METHODS:
+        assert callable(get_runner("real", method))
+
+
+def test_shaping_choice(scenario):
+    spec = worker_spec(scenario, "dp")
+    assert resolve_shaping("token-bucket", spec)[0] == "token-bucket"
+    assert resolve_shaping("none", spec)[0] == "none"
+    unshaped = spec.model_copy(update={"clusters": [c.model_copy(update={"rate_bps": None, "rate_schedule": []})
+                                                    for c in spec.clusters]})
+    assert resolve_shaping("auto", unshaped)[0] == "none"
+    assert resolve_shaping("auto", spec)[0] in ("tc-tbf", "token-bucket")
+    with pytest.raises(ValueError, match="shaping"):
+        resolve_shaping("netem", spec)

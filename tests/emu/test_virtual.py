@@ -1,0 +1,76 @@
+"""Di-PS in virtual time (dips.emu.virtual): it trains, its clock is exact, runs are bit-identical."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dips.bench.runners import get_runner
+from dips.emu.virtual import run_dips
+from tests.emu.vt_helpers import ROOT, TOKENS_PER_STEP, one_second_scale, tiny
+
+pytestmark = pytest.mark.timeout(120)
+CACHE = ROOT / ".cache" / "dips"
+TINY_PARAMS = 34976  # tiny.yaml's model
+
+
+def _lines(path: Path) -> list[str]:
+    return path.read_text().splitlines()
+
+
+def test_dips_trains_and_accounts(tmp_path: Path) -> None:
+    s = tiny(CACHE)
+    r = get_runner("virtual", "di-ps")(s, tmp_path)
+    assert r.method == "di-ps" and r.mode == "virtual" and r.shaping == "virtual"
+    assert r.curve[0].tokens == 0 and r.curve[-1].tokens == r.tokens >= s.token_budget
+    assert r.final_eval_loss < r.curve[0].eval_loss - 0.5
+    assert r.updates_pushed == r.updates_accepted + r.updates_rejected > 0
+    assert 0 < r.tokens_accepted <= r.tokens
+    assert r.tokens_per_s == pytest.approx(r.tokens / r.time_s)
+    rounds = [json.loads(x) for x in _lines(tmp_path / "events.jsonl")]
+    assert [x["round"] for x in rounds] == list(range(1, len(rounds) + 1))
+    assert r.extra["rounds"] == len(rounds) and r.extra["mean_staleness"] >= 0
+    # Versions advance by one per round with an accepted update, never otherwise.
+    versions = [x["version"] for x in rounds]
+    assert versions == [sum(1 for y in rounds[:i + 1] if y["accepted"]) for i in range(len(rounds))]
+
+
+def test_same_seed_gives_a_bit_identical_run(tmp_path: Path) -> None:
+    s = tiny(CACHE)
+    a = run_dips(s, tmp_path / "a")
+    b = run_dips(s, tmp_path / "b")
+    assert [(p.time_s, p.tokens, p.eval_loss) for p in a.curve] == \
+           [(p.time_s, p.tokens, p.eval_loss) for p in b.curve]
+    # Every round's squared norms, scores and clip factors are equal to the last bit.
+    assert _lines(tmp_path / "a" / "events.jsonl") == _lines(tmp_path / "b" / "events.jsonl")
+    c = run_dips(tiny(CACHE, seed=1), tmp_path / "c")
+    assert [p.eval_loss for p in c.curve[1:]] != [p.eval_loss for p in a.curve[1:]]
+
+
+@pytest.mark.parametrize("grace, expected", [(0.0, 11.0), (0.5, 11.0), (2.0, 13.0)])
+def test_virtual_clock_of_one_cluster(tmp_path: Path, grace: float, expected: float) -> None:
+    # H = 2 steps of 1 s, push 1 s, update 0.5 s, pull 1 s; 3 rounds until the budget:
+    # steps end at 1, 2 | push to 3, update to 3.5, pull to 4.5 | 5.5, 6.5 | ... | 10, 11.
+    # A grace window longer than the push (2 s) delays the update to 4 (+1 s per round).
+    s = tiny(CACHE, clusters=[{"id": "a", "bandwidth_gbit": 10}], grace_window_s=grace,
+             inner={"H": 2}, token_budget=3 * 2 * TOKENS_PER_STEP,
+             timing={"step_s": 1.0, "model_bytes_scale": one_second_scale(TINY_PARAMS),
+                     "update_s": 0.5})
+    r = run_dips(s, tmp_path)
+    assert r.time_s == pytest.approx(expected, abs=1e-9)
+    assert r.comm_s == pytest.approx(4.0, abs=1e-9)  # 2 rounds x (push + pull)
+    assert r.updates_pushed == 2
+    assert r.extra["clusters"]["a"]["idle_s"] == pytest.approx(expected - 6.0, abs=1e-9)
+
+
+def test_clusters_finishing_together_share_a_round(tmp_path: Path) -> None:
+    clusters = [{"id": "a"}, {"id": "b"}, {"id": "c", "slowdown": 3.0}]
+    s = tiny(CACHE, clusters=clusters, grace_window_s=0.0, inner={"H": 2},
+             token_budget=8 * 2 * TOKENS_PER_STEP, methods=["di-ps"])
+    run_dips(s, tmp_path)
+    rounds = [json.loads(x) for x in _lines(tmp_path / "events.jsonl")]
+    # a and b always arrive together; c (3x slower) never at the same instant.
+    assert all(set(x["clusters"]) in ({"a", "b"}, {"c"}) for x in rounds)
+    assert any(x["clusters"] == ["c"] for x in rounds)

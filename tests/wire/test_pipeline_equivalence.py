@@ -1,0 +1,179 @@
+"""The pipelined data plane and the naive one leave the followers bit-identical (§6, §10).
+
+Two identical parameter servers (2 followers each, real DataServers on loopback) receive the
+same pushes from 2 clusters of 2 stage workers, once through chunked streams (Δ formed at
+receipt into pooled buffers) and once through one message per layer (Δ formed when scored);
+after two outer steps θ, the momenta and what a cluster pulls must be equal bit for bit.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dips.algo import clip_factor, greedy_schedule, partition_contiguous, token_weights
+from dips.roles.cluster import StageWorker
+from dips.roles.follower import FollowerShard
+from dips.wire.dataplane import DataPlaneError, DataServer
+
+pytestmark = pytest.mark.timeout(120)
+KEY = b"e" * 32
+SHAPES = {"emb": [("emb.w", (1030, 1024))],  # > 1M elements: 2 norm blocks
+          **{f"l{i}": [(f"l{i}.a", (24, 40)), (f"l{i}.b", (40,))] for i in range(4)},
+          "head": [("head.w", (24, 50)), ("head.n", (24,))]}
+LAYERS = list(SHAPES)
+
+
+def _params(seed: int, scale: float = 1.0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {n: torch.randn(s, generator=g) * scale for l in LAYERS for n, s in SHAPES[l]}
+
+
+def _perturbed(base: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+    noise = _params(seed, 1e-2)
+    return {n: (t + noise[n]).requires_grad_(False) for n, t in base.items()}
+
+
+class PS:
+    def __init__(self, mode: str, tmp_path):
+        self.mode = mode
+        theta0 = _params(0)
+        sizes = [sum(theta0[n].numel() * 4 for n, _ in SHAPES[l]) for l in LAYERS]
+        self.owner: dict[str, int] = {}
+        self.shards, self.servers = [], []
+        for i, r in enumerate(partition_contiguous(sizes, 2)):
+            layers = {LAYERS[j]: [n for n, _ in SHAPES[LAYERS[j]]] for j in r}
+            self.owner.update({l: i for l in layers})
+            shard = FollowerShard(i, layers, theta0, log_dir=tmp_path / mode / f"f{i}")
+            self.shards.append(shard)
+            self.servers.append(DataServer(KEY, shard.handle).start())
+        self.endpoints = {i: s.endpoint for i, s in enumerate(self.servers)}
+
+    def workers(self, params: dict[str, torch.Tensor]) -> list[StageWorker]:
+        out = []
+        for k, layers in enumerate((LAYERS[:3], LAYERS[3:])):
+            w = StageWorker(k, {l: [(n, params[n]) for n, _ in SHAPES[l]] for l in layers}, KEY,
+                            self.endpoints, timeout_s=20)
+            w.mode, w.chunk_bytes = self.mode, 1024  # many chunks per tensor
+            out.append(w)
+        return out
+
+    def push(self, cluster: str, rnd: int, params: dict[str, torch.Tensor]) -> None:
+        index = {l: i for i, l in enumerate(LAYERS)}
+        workers = self.workers(params)
+        steps = greedy_schedule([[index[l] for l in w.layers] for w in workers],
+                                {index[l]: f for l, f in self.owner.items()}, 2)
+        for step in steps:
+            for t in step:
+                workers[t.worker].push(cluster, rnd, f"{cluster}{rnd}",
+                                       [(LAYERS[t.layer], t.follower)])
+        for w in workers:
+            w.close()
+
+    def outer_step(self, rnd: int, tokens: dict[str, int]) -> dict[str, float]:
+        clusters = sorted(tokens)
+        norms = {c: 0.0 for c in clusters}
+        for s in self.shards:
+            for c, valid, sq, err in s.score(rnd, clusters):
+                assert valid, err
+                norms[c] += sq
+        w = token_weights(tokens, clusters)
+        total = sum(s.aggregate(rnd, clusters, [w[c] for c in clusters]) for s in self.shards)
+        clip = clip_factor(total, 1.0)
+        for s in self.shards:
+            s.apply(rnd, clip, s.version + 1, clusters, [w[c] for c in clusters])
+            if hasattr(s, "commit"):
+                s.commit(s.version + 1)
+        return norms
+
+    def pull(self, version: int) -> dict[str, torch.Tensor]:
+        workers = self.workers(_params(9))
+        out = {}
+        for w in workers:
+            out.update({n: t.clone() for n, t in w.pull(version, self.owner).items()})
+            w.close()
+        return out
+
+    def close(self):
+        for s in self.servers:
+            s.stop()
+
+
+def test_streamed_and_single_message_paths_are_bit_identical(tmp_path):
+    runs = {m: PS(m, tmp_path) for m in ("stream", "single")}
+    try:
+        base = _params(0)
+        for rnd in (1, 2):
+            norms = {}
+            for m, ps in runs.items():
+                for j, c in enumerate(("a", "b")):
+                    ps.push(c, rnd, _perturbed(base, 10 * rnd + j))
+                norms[m] = ps.outer_step(rnd, {"a": 300, "b": 100})
+            assert norms["stream"] == norms["single"]  # ‖Δ‖² formed at receipt, bit for bit
+        pulled = {m: ps.pull(2) for m, ps in runs.items()}
+        for fa, fb in zip(runs["stream"].shards, runs["single"].shards):
+            assert fa.version == fb.version == 2
+            for n in fa.names:
+                assert torch.equal(fa.params[n], fb.params[n]), n
+                assert torch.equal(fa.momenta[n], fb.momenta[n]), n
+        assert pulled["stream"].keys() == pulled["single"].keys()
+        for n, t in pulled["stream"].items():
+            assert t.dtype == torch.bfloat16 and torch.equal(t, pulled["single"][n]), n
+        # The streamed path formed Δ in pooled buffers, reused by the second round.
+        pool = runs["stream"].shards[0]._stream_pools()[0]
+        assert pool.allocated == 2 and pool.reused == 2
+    finally:
+        for ps in runs.values():
+            ps.close()
+
+
+def test_refused_stream_marks_the_push_invalid_and_changes_nothing(tmp_path):
+    ps = PS("stream", tmp_path)
+    try:
+        before = [s.state()[2] for s in ps.shards]
+        bad = _perturbed(_params(0), 1)
+        bad["l1.a"][3, 4] = float("nan")
+        with pytest.raises(DataPlaneError, match="'l1.a' contains NaN"):
+            ps.push("x", 1, bad)
+        verdict = ps.shards[ps.owner["l1"]].score(1, ["x"])[0]
+        assert verdict[1] is False and "'l1.a' contains NaN" in verdict[3]
+        assert [s.state()[2] for s in ps.shards] == before
+    finally:
+        ps.close()
+
+
+def test_control_calls_never_wait_behind_a_transfer(tmp_path):
+    """While a push stream and a pull stream are half-way through, the shard's lock (taken by
+    score/aggregate/apply and by checkpoints) is free: bulk data never holds it."""
+    import threading
+
+    from dips.wire.dataclient import DataClient
+
+    ps = PS("stream", tmp_path)
+    try:
+        shard = ps.shards[0]
+        layer = next(iter(shard.layers))
+        gate, sent = threading.Event(), []
+
+        def limiter(n: int) -> None:  # stalls the stream after its first chunks
+            sent.append(n)
+            if len(sent) == 4:
+                assert gate.wait(30)
+
+        client = DataClient(KEY, ps.endpoints[0], timeout_s=30, limiter=limiter)
+        local = [(n, shard.params[n].to(torch.bfloat16)) for n in shard.layers[layer]]
+        t = threading.Thread(target=lambda: sent.append(client.push(
+            {"op": "push", "cluster": "a", "round": 1, "layer": layer}, local, chunk_bytes=1024)))
+        t.start()
+        while len(sent) < 4:
+            threading.Event().wait(0.01)
+        assert shard._lock.acquire(timeout=10)  # held by nobody mid-stream
+        shard._lock.release()
+        assert shard.score(1, ["a"])[0][1] is False  # incomplete push: invalid, not blocked
+        gate.set()
+        t.join(30)
+        assert sent[-1]["op"] == "ack"
+        assert shard.score(1, ["a"])[0][1] is (len(shard.layers) == 1)  # complete iff sole layer
+        client.close()
+    finally:
+        ps.close()
