@@ -21,27 +21,14 @@ Definitions (seconds are real, since the common start ``t0``):
 from __future__ import annotations
 
 import bisect
-import json
 from pathlib import Path
 from typing import Any
 
 from dips.baselines.real_common import WorkerSpec
 from dips.bench.result import CurvePoint, MethodResult
+from dips.emu.summary import read_jsonl
 
 __all__ = ["collect", "read_jsonl"]
-
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """Records of a JSON-lines file; a torn last line (killed writer) is skipped."""
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return out
 
 
 class _Evaluator:
