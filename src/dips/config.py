@@ -101,6 +101,9 @@ class RunConfig(_Strict):
     checkpoint_keep: int = Field(3, ge=2)
     lease_ahead: int = Field(2, ge=1)
     supervise: bool = True
+    # loopback: every process on 127.0.0.1. netns (root): each cluster in its own network
+    # namespace joined by veth to the servers' namespace, links shaped by tc tbf (link_bps).
+    network: Literal["loopback", "netns"] = "loopback"
     followers: int = Field(2, ge=1)
     clusters: list[ClusterSpec] = Field(default_factory=lambda: [
         ClusterSpec(id=f"c{i}", slowdown=s) for i, s in enumerate((1.0, 1.33, 1.67, 2.0))])

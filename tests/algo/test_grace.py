@@ -85,3 +85,14 @@ def test_window_modes():
         GraceWindow("adaptive")
     with pytest.raises(ValueError, match="opened_at"):
         dyn.close_time(math.nan)
+
+
+def test_window_state_round_trip_keeps_the_miss_cost():
+    from dips.algo.grace import GraceWindow
+
+    w = GraceWindow("dynamic", 1.0, 30.0)
+    w.observe_round(0.4, 0.2)
+    again = GraceWindow("dynamic", 1.0, 30.0)
+    again.restore(w.state())
+    assert again.estimator.miss_cost_s == pytest.approx(0.6)
+    assert GraceWindow().state() == {"miss_cost_s": None}

@@ -164,6 +164,17 @@ class GraceWindow:
             raise ValueError(f"opened_at must be a finite number of seconds, got {opened_at!r}")
         return t + self.seconds()
 
+    def state(self) -> dict[str, float | None]:
+        """What the leader checkpoints: the C_m estimate (seconds). λ is not kept: the arrival
+        times belong to the old process's clock, and new arrivals re-estimate it."""
+        return {"miss_cost_s": self.estimator.miss_cost_s}
+
+    def restore(self, state: dict[str, float | None]) -> None:
+        """Resume the C_m estimate saved by :meth:`state`. Raises ValueError if malformed."""
+        cm = state.get("miss_cost_s")
+        if cm is not None:
+            self.estimator.observe_round(_number("miss_cost_s", cm), 0.0)
+
     def stats(self) -> dict[str, float | str | None]:
         """Mode, window now, λ, C_m and τ* (None where unknown), for the outer-step log."""
         tau = self.dynamic_s()

@@ -8,6 +8,9 @@ The YAML file holds ``faults:``, a list of entries::
     - {phase: push, after_s: 10, action: kill, target: cluster-c2}    # crash while pushing
     - {at_s: 40, action: cut_link, target: cluster-c3, duration_s: 6} # link down, then restored
 
+With ``network: netns`` (root) a cut link is the cluster's veth set down in its namespace, so
+the kernel drops all of its traffic; on loopback it is emulated in the cluster process.
+
 ``target`` is a process name of the run (``leader``, ``follower-<i>``, ``cluster-<id>``).
 ``phase`` faults arm a failpoint (:mod:`dips.roles.failpoints`) that the target trips at that
 protocol phase (``push``, ``update`` or ``pull``) after ``after_s``. Every injected fault and
@@ -70,11 +73,12 @@ class FaultInjector:
     """
 
     def __init__(self, plan: FaultPlan, pid_of: Callable[[str], int | None], failpoints: Path,
-                 event: Callable[..., None]) -> None:
+                 event: Callable[..., None], net: Any = None) -> None:
         self.pending = sorted(plan.faults, key=lambda f: f.at_s if f.at_s is not None else f.after_s)
         self._pid_of = pid_of
         self._dir = failpoints
         self._event = event
+        self._net = net  # ShapedNetwork: cut links in the kernel instead of by failpoint
         self._undo: list[tuple[float, str, str, int | None]] = []
         self._armed: list[tuple[Fault, Path]] = []
         failpoints.mkdir(parents=True, exist_ok=True)
@@ -91,6 +95,8 @@ class FaultInjector:
                 os.kill(pid, signal.SIGCONT)
                 self._event("fault_cleared", target, action="stop", pid=pid)
             elif kind == "link_up":
+                if self._net is not None:
+                    self._net.set_link(target[len("cluster-"):], True)
                 (self._dir / f"{target}.link_down").unlink(missing_ok=True)
                 self._event("fault_cleared", target, action="cut_link")
         for f, marker in list(self._armed):
@@ -107,9 +113,14 @@ class FaultInjector:
             return
         pid = self._pid_of(f.target)
         if f.action == "cut_link":
-            (self._dir / f"{f.target}.link_down").write_text("down")
+            if self._net is not None and f.target.startswith("cluster-"):
+                self._net.set_link(f.target[len("cluster-"):], False)  # veth down: kernel cut
+                how = "netns"
+            else:
+                (self._dir / f"{f.target}.link_down").write_text("down")
+                how = "failpoint"
             self._undo.append((t + f.duration_s, "link_up", f.target, None))
-            self._event("fault", f.target, action="cut_link", duration_s=f.duration_s)
+            self._event("fault", f.target, action="cut_link", duration_s=f.duration_s, how=how)
             return
         if pid is None:
             self._event("fault_skipped", f.target, action=f.action, reason="not running")

@@ -44,6 +44,7 @@ class Child:
     log_path: Path
     args: list[str] = field(default_factory=list)
     restarts: int = 0
+    prefix: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -55,6 +56,13 @@ class Launch:
     console: Console
     children: dict[str, Child] = field(default_factory=dict)
     events: list[dict[str, Any]] = field(default_factory=list)
+    net: Any = None  # dips.emu.netns.ShapedNetwork when cfg.network == "netns"
+
+    def prefix_of(self, name: str) -> list[str]:
+        """argv prefix that runs child ``name`` in its network namespace ([] on loopback)."""
+        if self.net is None:
+            return []
+        return self.net.exec_prefix(name[len("cluster-"):] if name.startswith("cluster-") else None)
 
     def spawn(self, name: str, args: list[str]) -> Child:
         log_path = self.run_dir / "logs" / f"{name}.log"
@@ -63,12 +71,13 @@ class Launch:
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
                    TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", DIPS_PROCESS=name,
                    DIPS_FAILPOINTS=str(self.run_dir / "failpoints"))
-        proc = subprocess.Popen([sys.executable, "-m", "dips.cli", *args], stdout=out,
+        prefix = self.prefix_of(name)
+        proc = subprocess.Popen([*prefix, sys.executable, "-m", "dips.cli", *args], stdout=out,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                                 start_new_session=True)
         out.close()
         old = self.children.get(name)
-        child = Child(name, proc, log_path, list(args), old.restarts + 1 if old else 0)
+        child = Child(name, proc, log_path, list(args), old.restarts + 1 if old else 0, prefix)
         self.children[name] = child
         self.event("start" if old is None else "restart", name, pid=proc.pid)
         return child
@@ -113,7 +122,7 @@ class Launch:
             self.event("stopped", c.name, returncode=c.proc.returncode)
 
 
-def prepare(cfg: RunConfig, run_dir: Path) -> dict[str, Any]:
+def prepare(cfg: RunConfig, run_dir: Path, bind_host: str = "127.0.0.1") -> dict[str, Any]:
     """Tokenizer, token stream, initial model and layer ownership; returns the run spec.
 
     Writes ``init/model.safetensors`` (version 0 of θ), ``run.json``, ``secret`` (0600).
@@ -146,7 +155,7 @@ def prepare(cfg: RunConfig, run_dir: Path) -> dict[str, Any]:
             "windows_per_chunk": min(e - s for s, e in make_chunks(len(data.train),
                                                                    cfg.data.num_chunks))
             // (cfg.inner.seq_len + 1),
-            "leader_addr": f"127.0.0.1:{free_port()}",
+            "leader_addr": f"{bind_host}:{free_port()}", "bind_host": bind_host,
             "follower_ports": [[free_port(), free_port()] for _ in range(cfg.followers)]}
     (run_dir / "run.json").write_text(json.dumps(spec, indent=1))
     secret_path = run_dir / "secret"
@@ -196,8 +205,10 @@ def launch(cfg: RunConfig, run_dir: Path, max_time_s: float | None = None,
     # A re-used run directory starts empty of the previous run's outputs (they are appended to).
     for stale in ("leader.addr", "events.jsonl", "outer_steps.jsonl", "summary.json"):
         (run_dir / stale).unlink(missing_ok=True)
-    for stale in ("leader.json", "leader_events.jsonl", "train_start"):
+    for stale in ("leader.json", "leader_events.jsonl", "train_start", "leader.sock"):
         (run_dir / stale).unlink(missing_ok=True)
+    for stale_ipc in run_dir.glob("follower-*.ipc"):
+        stale_ipc.unlink(missing_ok=True)
     for stale in ("followers", "clusters", "logs", "final", "init", "failpoints"):
         shutil.rmtree(run_dir / stale, ignore_errors=True)
     max_time_s = max_time_s if max_time_s is not None else cfg.max_time_s
@@ -209,16 +220,26 @@ def launch(cfg: RunConfig, run_dir: Path, max_time_s: float | None = None,
     t_train = None
     try:
         console.print(f"[bold]dips[/] preparing data and model for run {cfg.name!r} in {run_dir}")
-        spec = prepare(cfg, run_dir)
+        bind_host = "127.0.0.1"
+        if cfg.network == "netns":
+            from dips.emu.netns import ShapedNetwork
+
+            net = ShapedNetwork([c.id for c in cfg.clusters],
+                                {c.id: c.link_bps for c in cfg.clusters})
+            net.__enter__()
+            run.net, bind_host = net, net.hub_addr
+            run.event("network", "launcher", mode="netns", hub=net.hub_addr, prefix=net.prefix,
+                      rates_bps={c.id: c.link_bps for c in cfg.clusters})
+        spec = prepare(cfg, run_dir, bind_host)
         console.print(f"model {spec['params']:,} parameters; {spec['train_tokens']:,} train / "
                       f"{spec['val_tokens']:,} validation tokens; initial validation loss "
                       f"{spec['eval_loss_initial']:.3f}")
         secret = (run_dir / "secret").read_text().strip()
         run.spawn("leader", ["_leader", "--run-dir", str(run_dir)])
-        addr = _wait_for(lambda: (run_dir / "leader.addr").exists() and
+        _wait_for(lambda: (run_dir / "leader.addr").exists() and
                          (run_dir / "leader.addr").read_text().strip(),
                          cfg.timeouts.startup_s, "leader address", run)
-        client = leader_client(addr, secret)
+        client = leader_client(f"unix:{run_dir / 'leader.sock'}", secret)
         for i in range(cfg.followers):
             run.spawn(f"follower-{i}", ["_follower", "--run-dir", str(run_dir), "--index", str(i)])
         _wait_for(lambda: (s := _status(client)) and len(s.followers) == cfg.followers,
@@ -229,7 +250,8 @@ def launch(cfg: RunConfig, run_dir: Path, max_time_s: float | None = None,
         (run_dir / "train_start").write_text(repr(time.time()))
         injector = None
         if faults is not None and faults.faults:
-            injector = FaultInjector(faults, run.pid_of, run_dir / "failpoints", run.event)
+            injector = FaultInjector(faults, run.pid_of, run_dir / "failpoints", run.event,
+                                     run.net)
         interrupted = _train(run, client, Progress(cfg, console), t_train, max_time_s, injector)
         summary = _finish(run, client, spec, secret, t_start, t_train, interrupted)
     except KeyboardInterrupt:
@@ -242,6 +264,8 @@ def launch(cfg: RunConfig, run_dir: Path, max_time_s: float | None = None,
         run.stop(list(run.children), cfg.timeouts.shutdown_s)
         if client is not None:
             client.close()
+        if run.net is not None:
+            run.net.__exit__(None, None, None)
     return summary
 
 

@@ -291,6 +291,12 @@ class ShapedNetwork:
             self._apply(cid, rate_bps, "replace")
         self._rates[cid] = rate_bps
 
+    def set_link(self, cluster: str, up: bool) -> None:
+        """Cut (``up=False``) or restore ``cluster``'s link: its veth end goes down or up, so all
+        of its traffic stops in the kernel (fault injection, issue 4). Raises NetnsError."""
+        cid = self.clusters[self._index(cluster)]
+        self._ip("-n", self.ns(cid), "link", "set", self.iface(cid), "up" if up else "down")
+
     def qdiscs(self, cluster: str) -> str:
         """``tc qdisc show`` of the cluster end and the hub end (for reports and tests)."""
         return "\n".join(_run(["tc", "-n", ns, "qdisc", "show", "dev", dev], self.timeout_s).stdout

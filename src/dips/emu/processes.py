@@ -77,6 +77,9 @@ def run_leader(run_dir: Path) -> None:
     addr = spec["leader_addr"]
     if server.add_insecure_port(addr) == 0:
         raise RuntimeError(f"leader cannot bind {addr}")
+    # The launcher reads status through a unix socket: it works from outside the servers'
+    # network namespace too.
+    server.add_insecure_port(f"unix:{run_dir / 'leader.sock'}")
     server.start()
     leader.start()
     tmp = run_dir / "leader.addr.tmp"
@@ -127,12 +130,15 @@ def run_follower(run_dir: Path, index: int) -> None:
                           momenta=momenta, ckpt_dir=ckpt_dir, keep=cfg.checkpoint_keep)
     # Fixed ports (chosen by the launcher): a restarted follower keeps its addresses (§12).
     data_port, control_port = spec["follower_ports"][index]
-    data = DataServer(bytes.fromhex(secret), shard.handle, port=data_port).start()
+    host = spec.get("bind_host", "127.0.0.1")
+    data = DataServer(bytes.fromhex(secret), shard.handle, host=host, port=data_port)
+    data.bind(f"ipc://{run_dir / f'follower-{index}.ipc'}")  # the launcher's final pull
+    data.start()
     server = make_server(secret, max_workers=8)
     pbg.add_FollowerServicer_to_server(FollowerServicer(shard), server)
-    port = server.add_insecure_port(f"127.0.0.1:{control_port}")
+    port = server.add_insecure_port(f"{host}:{control_port}")
     if port == 0:
-        raise RuntimeError(f"follower {index} cannot bind 127.0.0.1:{control_port}")
+        raise RuntimeError(f"follower {index} cannot bind {host}:{control_port}")
     server.start()
     leader = leader_client(_wait_leader(run_dir, stop, cfg.timeouts.startup_s), secret)
     incarnation = time.time_ns()
@@ -142,7 +148,7 @@ def run_follower(run_dir: Path, index: int) -> None:
     # and a restarted leader learns this follower again within one interval (§12).
     while not stop.is_set():
         info = pb.FollowerInfo(index=index, data_endpoint=data.endpoint,
-                               control_endpoint=f"127.0.0.1:{port}", layers=owned,
+                               control_endpoint=f"{host}:{port}", layers=owned,
                                layer_bytes=[sizes[l] for l in owned], version=shard.version,
                                incarnation=incarnation)
         try:

@@ -62,8 +62,13 @@ def export_and_summarize(cfg: RunConfig, run_dir: Path, spec: dict[str, Any], se
     model_dir = run_dir / "final"
     version = status.version if status is not None else 0
     if status is not None:
-        fetch_global_model(model, list(status.followers), version, secret,
-                           timeout_s=cfg.timeouts.rpc_s)
+        from dips.wire.pb import control_pb2 as pb
+
+        # Through each follower's ipc endpoint: reachable from outside its network namespace.
+        local = [pb.FollowerInfo(index=f.index, layers=list(f.layers),
+                                 data_endpoint=f"ipc://{run_dir / f'follower-{f.index}.ipc'}")
+                 for f in status.followers]
+        fetch_global_model(model, local, version, secret, timeout_s=cfg.timeouts.rpc_s)
         final_loss = eval_loss(model, data.val, cfg.inner.seq_len, cfg.eval_batch_size,
                                cfg.eval_batches)
         model.save_pretrained(model_dir, safe_serialization=True)

@@ -112,6 +112,7 @@ class Leader(Membership):
         self.penalty = PenaltyState.from_dict(state["penalty"])
         self._version_stats = {int(v): (int(x[0]), int(x[1]))
                                for v, x in state.get("version_stats", {}).items()}
+        self._window.restore(state.get("grace", {}))
         # Members get a few extra intervals to find the restarted leader before removal.
         grace = self._clock() + 2 * self.cfg.missed_heartbeats * self.cfg.heartbeat_interval_s
         self.clusters = {c: ClusterEntry(c, stages, last_seen=grace)
@@ -130,7 +131,8 @@ class Leader(Membership):
                      "penalty": self.penalty.to_dict(),
                      "clusters": {c.cluster_id: c.stages for c in self.clusters.values()},
                      "ledger": self.ledger.to_dict() if self.ledger else None,
-                     "version_stats": {str(v): list(x) for v, x in self._version_stats.items()}}
+                     "version_stats": {str(v): list(x) for v, x in self._version_stats.items()},
+                     "grace": self._window.state()}
         leader_step.save_state(self._run_dir / "leader.json", state)
 
     def event(self, kind: str, **extra: Any) -> None:

@@ -123,6 +123,7 @@ class DataServer:
         else:
             port = self._sock.bind_to_random_port(f"tcp://{host}")
         self.endpoint = f"tcp://{host}:{port}"
+        self.extra_endpoints: list[str] = []
         self._outbox_addr = f"inproc://dips-outbox-{os.getpid()}-{id(self)}"
         self._outbox = self._ctx.socket(zmq.PULL)
         self._outbox.setsockopt(zmq.LINGER, 0)
@@ -134,6 +135,13 @@ class DataServer:
         self._threads = [threading.Thread(target=f, name=n, daemon=True) for f, n in
                          ((self._serve, "data-io"), (self._consume, "data-consumer"),
                           (self._produce, "data-producer"))]
+
+    def bind(self, endpoint: str) -> None:
+        """Also accept requests on ``endpoint`` (e.g. ``ipc://PATH`` for a local reader that
+        cannot reach the TCP address, such as a launcher outside the network namespace).
+        Call before :meth:`start`."""
+        self._sock.bind(endpoint)
+        self.extra_endpoints.append(endpoint)
 
     def start(self) -> "DataServer":
         for t in self._threads:
