@@ -30,7 +30,6 @@ import zmq
 
 from dips.algo import nesterov_step
 from dips.baselines.real_common import Worker, payload_elems, worker_main
-from dips.train.loop import inner_step
 from dips.wire.frames import FrameError, decode, encode
 
 __all__ = ["PeerLinks", "main", "run"]
@@ -167,13 +166,8 @@ def run(worker: Worker, key: bytes) -> None:
         step = rnd = 0
         while not w.stop.is_set():
             for _ in range(H):
-                t = time.monotonic()
-                loss = inner_step(w.model, w.opt, w.sampler.next_batch(), spec.inner.grad_clip)
-                compute_s = time.monotonic() - t
-                delay_s = w.pace(compute_s)
                 step += 1
-                w.record(step=step, loss=round(loss, 5), tokens=step * tpb,
-                         compute_s=round(compute_s, 4), delay_s=round(delay_s, 4))
+                w.paced_inner_step(step, tpb, spec.inner.grad_clip)
                 if w.stop.is_set():
                     break
             if w.stop.is_set():

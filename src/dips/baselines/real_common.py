@@ -239,6 +239,18 @@ class Worker:
             self.stop.wait(delay)
         return delay
 
+    def paced_inner_step(self, step: int, tokens_per_batch: int, grad_clip: float | None) -> None:
+        """One real AdamW inner step on the next batch, paced, and recorded as ``step``
+        (``tokens`` = step × tokens_per_batch) in ``train.jsonl``."""
+        from dips.train.loop import inner_step
+
+        t = time.monotonic()
+        loss = inner_step(self.model, self.opt, self.sampler.next_batch(), grad_clip)
+        compute_s = time.monotonic() - t
+        delay_s = self.pace(compute_s)
+        self.record(step=step, loss=round(loss, 5), tokens=step * tokens_per_batch,
+                    compute_s=round(compute_s, 4), delay_s=round(delay_s, 4))
+
     @property
     def overruns(self) -> int:
         """Calibrated steps whose real compute exceeded their target duration."""

@@ -22,7 +22,6 @@ import torch
 
 from dips.algo import nesterov_step
 from dips.baselines.real_common import SyncBuffer, Worker, init_gloo, synced_allreduce, worker_main
-from dips.train.loop import inner_step
 
 __all__ = ["main", "run"]
 
@@ -42,13 +41,8 @@ def run(worker: Worker) -> None:
     step = 0
     for rnd in range(1, rounds + 1):
         for _ in range(H):
-            t = time.monotonic()
-            loss = inner_step(w.model, w.opt, w.sampler.next_batch(), spec.inner.grad_clip)
-            compute_s = time.monotonic() - t
-            delay_s = w.pace(compute_s)
             step += 1
-            w.record(step=step, loss=round(loss, 5), tokens=step * tpb,
-                     compute_s=round(compute_s, 4), delay_s=round(delay_s, 4))
+            w.paced_inner_step(step, tpb, spec.inner.grad_clip)
             if w.stop.is_set() or w.now() > spec.max_time_s:
                 break
         flag = w.stop.is_set() or w.now() > spec.max_time_s
