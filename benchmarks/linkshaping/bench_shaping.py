@@ -23,61 +23,23 @@ from __future__ import annotations
 import argparse
 import json
 import socket
-import subprocess
-import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
 from dips.emu import netns
+from dips.emu.netprobe import measure_tcp_bps
 from dips.wire.shaping import TokenBucket
 
 ROOT = Path(__file__).resolve().parents[2]
-_SERVER = r"""
-import socket, sys, time
-s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-s.bind((sys.argv[1], 5201)); s.listen(1); s.settimeout(30)
-c, _ = s.accept(); c.settimeout(30); n = 0; t0 = t1 = None
-while True:
-    b = c.recv(1 << 20)
-    if not b:
-        break
-    t1 = time.monotonic(); t0 = t0 or t1; n += len(b)
-print(n, t1 - t0)
-"""
-_CLIENT = r"""
-import socket, sys, time
-for _ in range(50):
-    try:
-        c = socket.create_connection((sys.argv[1], 5201), timeout=10); break
-    except OSError:
-        time.sleep(0.1)
-buf = b"x" * 65536; end = time.monotonic() + float(sys.argv[2])
-while time.monotonic() < end:
-    c.sendall(buf)
-c.close()
-"""
-
-
 def kernel_rates(rates_mbit: list[float], seconds: float) -> list[dict]:
     """Delivered TCP rate through a tbf'd veth (cluster → hub) for each configured rate."""
     rows = []
     with netns.ShapedNetwork(["a"], {"a": None}) as net:
         for mbit in [None, *rates_mbit]:
             net.set_rate("a", None if mbit is None else mbit * 1e6)
-            srv = subprocess.Popen([*net.exec_prefix(None), sys.executable, "-c", _SERVER, net.hub_addr],
-                                   stdout=subprocess.PIPE, text=True)
-            try:
-                subprocess.run([*net.exec_prefix("a"), sys.executable, "-c", _CLIENT, net.hub_addr,
-                                str(seconds)], check=True, timeout=seconds + 30)
-                out, _ = srv.communicate(timeout=30)
-            finally:
-                if srv.poll() is None:
-                    srv.kill()
-                    srv.wait(10)
-            n, dt = out.split()
-            got = int(n) * 8 / float(dt) / 1e6
+            got = measure_tcp_bps(net, "a", None, seconds) / 1e6
             rows.append({"shaping": "tc-tbf", "configured_mbit": mbit, "delivered_mbit": round(got, 2),
                          "ratio": None if mbit is None else round(got / mbit, 4)})
     return rows
