@@ -1,8 +1,9 @@
 """The pipelined data plane and the naive one leave the followers bit-identical (§6, §10).
 
 Two identical parameter servers (2 followers each, real DataServers on loopback) receive the
-same pushes from 2 clusters of 2 stage workers, once through chunked streams (Δ formed at
-receipt into pooled buffers) and once through one message per layer (Δ formed when scored);
+same pushes from 2 clusters of 2 stage workers, once through chunked streams (Δ and the
+round's token-weighted sum formed at receipt into pooled buffers) and once through one message
+per layer (Δ and the sum formed when scored);
 after two outer steps θ, the momenta and what a cluster pulls must be equal bit for bit.
 """
 
@@ -58,7 +59,8 @@ class PS:
             out.append(w)
         return out
 
-    def push(self, cluster: str, rnd: int, params: dict[str, torch.Tensor]) -> None:
+    def push(self, cluster: str, rnd: int, params: dict[str, torch.Tensor],
+             tokens: int | None = None) -> None:
         index = {l: i for i, l in enumerate(LAYERS)}
         workers = self.workers(params)
         steps = greedy_schedule([[index[l] for l in w.layers] for w in workers],
@@ -66,7 +68,7 @@ class PS:
         for step in steps:
             for t in step:
                 workers[t.worker].push(cluster, rnd, f"{cluster}{rnd}",
-                                       [(LAYERS[t.layer], t.follower)])
+                                       [(LAYERS[t.layer], t.follower)], tokens)
         for w in workers:
             w.close()
 
@@ -103,12 +105,14 @@ def test_streamed_and_single_message_paths_are_bit_identical(tmp_path):
     runs = {m: PS(m, tmp_path) for m in ("stream", "single")}
     try:
         base = _params(0)
+        tokens = {"a": 300, "b": 100}
         for rnd in (1, 2):
             norms = {}
             for m, ps in runs.items():
                 for j, c in enumerate(("a", "b")):
-                    ps.push(c, rnd, _perturbed(base, 10 * rnd + j))
-                norms[m] = ps.outer_step(rnd, {"a": 300, "b": 100})
+                    # round 1: the round's sum formed at receipt; round 2: δ formed when asked
+                    ps.push(c, rnd, _perturbed(base, 10 * rnd + j), tokens[c] if rnd == 1 else None)
+                norms[m] = ps.outer_step(rnd, tokens)
             assert norms["stream"] == norms["single"]  # ‖Δ‖² formed at receipt, bit for bit
         pulled = {m: ps.pull(2) for m, ps in runs.items()}
         for fa, fb in zip(runs["stream"].shards, runs["single"].shards):
@@ -122,6 +126,8 @@ def test_streamed_and_single_message_paths_are_bit_identical(tmp_path):
         # The streamed path formed Δ in pooled buffers, reused by the second round.
         pool = runs["stream"].shards[0]._stream_pools()[0]
         assert pool.allocated == 2 and pool.reused == 2
+        # Both paths formed round 1's sum (only round 1's pushes carried token counts).
+        assert all(s._sum_pool.allocated == 1 for ps in runs.values() for s in ps.shards)
     finally:
         for ps in runs.values():
             ps.close()

@@ -105,10 +105,18 @@ class CheckpointWriter:
         self._thread.start()
 
     def submit(self, version: int, params: dict[str, torch.Tensor],
-               momenta: dict[str, torch.Tensor], checksum: str) -> None:
-        """Queue a checkpoint of ``version``; the tensors are copied now (callers may mutate)."""
-        job = (version, {n: t.clone() for n, t in params.items()},
-               {n: t.clone() for n, t in momenta.items()}, checksum)
+               momenta: dict[str, torch.Tensor], checksum: str, copy: bool = True) -> None:
+        """Queue a checkpoint of ``version`` (replacing a queued one not yet started).
+
+        ``copy=True`` clones the tensors now, so callers may mutate them. ``copy=False`` writes
+        them as they are: the caller must not modify them until :meth:`wait` says this version
+        is durable (the follower's commit guarantees that, and so saves a copy of θ and the
+        momentum on every outer step).
+        """
+        if copy:
+            params = {n: t.clone() for n, t in params.items()}
+            momenta = {n: t.clone() for n, t in momenta.items()}
+        job = (version, params, momenta, checksum)
         with self._cond:
             self._job = job
             self._cond.notify_all()

@@ -276,7 +276,7 @@ class ClusterClient:
             self._fail(reason)
             return SyncResult(False, self.version, -1, tokens, ok=False, reason=reason)
         failpoints.hit("push")
-        error = self._run_stages(grant)
+        error = self._run_stages(grant, max(tokens, 1))
         failpoints.hit("update")
         t1 = time.monotonic()
         try:
@@ -320,13 +320,13 @@ class ClusterClient:
         result.pull_s = time.monotonic() - t2
         return result
 
-    def _run_stages(self, grant: pb.PushGrant) -> str | None:
+    def _run_stages(self, grant: pb.PushGrant, tokens: int) -> str | None:
         plans: list[list[tuple[str, int]]] = [[] for _ in self._stages]
         for step in grant.schedule:
             for t in step.transfers:
                 plans[t.stage].append((t.layer, t.follower))
         return self._guard(_in_threads(
-            [lambda s=s, p=p: s.push(self.cluster_id, grant.round, grant.push_id, p)
+            [lambda s=s, p=p: s.push(self.cluster_id, grant.round, grant.push_id, p, tokens)
              for s, p in zip(self._stages, plans)], self.timeout_s))
 
     def _guard(self, error: str | None) -> str | None:

@@ -138,15 +138,21 @@ class StageWorker:
         with torch.no_grad():
             return [(n, self._buffer(n, p).copy_(p.detach())) for n, p in self.layers[layer]]
 
-    def push(self, cluster_id: str, rnd: int, push_id: str, transfers: list[tuple]) -> None:
+    def push(self, cluster_id: str, rnd: int, push_id: str, transfers: list[tuple],
+             tokens: int | None = None) -> None:
         """Send each ``(layer, follower, ...)`` in schedule order as BF16. Raises on refusal
         (DataPlaneError naming the reason) or timeout.
+
+        ``tokens`` (T_j, as announced to the leader) travels in each layer's header so that
+        followers can form the round's token-weighted sum at receipt
+        (:mod:`dips.roles.round_sum`); without it they form δ when the leader asks.
 
         Up to ``depth`` layers are in flight: layer k+1 is converted, and queued if its link is
         free, while layer k is on the wire, so neither the link nor the follower's consumer
         waits for a round trip between layers.
         """
-        head = {"op": "push", "cluster": cluster_id, "round": rnd, "push_id": push_id}
+        head = {"op": "push", "cluster": cluster_id, "round": rnd, "push_id": push_id,
+                "tokens": tokens}
         if self.mode == "single":
             for layer, follower, *_ in transfers:
                 tensors = [(n, p.detach().to(torch.bfloat16)) for n, p in self.layers[layer]]
