@@ -9,8 +9,10 @@ Data plane (ZeroMQ, :mod:`dips.wire.dataplane`):
 
 Control (gRPC, called by the leader only): ``score`` (per-cluster ‖Δ‖² with Δ formed against
 the current θ, §6), ``aggregate`` (token-weighted mean δ over the accepted set, returns
-‖δ‖² on this shard, §8), then a two-phase outer step: ``apply`` computes θ' = Nesterov(θ,
-clip·δ) in FP32 aside, ``commit`` makes it current (version += 1) or ``abort`` drops it;
+‖δ‖² on this shard, §8; usually ready from receipt, :mod:`dips.roles.round_sum`), then a
+two-phase outer step: ``apply`` computes θ' = Nesterov(θ, clip·δ) in FP32 aside (in place in
+spare buffers refreshed after every commit, :mod:`dips.roles.spare`), ``commit`` makes it
+current (version += 1) or ``abort`` drops it;
 ``restore`` brings the shard to a given version (commit it if prepared, else load it from
 its checkpoint) when the leader reconciles followers after a failure (§12); ``discard``.
 The follower never decides membership or acceptance: it applies exactly the accepted set and
