@@ -3,14 +3,14 @@
 Runs ``configs/compare/eta100.yaml`` (4 clusters, η = 100, 10 Gbit links) with a shorter token
 budget, once in virtual time (:mod:`dips.emu.virtual_runners`) and once in real time
 (:mod:`dips.bench.real`: one process per cluster, calibrated steps, links shaped by tc tbf as
-root or the token bucket), for the baselines (Di-PS's real-time runner is not paced like them
-yet, so it is left out).  Prints, per method, the real run's time converted to emulated
-seconds (real / time_scale) against the virtual clock's time, the same for the outer
-communication time, and both final validation losses.  A ratio near 1 says the virtual clock
-models what real processes and real links do.
+root or the token bucket), for the baselines and Di-PS (the processes of ``dips launch``, paced
+and shaped alike).  Prints, per method, the real run's time converted to emulated seconds
+(real / time_scale) against the virtual clock's time, the same for the outer communication
+time, and both final validation losses.  A ratio near 1 says the virtual clock models what
+real processes and real links do.
 
 Usage: python benchmarks/linkshaping/bench_real_vs_virtual.py [--budget 262144 --time-scale 0.1]
-(``make bench-real-vs-virtual``; ≈ 5 minutes on 2 cores).  Prints a table and ``RESULT {...}``.
+(``make bench-real-vs-virtual``; ≈ 7 minutes on 2 cores).  Prints a table and ``RESULT {...}``.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def main() -> None:
     ap.add_argument("--scenario", type=Path, default=ROOT / "configs/compare/eta100.yaml")
     ap.add_argument("--budget", type=int, default=262144)
     ap.add_argument("--time-scale", type=float, default=0.1)
-    ap.add_argument("--methods", nargs="+", default=["diloco", "dp", "async-diloco"])
+    ap.add_argument("--methods", nargs="+", default=["diloco", "dp", "async-diloco", "di-ps"])
     args = ap.parse_args()
     base = load_scenario(args.scenario).model_dump(exclude={"eta", "n_clusters"})
     base.update(methods=args.methods, token_budget=args.budget, name=f"{base['name']}-rt")

@@ -8,6 +8,7 @@ back to a default).
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Literal
 
@@ -62,14 +63,42 @@ class PenaltySettings(_Strict):
 
 class ClusterSpec(_Strict):
     """One cluster: its id, compute slowdown factor (>= 1), stage workers, optional transient
-    slowdowns ``(start_s, end_s, factor)`` in seconds of training, and an optional upload rate
-    limit ``link_bps`` (bits/s; an application-level token bucket on its data plane)."""
+    slowdowns ``(start_s, end_s, factor)`` in seconds of training, and an optional link rate
+    ``link_bps`` (bits/s): with ``network: loopback`` an application-level token bucket on its
+    data plane (upload), with ``network: netns`` the tc tbf of its veth (both directions).
+
+    ``link_schedule``: ``(at_s, link_bps)`` pairs; from ``at_s`` seconds after the run's
+    training start (the launcher's ``train_start``, the origin of ``transient`` too) the link
+    runs at that rate (a bandwidth schedule, :mod:`dips.emu.link_schedule`).  It needs
+    ``link_bps``; entries are kept sorted by ``at_s``.
+    """
 
     id: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
     slowdown: float = Field(1.0, ge=1.0)
     stages: int = Field(1, ge=1)
     transient: list[tuple[float, float, float]] = Field(default_factory=list)
     link_bps: float | None = Field(None, gt=0)
+    link_schedule: list[tuple[float, float]] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _valid_link_schedule(self) -> ClusterSpec:
+        for at, bps in self.link_schedule:
+            if not (math.isfinite(at) and at >= 0 and math.isfinite(bps) and bps > 0):
+                raise ValueError(f"cluster {self.id!r}: link_schedule entry {(at, bps)!r} needs "
+                                 "a finite at_s >= 0 and link_bps > 0")
+        if self.link_schedule and self.link_bps is None:
+            raise ValueError(f"cluster {self.id!r}: link_schedule = {self.link_schedule!r} needs "
+                             "link_bps (the rate before the first change)")
+        self.link_schedule = sorted(self.link_schedule)
+        return self
+
+    def link_bps_at(self, t: float) -> float | None:
+        """Link rate (bits/s) at ``t`` seconds after the training start; None: unshaped."""
+        rate = self.link_bps
+        for at, bps in self.link_schedule:
+            if at <= t:
+                rate = bps
+        return rate
 
 
 class Timeouts(_Strict):
@@ -130,6 +159,12 @@ class RunConfig(_Strict):
         if self.inner.seq_len > self.model.max_seq_len:
             raise ValueError(f"inner.seq_len = {self.inner.seq_len} exceeds model.max_seq_len = "
                              f"{self.model.max_seq_len}")
+        if self.network == "netns":  # tc tbf takes no rate below 8000 bit/s (dips.emu.netns)
+            for c in self.clusters:
+                for field, bps in [("link_bps", c.link_bps), *(("link_schedule", b) for _, b in c.link_schedule)]:
+                    if bps is not None and bps < 8000:
+                        raise ValueError(f"cluster {c.id!r}: {field} rate {bps} bit/s is below the "
+                                         "8000 bit/s that tc tbf accepts (network: netns)")
         n_layers = self.model.num_layers + 2
         if self.followers > n_layers:
             raise ValueError(f"followers = {self.followers} exceeds the {n_layers} layers to shard")

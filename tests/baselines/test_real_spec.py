@@ -1,4 +1,5 @@
-"""Scenario → real-time run mapping (dips.bench.real) and shaping choice; no processes."""
+"""Scenario → real-time run mapping (dips.bench.real) and shaping choice; no processes
+(``auto`` probes with one throw-away namespace as root)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,16 @@ from pathlib import Path
 import pytest
 
 from dips.baselines.real_launch import resolve_shaping
-from dips.bench.real import dips_run_config, link_rate_bps, worker_spec
+from dips.bench.real import (
+    _params,
+    dips_link_bps,
+    dips_run_config,
+    link_rate_bps,
+    worker_spec,
+)
 from dips.bench.runners import get_runner
 from dips.bench.scenario import METHODS, Scenario, load_scenario
+from dips.emu import netns
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(60)
@@ -69,13 +77,45 @@ def test_every_method_has_a_real_time_runner():
         assert callable(get_runner("real", method))
 
 
-def test_shaping_choice(scenario):
-    spec = worker_spec(scenario, "dp")
-    assert resolve_shaping("token-bucket", spec)[0] == "token-bucket"
-    assert resolve_shaping("none", spec)[0] == "none"
-    unshaped = spec.model_copy(update={"clusters": [c.model_copy(update={"rate_bps": None, "rate_schedule": []})
-                                                    for c in spec.clusters]})
-    assert resolve_shaping("auto", unshaped)[0] == "none"
-    assert resolve_shaping("auto", spec)[0] in ("tc-tbf", "token-bucket")
+def test_shaping_choice():
+    assert resolve_shaping("token-bucket", True)[0] == "token-bucket"
+    assert resolve_shaping("none", True)[0] == "none"
+    assert resolve_shaping("auto", False)[0] == "none"
+    assert resolve_shaping("auto", True)[0] == netns.probe().shaping
     with pytest.raises(ValueError, match="shaping"):
-        resolve_shaping("netem", spec)
+        resolve_shaping("netem", True)
+
+
+def test_dips_run_config_follows_shaping_and_bandwidth_schedule(scenario):
+    """Di-PS real time: the shaping choice picks network netns (tc tbf) or loopback + token
+    bucket; bandwidth schedules become clusters[].link_schedule, times × time_scale."""
+    n = _params(scenario)
+    ten = dips_link_bps(scenario, 10.0, n)
+    # Di-PS moves the real BF16 model: 2n bytes take the emulated transfer time × time_scale.
+    assert 2 * n * 8 / ten == pytest.approx(scenario.transfer_bytes(n) * 8 / 10e9 * 0.1)
+    kernel = dips_run_config(scenario, "di-ps", "tc-tbf")
+    bucket = dips_run_config(scenario, "di-ps", "token-bucket")
+    assert kernel.network == "netns" and bucket.network == "loopback"
+    for cfg in (kernel, bucket):
+        a, b = cfg.clusters
+        assert a.link_bps == b.link_bps == pytest.approx(ten) and a.link_schedule == []
+        assert b.link_schedule == [(pytest.approx(10.0), pytest.approx(ten / 10))]
+        assert b.link_bps_at(9.9) == pytest.approx(ten) and b.link_bps_at(10.0) == pytest.approx(ten / 10)
+        assert a.transient == [(2.0, 4.0, 2.0)]
+    unshaped = dips_run_config(scenario, "di-ps", "none")
+    assert unshaped.network == "loopback"
+    assert all(c.link_bps is None and c.link_schedule == [] for c in unshaped.clusters)
+    # Without an explicit choice the scenario's real.shaping is resolved as for the baselines.
+    for requested, network in (("token-bucket", "loopback"), ("none", "loopback"),
+                               ("auto", "netns" if netns.probe().shaping == "tc-tbf" else "loopback")):
+        s = scenario.model_copy(update={"real": scenario.real.model_copy(update={"shaping": requested})})
+        assert dips_run_config(s, "di-ps-uniform").network == network, requested
+    with pytest.raises(ValueError, match="shaping"):
+        dips_run_config(scenario, "di-ps", "netem")
+
+
+def test_dips_run_config_refuses_a_link_too_slow_for_tbf(scenario):
+    data = scenario.model_dump()
+    data["clusters"][1]["bandwidth_schedule"] = [{"at_s": 1.0, "gbit": 1e-9}]
+    with pytest.raises(ValueError, match="cluster 'b': bandwidth_schedule scales to"):
+        dips_run_config(Scenario.model_validate(data), "di-ps", "tc-tbf")

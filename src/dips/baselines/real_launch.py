@@ -37,16 +37,17 @@ Shaping = Literal["auto", "tc-tbf", "token-bucket", "none"]
 _ASYNC_PORT, _GLOO_PORT = 5555, 29500
 
 
-def resolve_shaping(requested: Shaping, spec: WorkerSpec) -> tuple[str, str]:
-    """``(shaping that will run, why)``.
+def resolve_shaping(requested: Shaping, rated: bool) -> tuple[str, str]:
+    """``(shaping that will run, why)``, for the baselines and real-time Di-PS alike.
 
-    ``auto``: ``tc-tbf`` when :func:`dips.emu.netns.probe` succeeds, else ``token-bucket``;
-    ``none`` when no cluster has a rate.  Raises RuntimeError when ``tc-tbf`` is requested
-    but unavailable (the reason named), ValueError for an unknown value.
+    ``rated``: whether any cluster has a link rate (or a rate schedule).  ``auto``: ``tc-tbf``
+    when :func:`dips.emu.netns.probe` succeeds, else ``token-bucket``; ``none`` when no
+    cluster has a rate.  Raises RuntimeError when ``tc-tbf`` is requested but unavailable
+    (the reason named), ValueError for an unknown value.
     """
     if requested not in ("auto", "tc-tbf", "token-bucket", "none"):
         raise ValueError(f"shaping must be auto, tc-tbf, token-bucket or none, got {requested!r}")
-    if requested == "none" or all(c.rate_bps is None and not c.rate_schedule for c in spec.clusters):
+    if requested == "none" or not rated:
         return "none", "no link rate configured" if requested != "none" else "requested"
     if requested == "token-bucket":
         return "token-bucket", "requested"
@@ -189,7 +190,8 @@ def launch_baseline(spec: WorkerSpec, run_dir: Path, shaping: Shaping = "auto",
         (run_dir / stale).unlink(missing_ok=True)
     for sub in ("ready", "clusters", "snapshots", "logs"):
         shutil.rmtree(run_dir / sub, ignore_errors=True)
-    mode, why = resolve_shaping(shaping, spec)
+    mode, why = resolve_shaping(shaping, any(c.rate_bps is not None or c.rate_schedule
+                                             for c in spec.clusters))
     d = spec.data
     load_tokens(d.cache_dir, d.vocab_size, d.val_fraction, d.max_train_tokens)  # warm the cache once
     (run_dir / "secret").unlink(missing_ok=True)

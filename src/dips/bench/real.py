@@ -4,7 +4,10 @@ Real processes, real gloo/ZeroMQ/gRPC traffic.  The baselines (``dp``, ``diloco`
 ``async-diloco``) run through :func:`dips.baselines.real_launch.launch_baseline`, one process
 per cluster, with the scenario's compute heterogeneity (calibrated inner steps, transients)
 and links (kernel ``tc tbf`` in network namespaces as root, else the token bucket).  Di-PS and
-its ablations run the real system of ``dips launch`` (:func:`dips.emu.launcher.launch`).
+its ablations run the real system of ``dips launch`` (:func:`dips.emu.launcher.launch`) with
+the same shaping choice (:func:`dips.baselines.real_launch.resolve_shaping`): ``network: netns``
+(clusters in namespaces, tc tbf) or the clusters' token buckets, and the scenario's bandwidth
+schedules as ``clusters[].link_schedule``.
 
 Mapping emulated → real (:class:`dips.bench.scenario.RealTime`): with ``ts = real.time_scale``,
 an inner step at slowdown 1 lasts ``timing.step_s × ts`` s; a transfer carries
@@ -25,7 +28,7 @@ from dips.bench.result import CurvePoint, MethodResult
 from dips.bench.runners import register
 from dips.bench.scenario import Scenario
 
-__all__ = ["dips_run_config", "link_rate_bps", "worker_spec"]
+__all__ = ["dips_link_bps", "dips_run_config", "link_rate_bps", "worker_spec"]
 
 
 def _params(s: Scenario) -> int:
@@ -95,35 +98,64 @@ _ABLATIONS = {"di-ps": {}, "di-ps-no-penalty": {"penalty": False}, "di-ps-unifor
               "di-ps-no-clip": {"clip": False}, "di-ps-no-grace": {"grace": False}}
 
 
-def dips_run_config(s: Scenario, method: str) -> Any:
+def dips_link_bps(s: Scenario, gbit: float, n_params: int) -> float:
+    """Real link rate (bits/s) of Di-PS for an emulated ``gbit`` Gbit/s link: Di-PS moves the
+    real BF16 model (2 bytes/parameter, no padding) per push and per pull, so its link runs at
+    the rate that makes those bytes take the emulated transfer time × ``real.time_scale``."""
+    return gbit * 1e9 * 2 * n_params / (s.transfer_bytes(n_params) * s.real.time_scale)
+
+
+def dips_run_config(s: Scenario, method: str, shaping: str | None = None) -> Any:
     """The :class:`dips.config.RunConfig` of Di-PS (or an ablation) on scenario ``s``.
 
     Ablations (issue 3): ``di-ps-no-penalty`` disables the §8 penalty, ``di-ps-uniform`` uses
     uniform instead of token weights, ``di-ps-no-clip`` removes the clip (max_norm None),
-    ``di-ps-no-grace`` sets the grace window to 0.  The grace window is scaled by
-    ``real.time_scale`` like every emulated duration.
+    ``di-ps-no-grace`` sets the grace window to 0.  The grace window, transients and bandwidth
+    schedules (``clusters[].link_schedule``) are scaled by ``real.time_scale`` like every
+    emulated duration; link rates by :func:`dips_link_bps`.
+
+    ``shaping``: the shaping that will run (``tc-tbf``: ``network: netns``; ``token-bucket``:
+    loopback with the clusters' token buckets; ``none``: no link rates); None resolves
+    ``s.real.shaping`` with :func:`dips.baselines.real_launch.resolve_shaping` (``auto``
+    probes for namespaces).
+
+    Raises:
+        ValueError: no token budget, an unknown shaping, or (shaped) a link slower than
+            8 kbit/s once scaled (cluster and field named).
+        RuntimeError: ``tc-tbf`` requested but unavailable.
     """
+    from dips.baselines.real_launch import resolve_shaping
     from dips.config import ClusterSpec, RunConfig
 
+    if shaping is None:
+        shaping = resolve_shaping(s.real.shaping, True)[0]
+    if shaping not in ("tc-tbf", "token-bucket", "none"):
+        raise ValueError(f"shaping must be tc-tbf, token-bucket or none, got {shaping!r}")
     ab = _ABLATIONS[method]
     outer = s.outer.model_copy(update={"uniform_weights": ab.get("uniform", s.outer.uniform_weights),
                                        **({"max_norm": None} if ab.get("clip") is False else {})})
     penalty = s.penalty.model_copy(update={"enabled": ab.get("penalty", s.penalty.enabled)})
     data = s.data.model_copy(update={"cache_dir": Path(s.data.cache_dir).resolve()})
     ts, n = s.real.time_scale, _params(s)
-    # Di-PS moves the real BF16 model (2 bytes/parameter) per push and per pull: its link runs
-    # at the rate that makes those bytes take the emulated transfer time (token bucket on the
-    # clusters' data plane; bandwidth schedules are not applied to Di-PS in real time).
-    clusters = [ClusterSpec(id=c.id, slowdown=c.slowdown, stages=c.stages,
-                            transient=[(t.start_s * ts, t.end_s * ts, t.factor) for t in c.transient],
-                            link_bps=c.bandwidth_gbit * 1e9 * 2 * n / (s.transfer_bytes(n) * ts))
-                for c in s.clusters]
+    shaped = shaping != "none"
+    clusters = []
+    for c in s.clusters:
+        link = dips_link_bps(s, c.bandwidth_gbit, n) if shaped else None
+        schedule = [(ch.at_s * ts, dips_link_bps(s, ch.gbit, n)) for ch in c.bandwidth_schedule] if shaped else []
+        for field, rate in [("bandwidth_gbit", link), *(("bandwidth_schedule", r) for _, r in schedule)]:
+            if rate is not None and rate < 8000:
+                raise ValueError(f"cluster {c.id!r}: {field} scales to {rate:.0f} bit/s for Di-PS "
+                                 "(< 8 kbit/s); lower timing.model_bytes_scale or real.time_scale")
+        clusters.append(ClusterSpec(
+            id=c.id, slowdown=c.slowdown, stages=c.stages,
+            transient=[(t.start_s * ts, t.end_s * ts, t.factor) for t in c.transient],
+            link_bps=link, link_schedule=schedule))
     return RunConfig(
         name=f"{s.name}-{method}", seed=s.seed, model=s.model, data=data, inner=s.inner,
         outer=outer, penalty=penalty, followers=s.followers,
         grace_window_s=0.0 if ab.get("grace") is False else s.grace_window_s * s.real.time_scale,
         step_s=None if s.real.measured_step else s.timing.step_s * ts,
-        clusters=clusters,
+        clusters=clusters, network="netns" if shaping == "tc-tbf" else "loopback",
         token_budget=_budget(s), max_time_s=s.real.max_time_s, eval_batches=s.eval_batches,
         eval_batch_size=s.eval_batch_size)
 
@@ -168,11 +200,13 @@ def _dips(method: str):
     def runner(scenario: Scenario, out_dir: Path) -> MethodResult:
         from rich.console import Console
 
+        from dips.baselines.real_launch import resolve_shaping
         from dips.baselines.real_results import read_jsonl
         from dips.emu.launcher import launch
 
         out_dir.mkdir(parents=True, exist_ok=True)
-        cfg = dips_run_config(scenario, method)
+        shaping, why = resolve_shaping(scenario.real.shaping, True)
+        cfg = dips_run_config(scenario, method, shaping)
         summary = launch(cfg, out_dir, scenario.real.max_time_s, console=Console(file=io.StringIO()))
         if not summary or summary.get("eval_loss_final") is None:
             raise RuntimeError(f"{method}: the Di-PS run produced no final model; see {out_dir}")
@@ -188,12 +222,15 @@ def _dips(method: str):
             tokens_per_s=round(summary["tokens_consumed"] / time_s, 2) if time_s > 0 else 0.0,
             curve=[CurvePoint(0.0, 0, summary["eval_loss_initial"]),
                    CurvePoint(time_s, summary["tokens_consumed"], summary["eval_loss_final"])],
-            shaping="none",
+            shaping=shaping,
             extra={"wait_s": round(sum(p["wait_s"] for p in push), 4), "outer_steps": summary["outer_steps"],
                    "rounds": summary.get("rounds"), "clusters": _dips_clusters(cfg, logs, time_s),
                    "time_scale": scenario.real.time_scale, "emulated_time_s": time_s / scenario.real.time_scale,
-                   "note": "Di-PS runs on loopback, unshaped, with slowdowns proportional to the "
-                           "measured step (launcher hooks for namespaces and calibrated steps pending)"})
+                   "shaping_reason": why, "network": cfg.network,
+                   "link_bps": {c.id: c.link_bps for c in cfg.clusters},
+                   "link_changes": [{k: e[k] for k in ("process", "link_bps", "at_s", "applied_s", "how")}
+                                    for e in read_jsonl(out_dir / "events.jsonl")
+                                    if e.get("event") == "link_rate"]})
 
     runner.__name__ = f"run_{method.replace('-', '_')}_real"
     runner.__doc__ = f"Real-time ``{method}``: the real Di-PS processes of ``dips launch``."

@@ -80,7 +80,11 @@ def render_compare(doc: dict[str, Any], results: list[MethodResult]) -> str:
             idle = ", ".join(f"{cid} {100 * c['idle_frac']:.1f}%" for cid, c in r.extra["clusters"].items())
             out.append(f"| {r.method} | {r.extra.get('rounds', '–')} | "
                        f"{_f(r.extra.get('mean_staleness'))} | {idle} |")
-    out += ["", "Shaping: " + "; ".join(_SHAPING.get(s, s) for s in doc["shaping"]) + ".", ""]
+    by: dict[str, list[str]] = {}  # shaping -> the methods that ran under it
+    for r in results:
+        by.setdefault(r.shaping, []).append(r.method)
+    out += ["", "Shaping: " + "; ".join(_SHAPING.get(s, s) + (f" ({', '.join(by[s])})" if len(by) > 1 else "")
+                                       for s in sorted(by)) + ".", ""]
     for name in doc.get("plots", []):
         out.append(f"![{name}]({name})")
     return "\n".join(out) + "\n"

@@ -1,9 +1,11 @@
 """``dips launch``: a whole Di-PS run on one machine, every role a separate OS process (§5).
 
 Steps: prepare the data (tokenizer, token stream, chunks) and the initial model once; start
-the leader, M followers and N clusters on 127.0.0.1; show live progress; stop at the token
-budget, ``--max-time`` or Ctrl-C; pull the final global model from the followers, evaluate
-it on the held-out split, save it in HF format, and write ``summary.json``.
+the leader, M followers and N clusters on 127.0.0.1 (``network: netns``: each cluster in its
+own network namespace, links shaped by tc tbf); show live progress; change link rates on
+``clusters[].link_schedule``; stop at the token budget, ``--max-time`` or Ctrl-C; pull the
+final global model from the followers, evaluate it on the held-out split, save it in HF
+format, and write ``summary.json``.
 
 Children run in their own sessions, so Ctrl-C reaches only the launcher, which then stops
 them in order (clusters first, then followers and leader) with SIGTERM, and SIGKILL after
@@ -30,6 +32,7 @@ from rich.console import Console
 from dips.algo import partition_contiguous
 from dips.config import RunConfig
 from dips.emu.faults import FaultInjector, FaultPlan
+from dips.emu.link_schedule import LinkSchedule
 from dips.emu.progress import Progress
 from dips.wire.pb import control_pb2 as pb
 from dips.wire.services import leader_client
@@ -246,13 +249,22 @@ def launch(cfg: RunConfig, run_dir: Path, max_time_s: float | None = None,
                   cfg.timeouts.startup_s, "followers registered", run)
         for c in cfg.clusters:
             run.spawn(f"cluster-{c.id}", ["_cluster", "--run-dir", str(run_dir), "--cluster-id", c.id])
+        # Training starts when the first cluster has joined (it trains from there): fault
+        # times, link schedules, transients and --max-time count from this moment, as the
+        # time to the token budget does.
+        _wait_for(lambda: (s := _status(client)) and len(s.clusters) > 0,
+                  cfg.timeouts.startup_s, "first cluster joined", run)
         t_train = time.monotonic()
         (run_dir / "train_start").write_text(repr(time.time()))
         injector = None
         if faults is not None and faults.faults:
             injector = FaultInjector(faults, run.pid_of, run_dir / "failpoints", run.event,
                                      run.net)
-        interrupted = _train(run, client, Progress(cfg, console), t_train, max_time_s, injector)
+        # Bandwidth schedules: tc tbf rate changes here (netns); the clusters' token buckets
+        # follow them themselves on loopback (recorded here as events all the same).
+        links = LinkSchedule(cfg.clusters, run.net, run.event)
+        interrupted = _train(run, client, Progress(cfg, console), t_train, max_time_s, injector,
+                             links)
         summary = _finish(run, client, spec, secret, t_start, t_train, interrupted)
     except KeyboardInterrupt:
         console.print("[yellow]interrupted: stopping every process[/]")
@@ -270,9 +282,10 @@ def launch(cfg: RunConfig, run_dir: Path, max_time_s: float | None = None,
 
 
 def _train(run: Launch, client: Any, progress: Progress, t_train: float,
-           max_time_s: float | None, injector: FaultInjector | None = None) -> bool:
-    """Show progress, supervise the children and inject faults until the token budget, the
-    time limit or Ctrl-C. Returns whether it was interrupted."""
+           max_time_s: float | None, injector: FaultInjector | None = None,
+           links: LinkSchedule | None = None) -> bool:
+    """Show progress, supervise the children, inject faults and apply link-rate changes until
+    the token budget, the time limit or Ctrl-C. Returns whether it was interrupted."""
     cfg = run.cfg
     reason = "token budget"
     liveness_s = max(3.0, cfg.missed_heartbeats * cfg.heartbeat_interval_s)
@@ -287,6 +300,8 @@ def _train(run: Launch, client: Any, progress: Progress, t_train: float,
                 elapsed = time.monotonic() - t_train
                 if injector is not None:
                     injector.tick(elapsed)
+                if links is not None:
+                    links.tick(elapsed)
                 run.supervise()
                 if time.monotonic() < next_status:
                     continue

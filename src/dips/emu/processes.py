@@ -202,17 +202,18 @@ def run_cluster(run_dir: Path, cluster_id: str) -> None:
                            seed=cfg.seed, ahead=cfg.lease_ahead)
     model = build_model(cfg.model, cfg.seed)
     opt = make_inner_optimizer(model, cfg.inner.lr, cfg.inner.weight_decay)
-    limiter = None
-    if me.link_bps is not None:  # application-level link shaping (no network namespace)
-        from dips.wire.shaping import TokenBucket
+    bucket = None
+    # Application-level link shaping on loopback; in network namespaces the kernel's tbf
+    # shapes the link (and the launcher follows link_schedule), so no second limit here.
+    if me.link_bps is not None and cfg.network == "loopback":
+        from dips.emu.link_schedule import ScheduledBucket
 
-        rate = me.link_bps / 8
-        limiter = TokenBucket(rate, max(65536.0, rate * 0.005)).consume
+        bucket = ScheduledBucket(me)
     client = ClusterClient(model, _wait_leader(run_dir, stop, cfg.timeouts.startup_s), cluster_id,
                            secret, H=cfg.inner.H, stages=me.stages, timeout_s=cfg.timeouts.push_s,
                            admit_timeout_s=cfg.timeouts.admit_s,
                            heartbeat_interval_s=cfg.heartbeat_interval_s, data=sampler,
-                           limiter=limiter)
+                           limiter=bucket.consume if bucket is not None else None)
     deadline = time.monotonic() + cfg.timeouts.startup_s
     while True:  # the leader may be restarting or waiting for followers: retry the join
         try:
@@ -227,6 +228,8 @@ def run_cluster(run_dir: Path, cluster_id: str) -> None:
     pacer = Pacer(me.slowdown, cfg.step_s, me.transient)
     start_file = run_dir / "train_start"
     t_start = float(start_file.read_text()) if start_file.exists() else time.time()
+    if bucket is not None:
+        bucket.start(t_start)  # link_schedule times count from the training start
     out_dir = run_dir / "clusters" / cluster_id
     out_dir.mkdir(parents=True, exist_ok=True)
     log.info("cluster %s joined at version %d, stages %s", cluster_id, client.version,
