@@ -12,8 +12,10 @@ tens of seconds here for nothing the benchmark measures).
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import secrets
 import socket
+import struct
 import time
 from pathlib import Path
 from typing import Any
@@ -240,3 +242,112 @@ def raw_tcp_bytes_per_s(nbytes: int, reps: int = 3) -> float:
             best = min(best, time.perf_counter() - t0)
     p.join(10)
     return nbytes / best
+
+
+# ----- ZeroMQ alone: the transport ceiling of the data plane -------------------------------
+# The same sockets (DEALER on the cluster, ROUTER on the follower, the data plane's options),
+# the same framing (``[b"C", meta 20 B, tag 16 B, data]`` per chunk, multipart, ``copy=False``,
+# receive without copying), the same chunk size; no conversion, no authentication, no Δ.
+
+def _zmq_options(sock: Any, router: bool) -> None:
+    import zmq
+
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.RCVHWM, 32)
+    sock.setsockopt(zmq.SNDTIMEO, 60_000)
+    sock.setsockopt(zmq.RCVTIMEO, 60_000)
+    if router:
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+
+
+def _zmq_chunks(nbytes: int, chunk: int) -> list[tuple[bytes, int]]:
+    """``(meta, size)`` per chunk of a transfer of ``nbytes`` (the data plane's meta layout)."""
+    xfer = os.urandom(16)
+    return [(struct.pack("<16sI", xfer, k), min(chunk, nbytes - off))
+            for k, off in enumerate(range(0, nbytes, chunk))]
+
+
+def _zmq_receive_stream(sock: Any, router: bool) -> int:
+    """Receive chunks (zero-copy frames, dropped at once) until END; returns data bytes."""
+    got, skip = 0, 2 if router else 1  # [ident,] kind, meta, tag, data
+    while True:
+        parts = sock.recv_multipart(copy=False)
+        kind = parts[skip - 1].bytes
+        if kind == b"E":
+            return got
+        if kind == b"C":
+            got += len(parts[skip + 2])
+
+
+def _zmq_peer(port: Any, nbytes: int, chunk: int, reps: int) -> None:
+    """The follower's side: a ROUTER that takes ``reps`` pushes and serves ``reps`` pulls."""
+    import zmq
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    _zmq_options(sock, router=True)
+    port.value = sock.bind_to_random_port("tcp://127.0.0.1")
+    src = memoryview(bytearray(chunk))  # touched once, sent by reference like a snapshot
+    tag, mac = b"\0" * 16, b"\0" * 32
+    try:
+        for _ in range(reps):
+            _zmq_receive_stream(sock, router=True)       # push
+            ident = sock.recv_multipart()[0]              # pull request
+            sock.send_multipart([ident, b"M", b"ack"])
+            for meta, n in _zmq_chunks(nbytes, chunk):
+                sock.send_multipart([ident, b"C", meta, tag, src[:n]], copy=False)
+            sock.send_multipart([ident, b"E", b"\0" * 20, mac])
+        sock.recv_multipart()  # the client's goodbye: everything sent was received
+    finally:
+        sock.close(0)
+        ctx.term()
+
+
+def zmq_bytes_per_s(nbytes: int, chunk: int, reps: int = 3) -> tuple[float, float]:
+    """Best-of-``reps`` throughput (bytes/s) of a push and of a pull of ``nbytes`` through
+    ZeroMQ alone between two processes, framed like the data plane (see above), in chunks of
+    ``chunk`` bytes. Raises TimeoutError (zmq.Again) if the peer stops answering for 60 s."""
+    import zmq
+
+    port = MP.Value("i", 0)
+    p = MP.Process(target=_zmq_peer, args=(port, nbytes, chunk, reps), daemon=True)
+    p.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not port.value:
+            if time.monotonic() > deadline or not p.is_alive():
+                raise RuntimeError("zmq peer did not start")
+            time.sleep(0.01)
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.DEALER)
+        _zmq_options(sock, router=False)
+        sock.connect(f"tcp://127.0.0.1:{port.value}")
+        src = memoryview(bytearray(chunk))
+        tag = b"\0" * 16
+        push, pull = float("inf"), float("inf")
+        try:
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                sock.send_multipart([b"B", b"{}", b"\0" * 32])
+                for meta, n in _zmq_chunks(nbytes, chunk):
+                    sock.send_multipart([b"C", meta, tag, src[:n]], copy=False)
+                sock.send_multipart([b"E", b"\0" * 20, b"\0" * 32])
+                sock.send_multipart([b"R", b"{}"])
+                if sock.recv_multipart()[0] != b"M":  # the push's ack: every byte is in
+                    raise RuntimeError("zmq peer: unexpected reply")
+                t1 = time.perf_counter()
+                got = _zmq_receive_stream(sock, router=False)
+                t2 = time.perf_counter()
+                if got != nbytes:
+                    raise RuntimeError(f"zmq pull moved {got} of {nbytes} bytes")
+                push, pull = min(push, t1 - t0), min(pull, t2 - t1)
+            sock.send_multipart([b"X"])
+        finally:
+            sock.close(0)
+            ctx.term()
+    finally:
+        p.join(10)
+        if p.is_alive():
+            p.kill()
+    return nbytes / push, nbytes / pull

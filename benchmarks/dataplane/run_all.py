@@ -73,7 +73,8 @@ def main() -> None:
     if t:
         print(f"1. push+pull {t['push_pull_gbps']['stream']:.2f} GB/s = "
               f"{t['ratio_vs_raw_tcp']['stream']:.0%} of raw TCP {t['raw_tcp_gbps']:.2f} GB/s "
-              f"(target >= 60%)")
+              f"(target >= 60%), {t['ratio_vs_zmq']['stream']:.0%} of ZeroMQ alone "
+              f"{t['zmq_gbps']:.2f} GB/s")
     if u:
         print(f"2. follower update {u['follower_gbps']:.2f} GB/s of state = "
               f"{u['ratio_follower_vs_sgd']:.0%} of fused SGD {u['sgd_gbps']:.2f} GB/s (target >= 50%)")

@@ -125,6 +125,10 @@ class RunConfig(_Strict):
     grace_window_s: float = Field(1.0, ge=0)
     grace_mode: Literal["fixed", "dynamic"] = "fixed"  # §7: dynamic = τ* = ln(C_m·λ)/λ
     grace_max_s: float = Field(30.0, ge=0)             # clamp of the dynamic window
+    # True: the seed's §6 round (no new window until every cluster of the round pulled);
+    # False: the next window opens once the update is committed (a slow pull delays only its
+    # own cluster; followers serve each version's snapshot until its pulls are done).
+    pull_barrier: bool = False
     heartbeat_interval_s: float = Field(1.0, gt=0)
     missed_heartbeats: int = Field(3, ge=1)
     checkpoint_keep: int = Field(3, ge=2)

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dips.algo.schedule import Transfer, greedy_schedule
+from dips.algo.schedule import ScheduleBook, Transfer, greedy_schedule
 
 T = Transfer
 
@@ -147,3 +147,89 @@ def test_a_new_cluster_schedule_depends_only_on_its_own_layers():
     b = greedy_schedule([[0, 1, 2, 3, 4, 5]], {i: i % 3 for i in range(6)}, 3)
     assert greedy_schedule([[0, 1, 2], [3, 4, 5]], {i: i % 3 for i in range(6)}, 3) == a
     assert b != a and len(a) == 3 and len(b) == 6
+
+
+# ----- across clusters: reserved steps and the ScheduleBook ---------------------------------
+
+def test_reserved_followers_rank_as_just_used():
+    # One worker with a layer on each of 4 followers; another cluster uses f0 at step 0, f1 at
+    # step 1, f2 at step 2, f3 at step 3. Step 0: f0 is in use -> f1 (lowest of the unused);
+    # step 1: f1 just used (own), f0 last at 0, f2/f3 never -> f2; step 2: f2 reserved,
+    # f3 never -> f3; step 3: f0 (step 0) < f1 (1) < f3 (reserved now) -> f0.
+    owner = {0: 0, 1: 1, 2: 2, 3: 3}
+    steps = greedy_schedule([[0, 1, 2, 3]], owner, 4, None, [{0}, {1}, {2}, {3}])
+    assert steps == [[T(0, 1, 1)], [T(0, 2, 2)], [T(0, 3, 3)], [T(0, 0, 0)]]
+
+
+def test_reserved_is_a_preference_not_a_ban():
+    # The only eligible follower is reserved at every step: it is still used (progress).
+    steps = greedy_schedule([[0, 1]], {0: 0, 1: 0}, 2, None, [{0}, {0}])
+    assert steps == [[T(0, 0, 0)], [T(0, 1, 0)]]
+
+
+def test_reserved_validation():
+    with pytest.raises(ValueError, match=r"reserved\[1\].*7"):
+        greedy_schedule([[0]], {0: 0}, 2, None, [set(), {7}])
+
+
+def test_book_second_cluster_of_a_round_starts_on_other_followers():
+    """Hand-checked: 2 stage workers x 4 followers, stage 0 holds layers 0-3 (on f0, f0, f1,
+    f1), stage 1 holds 4-7 (on f2, f2, f3, f3).
+
+    Cluster A (first of round 0, no history): step 0: w0 -> f0 (tie -> lowest), w1 -> f2;
+    step 1: w0 -> f1 (never used), w1 -> f3; step 2: w0 -> f0, w1 -> f2; step 3: f1, f3.
+    Cluster B (same round): at step 0, A uses f0 and f2 -> w0 takes f1, w1 takes f3; step 1
+    (A on f1, f3): w0 -> f0, w1 -> f2; and so on: B's links are never A's at the same step."""
+    book = ScheduleBook(4)
+    workers = [[0, 1, 2, 3], [4, 5, 6, 7]]
+    owner = {0: 0, 1: 0, 2: 1, 3: 1, 4: 2, 5: 2, 6: 3, 7: 3}
+    a = book.schedule(0, workers, owner)
+    assert a == [[T(0, 0, 0), T(1, 4, 2)], [T(0, 2, 1), T(1, 6, 3)],
+                 [T(0, 1, 0), T(1, 5, 2)], [T(0, 3, 1), T(1, 7, 3)]]
+    b = book.schedule(0, workers, owner)
+    assert b == [[T(0, 2, 1), T(1, 6, 3)], [T(0, 0, 0), T(1, 4, 2)],
+                 [T(0, 3, 1), T(1, 7, 3)], [T(0, 1, 0), T(1, 5, 2)]]
+    for sa, sb in zip(a, b):
+        assert not {t.follower for t in sa} & {t.follower for t in sb}
+
+
+def test_book_carries_history_into_the_next_round():
+    # One worker, layers 0..2 on f0..f2. Round 0: A uses f0, f1, f2 at steps 0, 1, 2 (all
+    # never used: lowest id first). Round 1: history f0 = -3, f1 = -2, f2 = -1 -> the new
+    # cluster starts on f0 again (least recently used), not on a follower just released.
+    book = ScheduleBook(3)
+    owner = {0: 0, 1: 1, 2: 2}
+    assert book.schedule(0, [[0, 1, 2]], owner) == [[T(0, 0, 0)], [T(0, 1, 1)], [T(0, 2, 2)]]
+    assert book.schedule(1, [[1, 2]], owner) == [[T(0, 1, 1)], [T(0, 2, 2)]]
+    assert book.last_used() == {0: -3, 1: -2, 2: -1}
+    # Round 2: f1, f2 were used in round 1 (steps 3, 4), f0 last at step 0 -> f0 first.
+    assert book.schedule(2, [[0, 1, 2]], owner) == [[T(0, 0, 0)], [T(0, 1, 1)], [T(0, 2, 2)]]
+    assert book.last_used() == {0: -5, 1: -2, 2: -1}
+
+
+def test_book_follower_count_grows_and_validates():
+    book = ScheduleBook(1)
+    assert book.schedule(0, [[0]], {0: 1}, num_followers=2) == [[T(0, 0, 1)]]
+    with pytest.raises(ValueError, match="num_followers"):
+        ScheduleBook(0)
+    with pytest.raises(ValueError, match="no owner"):
+        book.schedule(0, [[5]], {0: 0})
+
+
+@settings(max_examples=100, deadline=None)
+@given(push_shapes(), st.integers(1, 4))
+def test_book_schedules_keep_the_schedule_properties(shape, clusters):
+    """Every cluster's schedule from the book still sends each layer once, from its worker to
+    its owner, with no worker or follower twice in a step."""
+    worker_layers, owner, num_followers = shape
+    book = ScheduleBook(num_followers)
+    worker_of = {layer: w for w, layers in enumerate(worker_layers) for layer in layers}
+    for _ in range(clusters):
+        steps = book.schedule(0, worker_layers, owner)
+        flat = [t for step in steps for t in step]
+        assert sorted(t.layer for t in flat) == sorted(worker_of)
+        for t in flat:
+            assert t.worker == worker_of[t.layer] and t.follower == owner[t.layer]
+        for step in steps:
+            assert step
+            assert len({t.worker for t in step}) == len(step) == len({t.follower for t in step})

@@ -32,16 +32,18 @@ CFG = ModelConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=
 class Run:
     """Leader + 2 followers served on loopback inside this process."""
 
-    def __init__(self, tmp_path, grace_s: float = 0.3, penalty: PenaltyConfig | None = None):
+    def __init__(self, tmp_path, grace_s: float = 0.3, penalty: PenaltyConfig | None = None,
+                 pull_barrier: bool = False):
         self.secret = secrets.token_hex(32)
         self.key = bytes.fromhex(self.secret)
         self.model0 = build_model(CFG, seed=0)
         table = layer_table(self.model0)
         params = {n: p.detach().clone() for n, p in self.model0.named_parameters()}
         parts = partition_contiguous([b for _, _, b in table], 2)
-        self.shards, self.servers = [], []
+        self.shards, self.servers, self.entries = [], [], []
         cfg = LeaderConfig(grace_window_s=grace_s, push_timeout_s=20, pull_timeout_s=20,
-                           followers=2, penalty=penalty or PenaltyConfig())
+                           followers=2, penalty=penalty or PenaltyConfig(),
+                           pull_barrier=pull_barrier)
         self.leader = Leader(cfg, connect=lambda e: self.shards[e.index], run_dir=tmp_path)
         for i, r in enumerate(parts):
             layers = {table[j][0]: table[j][1] for j in r}
@@ -49,8 +51,13 @@ class Run:
             server = DataServer(self.key, shard.handle).start()
             self.shards.append(shard)
             self.servers.append(server)
-            self.leader.register_follower(FollowerEntry(
-                i, server.endpoint, "", list(layers), [table[j][2] for j in r]))
+            self.entries.append(FollowerEntry(i, server.endpoint, "", list(layers),
+                                              [table[j][2] for j in r]))
+            self.leader.register_follower(self.entries[-1])
+        # In-process followers heartbeat like follower processes do (else down after 3 s).
+        self._beating = threading.Event()
+        self._beat = threading.Thread(target=self._heartbeats, daemon=True)
+        self._beat.start()
         self.grpc = make_server(self.secret, max_workers=16)
         pbg.add_LeaderServicer_to_server(LeaderServicer(self.leader, None), self.grpc)
         self.addr = f"127.0.0.1:{self.grpc.add_insecure_port('127.0.0.1:0')}"
@@ -65,7 +72,14 @@ class Run:
         return ClusterClient(build_model(CFG, seed=1), self.addr, cid, self.secret, H=2,
                              stages=stages, timeout_s=30, heartbeat_interval_s=0.2)
 
+    def _heartbeats(self) -> None:
+        while not self._beating.wait(0.3):
+            for e in self.entries:
+                self.leader.register_follower(e)
+
     def close(self):
+        self._beating.set()
+        self._beat.join(5)
         self.leader.stop()
         self.grpc.stop(0)
         for s in self.servers:
@@ -194,3 +208,49 @@ def test_stale_and_invalid_push_requests_are_refused(run):
     assert "tokens" in exc.value.details()
     lc.close()
     c.close()
+
+
+@pytest.mark.parametrize("barrier", [False, True])
+def test_a_slow_pull_delays_only_its_own_cluster(tmp_path, barrier):
+    """Without the pull barrier the next round opens while a slow cluster still pulls: a fast
+    cluster completes another outer step meanwhile, and the slow one still receives its whole
+    version intact (from the followers' snapshot). With the barrier (the seed's §6 round) the
+    fast cluster's next step waits for that pull."""
+    run = Run(tmp_path, grace_s=0.5, pull_barrier=barrier)
+    try:
+        slow, fast = run.client("slow"), run.client("fast")
+        for c in (slow, fast):
+            c.join()
+        pulled_at = {}
+        real_pull = slow._pull
+
+        def slow_pull(version):
+            time.sleep(3.0)  # a slow link: the pull takes 3 s
+            real_pull(version)
+            pulled_at[version] = time.monotonic()
+
+        slow._pull = slow_pull
+        for i, c in enumerate((slow, fast)):
+            _perturb(c.model, seed=20 + i)
+        first = {}
+        slow_thread = threading.Thread(target=lambda: first.update(slow=(slow.step_done(100),
+                                                                        slow.step_done(100))))
+        slow_thread.start()
+        first["fast"] = (fast.step_done(100), fast.step_done(100))
+        assert first["fast"][1].version == 1, first["fast"][1]
+        v1 = {n: p.detach().clone() for n, p in fast.model.named_parameters()}
+        _perturb(fast.model, seed=30)
+        fast.step_done(100)
+        second = fast.step_done(100)
+        fast_done = time.monotonic()
+        slow_thread.join(60)
+        assert second.accepted and second.version == 2, second
+        res = first["slow"][1]
+        assert res.ok and res.version == 1, res  # the slow cluster got version 1, not a mix
+        for n, p in slow.model.named_parameters():
+            assert torch.equal(p.detach(), v1[n]), n
+        assert (fast_done > pulled_at[1]) == barrier
+        for c in (slow, fast):
+            c.close()
+    finally:
+        run.close()

@@ -1,5 +1,7 @@
 """ZeroMQ data plane on loopback: request/reply, refusals, timeouts."""
 
+import re
+
 import pytest
 import torch
 
@@ -71,6 +73,7 @@ class _Sink:
         self.bufs = [bytearray(s.nbytes) for s in specs]
 
     def write(self, index, offset, data):
+        self.owner.writes.append((index, offset, len(data)))
         if self.owner.refuse_at is not None and offset >= self.owner.refuse_at:
             raise ValueError(f"field 'offset' = {offset} refused")
         self.bufs[index][offset:offset + len(data)] = data
@@ -100,7 +103,7 @@ class _Source:
 
 class _Streams:
     def __init__(self):
-        self.committed, self.aborted = [], []
+        self.committed, self.aborted, self.writes = [], [], []
         self.refuse_at = None
         self.stale = False
         g = torch.Generator().manual_seed(3)
@@ -165,6 +168,50 @@ def test_stream_push_refusals_and_server_keeps_serving(streams):
     n = len(st.committed)
     assert c.push({"op": "push", "layer": "L"}, _layer(), chunk_bytes=1024)["op"] == "ack"
     assert len(st.committed) == n + 1
+    c.close()
+
+
+@pytest.mark.parametrize("case", ["short", "tampered", "oversized"])
+def test_bad_chunk_frames_never_reach_the_sink(streams, case):
+    """Chunks are consumed straight from the received ZeroMQ frame: one that is malformed,
+    altered or too large fails its stream before the sink sees a byte of it."""
+    import zmq
+
+    from dips.wire.frames import decode
+    from dips.wire.stream import MAX_CHUNK_BYTES, StreamWriter
+
+    st, server = streams
+    tensors = _layer()
+    w = StreamWriter(KEY, {"op": "push", "layer": "L"}, [TensorSpec.of(n, t) for n, t in tensors],
+                     1024)
+    first, second = list(w.chunks(0, tensors[0][1]))[:2]
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, 10_000)
+    sock.connect(server.endpoint)
+    try:
+        sock.send_multipart(w.begin())
+        sock.send_multipart([bytes(p) for p in first])  # a good chunk reaches the sink
+        kind, meta, tag, data = second
+        if case == "short":
+            parts = [kind, meta, tag]
+        elif case == "tampered":
+            altered = bytearray(data)
+            altered[5] ^= 0x40
+            parts = [kind, meta, tag, bytes(altered)]
+        else:
+            parts = [kind, meta, tag, bytes(MAX_CHUNK_BYTES + 4)]
+        sock.send_multipart(parts)
+        reply = decode(KEY, sock.recv_multipart()[1:])
+    finally:
+        sock.close(0)
+    want = {"short": "not \\[kind, meta, tag, data\\]", "tampered": "tag does not match",
+            "oversized": "the limit is"}[case]
+    assert reply.header["op"] == "error"
+    assert re.search(want, reply.header["error"]), reply.header["error"]
+    assert st.writes == [(0, 0, 1024)] and len(st.aborted) == 1 and not st.committed
+    c = DataClient(KEY, server.endpoint, timeout_s=10)  # the server keeps serving
+    assert c.push({"op": "push", "layer": "L"}, tensors, chunk_bytes=1024)["op"] == "ack"
     c.close()
 
 

@@ -19,7 +19,7 @@ _LOCATIONS = {
     "PenaltyConfig": "penalty", "PenaltyState": "penalty", "Verdict": "penalty",
     "decide": "penalty",
     "best_placement": "placement", "placement_scores": "placement",
-    "Transfer": "schedule", "greedy_schedule": "schedule",
+    "ScheduleBook": "schedule", "Transfer": "schedule", "greedy_schedule": "schedule",
     "FixedGraceWindow": "window",
 }
 

@@ -95,7 +95,8 @@ run_diloco_real = _baseline("diloco")
 run_async_diloco_real = _baseline("async-diloco")
 
 _ABLATIONS = {"di-ps": {}, "di-ps-no-penalty": {"penalty": False}, "di-ps-uniform": {"uniform": True},
-              "di-ps-no-clip": {"clip": False}, "di-ps-no-grace": {"grace": False}}
+              "di-ps-no-clip": {"clip": False}, "di-ps-no-grace": {"grace": False},
+              "di-ps-pull-barrier": {"pull_barrier": True}}
 
 
 def dips_link_bps(s: Scenario, gbit: float, n_params: int) -> float:
@@ -110,7 +111,8 @@ def dips_run_config(s: Scenario, method: str, shaping: str | None = None) -> Any
 
     Ablations (issue 3): ``di-ps-no-penalty`` disables the §8 penalty, ``di-ps-uniform`` uses
     uniform instead of token weights, ``di-ps-no-clip`` removes the clip (max_norm None),
-    ``di-ps-no-grace`` sets the grace window to 0.  The grace window, transients and bandwidth
+    ``di-ps-no-grace`` sets the grace window to 0, ``di-ps-pull-barrier`` keeps the seed's §6
+    round (no new window until every pull of the round is done).  The grace window, transients and bandwidth
     schedules (``clusters[].link_schedule``) are scaled by ``real.time_scale`` like every
     emulated duration; link rates by :func:`dips_link_bps`.
 
@@ -156,6 +158,7 @@ def dips_run_config(s: Scenario, method: str, shaping: str | None = None) -> Any
         grace_window_s=0.0 if ab.get("grace") is False else s.grace_window_s * s.real.time_scale,
         step_s=None if s.real.measured_step else s.timing.step_s * ts,
         clusters=clusters, network="netns" if shaping == "tc-tbf" else "loopback",
+        pull_barrier=ab.get("pull_barrier", False),
         token_budget=_budget(s), max_time_s=s.real.max_time_s, eval_batches=s.eval_batches,
         eval_batch_size=s.eval_batch_size)
 

@@ -31,7 +31,8 @@ class MethodResult:
 
     Attributes:
         method: ``dp``, ``diloco``, ``async-diloco``, ``di-ps`` or a Di-PS ablation
-            (``di-ps-no-penalty``, ``di-ps-uniform``, ``di-ps-no-clip``, ``di-ps-no-grace``).
+            (``di-ps-no-penalty``, ``di-ps-uniform``, ``di-ps-no-clip``, ``di-ps-no-grace``,
+            ``di-ps-pull-barrier``).
         mode: ``virtual`` or ``real``.
         time_s: (virtual) seconds to reach the token budget.
         tokens: tokens consumed by all clusters (inner steps actually run).

@@ -40,9 +40,9 @@ __all__ = [
 ]
 
 Method = Literal["dp", "diloco", "async-diloco", "di-ps", "di-ps-no-penalty", "di-ps-uniform",
-                 "di-ps-no-clip", "di-ps-no-grace"]
+                 "di-ps-no-clip", "di-ps-no-grace", "di-ps-pull-barrier"]
 METHODS: tuple[str, ...] = ("dp", "diloco", "async-diloco", "di-ps", "di-ps-no-penalty",
-                            "di-ps-uniform", "di-ps-no-clip", "di-ps-no-grace")
+                            "di-ps-uniform", "di-ps-no-clip", "di-ps-no-grace", "di-ps-pull-barrier")
 
 # §12/§13: one BF16 transfer of a 1.24e9-parameter model at 10 Gbit/s (1.98 s) over one round
 # of H = 64 inner steps (≈ 100 s on one H800).

@@ -60,6 +60,7 @@ def run_leader(run_dir: Path) -> None:
                         heartbeat_interval_s=cfg.heartbeat_interval_s,
                         missed_heartbeats=cfg.missed_heartbeats, followers=cfg.followers,
                         grace_mode=cfg.grace_mode, grace_max_s=cfg.grace_max_s,
+                        pull_barrier=cfg.pull_barrier,
                         penalty=PenaltyConfig(alpha=pen.alpha, beta=pen.beta, warmup=pen.warmup,
                                               enabled=pen.enabled))
     ledger = ChunkLedger(cfg.data.num_chunks, spec["windows_per_chunk"])

@@ -17,11 +17,16 @@ The §6 round, in virtual time:
 2. The push phase ends when the window is closed and every admitted push has arrived; the
    followers score, the leader decides, the followers aggregate and apply (``timing.update_s``).
 3. Every cluster of the round (accepted or not) pulls the new version over its link and resumes.
-   The round ends when the last pull is done.  Requests during push/update/pull wait for the
-   next round, which opens when this one ends.
+   The round ends when the update is committed: the next window may open while the round's
+   clusters still pull (a slow link delays only its own cluster; the followers serve each
+   version until its pulls are done).  With the pull barrier of the seed's §6 round
+   (``di-ps-pull-barrier``, ``LeaderConfig.pull_barrier``) it ends when the last pull is done.
+   Requests during push/update (and the barrier's pulls) wait for the next round, which opens
+   when this one ends.
 
 Ablations (§15): ``di-ps-no-penalty`` (penalty off), ``di-ps-uniform`` (1/n weights),
-``di-ps-no-clip`` (max_norm None), ``di-ps-no-grace`` (window 0).
+``di-ps-no-clip`` (max_norm None), ``di-ps-no-grace`` (window 0), ``di-ps-pull-barrier`` (the
+seed's round: no new window until every pull is done).
 """
 
 from __future__ import annotations
@@ -42,7 +47,8 @@ from dips.wire.frames import Message
 
 __all__ = ["InProcessPS", "run_dips"]
 
-VARIANTS = ("di-ps", "di-ps-no-penalty", "di-ps-uniform", "di-ps-no-clip", "di-ps-no-grace")
+VARIANTS = ("di-ps", "di-ps-no-penalty", "di-ps-uniform", "di-ps-no-clip", "di-ps-no-grace",
+            "di-ps-pull-barrier")
 
 
 class InProcessPS:
@@ -146,6 +152,7 @@ def run_dips(scenario: Scenario, out_dir: Path, method: str = "di-ps") -> Method
                      None if method == "di-ps-no-clip" else s.outer.max_norm, s.outer.lr,
                      s.outer.momentum)
     grace = 0.0 if method == "di-ps-no-grace" else s.grace_window_s
+    pull_barrier = method == "di-ps-pull-barrier"
     lat, nbytes, H = s.timing.latency_s, world.transfer_bytes, s.inner.H
     by_id = {c.spec.id: c for c in world.clusters}
     base_version = {cid: 0 for cid in by_id}
@@ -216,7 +223,7 @@ def run_dips(scenario: Scenario, out_dir: Path, method: str = "di-ps") -> Method
                 c.comm_s += dur
                 ends.append(start + dur)
                 q.push(start + dur, "pulled", (cid, theta, ps.version))
-            q.push(max(ends), "round_end", rnd.number, priority=2)
+            q.push(max(ends) if pull_barrier else start, "round_end", rnd.number, priority=2)
             world.log(**rec, time=round(t, 6), window_open=rnd.open_t, window_close=rnd.close_t,
                       lags={c: m["lag"] for c, m in rnd.members.items()},
                       push_s={c: m["push_s"] for c, m in rnd.members.items()})

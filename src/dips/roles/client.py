@@ -349,11 +349,19 @@ class ClusterClient:
                                          for i, s in enumerate(self._stages)], self.timeout_s))
         if error:
             raise RuntimeError(f"pull of version {version} failed: {error}")
-        with torch.no_grad():
-            for stage, tensors in zip(self._stages, results):
+
+        def load(stage: StageWorker, tensors: dict[str, torch.Tensor]) -> None:
+            with torch.no_grad():
                 for params in stage.layers.values():
                     for n, p in params:
                         p.copy_(tensors[n])
+
+        # Every stage's tensors arrived and were verified: now widen BF16 into the FP32
+        # parameters, one thread per stage (torch releases the GIL: the copies run in parallel).
+        error = _in_threads([lambda s=s, t=t: load(s, t) for s, t in zip(self._stages, results)],
+                            self.timeout_s)
+        if error:  # only a timeout or a bug can get here; the model may be partly loaded
+            raise RuntimeError(f"loading version {version} failed: {error}")
         self.version = version
         self.tokens_since_pull = 0
 

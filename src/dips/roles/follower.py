@@ -387,6 +387,8 @@ class FollowerShard:
                 raise ValueError(f"commit field 'new_version' = {new_version}, prepared {have}")
             if self._writer is not None and not self._writer.wait(self.version, timeout_s):
                 raise TimeoutError(f"checkpoint of version {self.version} not durable in {timeout_s} s")
+            if getattr(self, "_pools", None) is not None:  # slow pullers keep their version
+                self._pools[1].complete(self.version, lambda n: self.params[n])
             self._spare.recycle(self.params, self.momenta)
             self.params, self.momenta = prep["params"], prep["momenta"]
             self.version = new_version
@@ -436,6 +438,8 @@ class FollowerShard:
                 raise FileNotFoundError(f"follower {self.index}: no checkpoints to restore {version}")
             params, momenta, _ = load_checkpoint(self._ckpt_dir, version, self.names)
             self.params, self.momenta, self.version = params, momenta, version
+            if getattr(self, "_pools", None) is not None:
+                self._pools[1].forget_after(version - 1)  # its snapshot may be of other θ
             self._spare.refresh(version, self.params, self.momenta)
             self._drop(10 ** 12)
             checksum = shard_checksum(self.params)

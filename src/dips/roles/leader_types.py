@@ -89,6 +89,9 @@ class LeaderConfig:
             periods removes a cluster or marks a follower down (§12: 3).
         followers: how many followers the model is sharded over.
         penalty: §8 settings (α, β, warm-up).
+        pull_barrier: True: the seed's §6 round, the next window opens once every cluster of
+            the round has pulled; False (default): it opens as soon as the update is
+            committed, while the round's clusters still pull their version.
     """
 
     grace_window_s: float = 1.0
@@ -102,3 +105,4 @@ class LeaderConfig:
     missed_heartbeats: int = 3
     followers: int = 1
     penalty: PenaltyConfig = field(default_factory=PenaltyConfig)
+    pull_barrier: bool = False

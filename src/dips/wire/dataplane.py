@@ -4,13 +4,15 @@ A follower binds one ROUTER socket served by three threads, so bulk data never w
 itself and never holds a lock that control calls (gRPC, another socket and thread pool) or
 checkpoint writes need:
 
-* ``data-io`` owns the socket: it receives each chunk straight into a preallocated buffer of a
-  :class:`~dips.wire.pool.ChunkRing` (``recv_into``; it blocks when the ring is exhausted, so
-  a fast sender meets back-pressure, not an unbounded queue) and forwards outgoing messages
-  that the other two threads post on an in-process socket (zero-copy).
+* ``data-io`` owns the socket: it takes each chunk as the ZeroMQ frame libzmq received it into
+  (``copy=False``: the kernel's copy is the only one) and passes it on, holding one of a fixed
+  number of credits per chunk (it blocks when they are spent, so a fast sender meets
+  back-pressure: libzmq stops reading at ``RCVHWM``, then TCP's window closes), and forwards
+  outgoing messages that the other two threads post on an in-process socket (zero-copy).
 * ``data-consumer`` verifies each chunk of a push (:class:`~dips.wire.stream.StreamReader`) and
-  hands it to the role's sink (the follower forms Δ from it) while later chunks still arrive;
-  it also serves single-message requests (the ``handler``).
+  hands the verified bytes, still in the received frame, to the role's sink (the follower
+  forms Δ from them) while later chunks still arrive; then it drops the frame and returns the
+  credit. It also serves single-message requests (the ``handler``).
 * ``data-producer`` serves pull streams: it asks the role for each tensor in turn (the
   follower converts the next layer to BF16 while libzmq sends the current one) and queues its
   chunks without copying them.
@@ -36,7 +38,6 @@ import zmq
 
 from dips.wire.dataclient import MSG, PULL, DataClient, DataPlaneError, xfer_id as _xfer_id
 from dips.wire.frames import FrameError, Message, decode, encode
-from dips.wire.pool import ChunkRing
 from dips.wire.stream import (BEGIN, CHUNK, END, MAX_CHUNK_BYTES, StreamReader, StreamWriter,
                               TensorSpec, check_chunk_bytes)
 
@@ -100,8 +101,12 @@ class DataServer:
         poll_s: seconds between checks of the stop flag.
         streams: serves push/pull streams; default: the object ``handler`` is a bound method
             of, if it has ``open_push`` and ``open_pull`` (e.g. a FollowerShard).
-        ring_chunks: receive buffers of :data:`~dips.wire.stream.MAX_CHUNK_BYTES` each.
+        ring_chunks: chunks (of at most :data:`~dips.wire.stream.MAX_CHUNK_BYTES`) received
+            and not yet consumed, at most (the credits above).
         stale_s: a push stream idle this long is aborted (its sender died).
+
+    Raises:
+        ValueError: ``ring_chunks`` < 1. zmq.ZMQError: the address cannot be bound.
     """
 
     def __init__(self, key: bytes, handler: Handler, host: str = "127.0.0.1", port: int = 0,
@@ -128,9 +133,14 @@ class DataServer:
         self._outbox = self._ctx.socket(zmq.PULL)
         self._outbox.setsockopt(zmq.LINGER, 0)
         self._outbox.bind(self._outbox_addr)
-        self._ring = ChunkRing(ring_chunks, MAX_CHUNK_BYTES)
-        self._inq: queue.Queue[tuple] = queue.Queue()
-        self._pullq: queue.Queue[tuple] = queue.Queue()
+        if ring_chunks < 1:
+            raise ValueError(f"ring_chunks = {ring_chunks} must be >= 1")
+        # C-level queues (no Python-level Condition per chunk): one token per credit.
+        self._credits: queue.SimpleQueue[None] = queue.SimpleQueue()
+        for _ in range(ring_chunks):
+            self._credits.put(None)
+        self._inq: queue.SimpleQueue[tuple] = queue.SimpleQueue()
+        self._pullq: queue.SimpleQueue[tuple] = queue.SimpleQueue()
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=f, name=n, daemon=True) for f, n in
                          ((self._serve, "data-io"), (self._consume, "data-consumer"),
@@ -166,7 +176,12 @@ class DataServer:
             if self._outbox in events:
                 self._forward()
             if self._sock in events:
-                self._receive()
+                for _ in range(16):  # what is ready, then a look at the outbox again
+                    try:
+                        frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    self._receive(frames)
 
     def _forward(self) -> None:
         for _ in range(256):
@@ -179,36 +194,30 @@ class DataServer:
             except zmq.ZMQError as exc:  # the peer is gone (EHOSTUNREACH): drop its reply
                 log.debug("data-plane reply dropped: %s", exc)
 
-    def _more(self) -> bool:
-        return bool(self._sock.getsockopt(zmq.RCVMORE))
-
-    def _drain(self) -> None:
-        while self._more():
-            self._sock.recv(copy=False)
-
-    def _receive(self) -> None:
-        sock = self._sock
-        ident = sock.recv()
-        kind = sock.recv() if self._more() else b""
+    def _receive(self, frames: list[zmq.Frame]) -> None:
+        # zero-copy: the frames own the buffers libzmq received the message into
+        ident = frames[0].bytes
+        kind = frames[1].bytes if len(frames) > 1 else b""
         if kind == CHUNK:
-            meta = sock.recv() if self._more() else b""
-            tag = sock.recv() if self._more() else b""
-            buf = None
-            while buf is None and not self._stop.is_set():
-                buf = self._ring.get(self._poll_s)
-            if buf is None:
-                return
-            n = sock.recv_into(buf) if self._more() else -1
-            self._drain()
-            self._inq.put((ident, CHUNK, meta, tag, buf, n))
+            while True:
+                try:
+                    self._credits.get(timeout=self._poll_s)
+                    break
+                except queue.Empty:
+                    if self._stop.is_set():
+                        return
+            # [ident, C, meta, tag, data]; a malformed chunk fails its stream at the consumer
+            if len(frames) == 5:
+                self._inq.put((ident, CHUNK, frames[2].bytes, frames[3].bytes, frames[4]))
+            else:
+                self._inq.put((ident, CHUNK, frames[2].bytes if len(frames) > 2 else b"", b"",
+                               None))
             return
-        frames = []
-        while self._more():
-            frames.append(sock.recv(copy=False).buffer)
+        rest = [f.buffer for f in frames[2:]]
         if kind in (MSG, BEGIN, END):
-            self._inq.put((ident, kind, frames))
+            self._inq.put((ident, kind, rest))
         elif kind == PULL:
-            self._pullq.put((ident, frames))
+            self._pullq.put((ident, rest))
         else:
             log.warning("data-plane message of unknown kind %r dropped", kind[:8])
 
@@ -274,22 +283,25 @@ class DataServer:
         xfers[(ident, reader.xfer)] = _Xfer(reader, sink)
 
     def _chunk(self, out: zmq.Socket, xfers: dict, ident: bytes, _kind: bytes, meta: bytes,
-               tag: bytes, buf: bytearray, n: int) -> None:
+               tag: bytes, frame: zmq.Frame | None) -> None:
         try:
             x = xfers.get((ident, meta[:16]))
             if x is None or x.failed:
                 return  # the rest of a refused or forgotten stream
             x.seen = time.monotonic()
             try:
-                if not 0 <= n <= len(buf):
-                    raise FrameError(f"chunk data is {n} bytes, the limit is {len(buf)}")
-                view = memoryview(buf)[:n]
+                if frame is None:
+                    raise FrameError("chunk message is not [kind, meta, tag, data]")
+                if len(frame) > MAX_CHUNK_BYTES:
+                    raise FrameError(f"chunk data is {len(frame)} bytes, the limit is "
+                                     f"{MAX_CHUNK_BYTES}")
+                view = frame.buffer
                 index, offset = x.reader.verify(meta, tag, view)
-                x.sink.write(index, offset, view)
+                x.sink.write(index, offset, view)  # verified bytes, straight from the frame
             except (ValueError, KeyError) as exc:
                 self._fail(out, ident, x, exc)
         finally:
-            self._ring.put(buf)
+            self._credits.put(None)
 
     def _end(self, out: zmq.Socket, xfers: dict, ident: bytes, frames: list) -> None:
         meta = bytes(frames[0]) if frames else b""

@@ -5,47 +5,24 @@ Fresh memory costs about 1 GB/s to touch for the first time on the project machi
 spend more time in page faults than on the wire. Every large buffer of the data plane
 therefore comes from one of these pools and goes back to it:
 
-* :class:`ChunkRing`: a fixed number of receive buffers of the largest chunk size; the
-  receiving thread blocks when all are in use (back-pressure instead of unbounded queues).
 * :class:`TensorPool`: sets of tensors with one layout (e.g. a follower's FP32 Δ for one
   cluster's push), handed out and returned whole.
 * :class:`VersionedSnapshots`: BF16 images of a shard by version, built once per version
   and served to every puller; the buffers of the oldest kept version are recycled.
+
+Received chunks need no pool of their own: the data server forms Δ straight from the frame
+libzmq received each chunk into (:mod:`dips.wire.dataplane`), a buffer of one chunk that the
+allocator hands back for the next one, and a pull lands in the stage worker's reused BF16
+buffers.
 """
 
 from __future__ import annotations
 
-import queue
 import threading
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
-
-
-class ChunkRing:
-    """``count`` receive buffers of ``nbytes`` each, all touched once at creation.
-
-    Raises ValueError if ``count`` < 1 or ``nbytes`` < 1.
-    """
-
-    def __init__(self, count: int = 8, nbytes: int = 4 << 20) -> None:
-        if count < 1 or nbytes < 1:
-            raise ValueError(f"ChunkRing(count={count}, nbytes={nbytes}): both must be >= 1")
-        self.nbytes = nbytes
-        self._free: queue.Queue[bytearray] = queue.Queue()
-        for _ in range(count):
-            self._free.put(bytearray(nbytes))  # bytearray() zero-fills: first touch now
-
-    def get(self, timeout_s: float) -> bytearray | None:
-        """A free buffer, or None if none came free within ``timeout_s`` seconds."""
-        try:
-            return self._free.get(timeout=timeout_s)
-        except queue.Empty:
-            return None
-
-    def put(self, buf: bytearray) -> None:
-        self._free.put(buf)
-
 
 Layout = dict[str, tuple[tuple[int, ...], torch.dtype]]
 
@@ -85,20 +62,26 @@ class TensorPool:
 
 @dataclass
 class Snapshot:
-    """A BF16 image of some tensors at one version; ``ready`` names those already filled."""
+    """A BF16 image of some tensors at one version; ``ready`` names those already filled;
+    ``readers`` counts the pull streams still sending from it (it is never recycled then)."""
 
     version: int
     tensors: dict[str, torch.Tensor]
     ready: set[str] = field(default_factory=set)
+    readers: int = 0
+
+    @property
+    def complete(self) -> bool:
+        return len(self.ready) == len(self.tensors)
 
 
 class VersionedSnapshots:
-    """At most ``keep`` snapshots (by version) of tensors with one layout.
+    """Snapshots (by version) of tensors with one layout; ``keep`` of them are retained.
 
-    A snapshot's buffers are recycled only once ``keep`` newer versions exist, so a puller
-    that is still sending an older version from the same buffers would need to lag ``keep``
-    versions behind; even then its receiver refuses the chunks (their tags no longer match),
-    it never accepts mixed data. Not thread-safe: callers hold their own lock.
+    When a new version's snapshot is needed and ``keep`` exist, the buffers of the oldest one
+    that no pull stream is reading (``readers == 0``) are recycled; if every one is being read
+    (slow pullers of older versions), a new set is allocated instead, so a puller never sends
+    from buffers that change under it. Not thread-safe: callers hold their own lock.
     """
 
     def __init__(self, layout: Layout, keep: int = 2) -> None:
@@ -109,17 +92,39 @@ class VersionedSnapshots:
         self._snaps: dict[int, Snapshot] = {}
         self.allocated = 0
 
+    def complete(self, version: int, source: Callable[[str], torch.Tensor]) -> None:
+        """Fill the not yet converted tensors of ``version``'s snapshot (if one is held) from
+        ``source(name)``, so it can keep serving after the source changes."""
+        snap = self._snaps.get(version)
+        if snap is not None:
+            for name, buf in snap.tensors.items():
+                if name not in snap.ready:
+                    buf.copy_(source(name))
+                    snap.ready.add(name)
+
+    def forget_after(self, version: int) -> None:
+        """Drop the snapshots of versions newer than ``version`` (after a rollback their
+        numbers will be reused for other contents); streams still reading one keep it."""
+        for v in [v for v in self._snaps if v > version]:
+            del self._snaps[v]
+
+    def peek(self, version: int) -> Snapshot | None:
+        """The snapshot of ``version`` if one is held, else None (nothing is created)."""
+        return self._snaps.get(version)
+
     def get(self, version: int) -> Snapshot:
-        """The snapshot of ``version`` (created empty, recycling the oldest, if absent)."""
+        """The snapshot of ``version`` (created empty, recycling an unread old one, if absent)."""
         snap = self._snaps.get(version)
         if snap is not None:
             return snap
-        if len(self._snaps) >= self.keep:
-            oldest = min(self._snaps)
-            tensors = self._snaps.pop(oldest).tensors
+        idle = sorted(v for v, sn in self._snaps.items() if sn.readers == 0)
+        if len(self._snaps) >= self.keep and idle:
+            tensors = self._snaps.pop(idle.pop(0)).tensors
         else:
             self.allocated += 1
             tensors = {n: torch.empty(s, dtype=d) for n, (s, d) in self.layout.items()}
         snap = Snapshot(version, tensors)
         self._snaps[version] = snap
+        while len(self._snaps) > self.keep and idle:  # sets added while all were being read
+            del self._snaps[idle.pop(0)]
         return snap

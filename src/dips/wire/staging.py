@@ -16,6 +16,7 @@ converting the next layer overlaps sending the current one.
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any, Callable, Sequence
 
 import torch
@@ -108,11 +109,16 @@ class SnapshotSource:
     """A pull stream of ``names`` at ``version`` from a shard (``header``, ``specs``,
     ``tensor(i)`` on demand, ``finish()``), see ``FollowerShard.open_pull``.
 
-    BF16 tensors come from the version's snapshot in ``snaps``: each is converted from θ the
-    first time any puller asks for it, under ``lock`` and after ``current()`` confirmed that
-    the shard still holds ``version``; later pullers get the same buffer without converting.
-    FP32 tensors (export) are copies. ``current()`` raises ValueError once the version moved
-    on, which fails the stream instead of ending it, so a puller never mixes versions.
+    BF16 tensors come from the version's snapshot in ``snaps``: while ``version`` is current
+    (``current()`` passes) each is converted from θ the first time any puller asks for it,
+    under ``lock``; later pullers get the same buffer without converting. Once the shard
+    moved on, a snapshot of ``version`` that was completed before θ changed (the follower's
+    commit completes it) keeps serving: a slow puller gets its whole version while newer ones
+    are committed. The stream counts as a reader of its snapshot until :meth:`finish` or until
+    it is dropped, so the snapshot is never recycled under it. FP32 tensors (export) are
+    copies of the current θ. ``current()`` raises ValueError when the version is neither
+    current nor completely snapshotted, which fails the stream instead of ending it, so a
+    puller never mixes versions.
     """
 
     def __init__(self, version: int, names: list[str], dtype: str, lock: Any,
@@ -121,22 +127,41 @@ class SnapshotSource:
         self.header = {"op": "model", "version": version}
         self._names, self._dtype, self._lock = names, dtype, lock
         self._theta, self._current, self._snaps = theta, current, snaps
+        self._snap, self._release = None, None
         with lock:
-            current()
+            old = snaps.peek(version) if dtype == "bf16" else None
+            if old is None or not old.complete:
+                current()
             self.specs = [TensorSpec(n, dtype, tuple(theta(n).shape)) for n in names]
+            if dtype == "bf16":
+                self._snap = snaps.get(version)
+                self._snap.readers += 1
+                self._release = weakref.finalize(self, _release, lock, self._snap)
+
+    def _valid(self) -> None:
+        if self._snap is None or not self._snap.complete:
+            self._current()
 
     def tensor(self, index: int) -> torch.Tensor:
         name = self._names[index]
         with self._lock:
-            self._current()
-            if self._dtype == "fp32":
+            self._valid()
+            if self._snap is None:
                 return self._theta(name).clone()
-            snap = self._snaps.get(self.header["version"])
-            if name not in snap.ready:
-                snap.tensors[name].copy_(self._theta(name))
-                snap.ready.add(name)
-            return snap.tensors[name]
+            if name not in self._snap.ready:
+                self._snap.tensors[name].copy_(self._theta(name))
+                self._snap.ready.add(name)
+            return self._snap.tensors[name]
 
     def finish(self) -> None:
-        with self._lock:
-            self._current()
+        try:
+            with self._lock:
+                self._valid()
+        finally:
+            if self._release is not None:
+                self._release()  # runs once, here or when the stream is dropped
+
+
+def _release(lock: Any, snap: Any) -> None:
+    with lock:
+        snap.readers -= 1
