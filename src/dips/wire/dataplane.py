@@ -26,6 +26,7 @@ socket is closed and recreated, so no stale message is ever read as a reply.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import queue
@@ -42,6 +43,7 @@ from dips.wire.stream import (BEGIN, CHUNK, END, MAX_CHUNK_BYTES, StreamReader, 
                               TensorSpec, check_chunk_bytes)
 
 log = logging.getLogger(__name__)
+_OUTBOX_IDS = itertools.count()
 
 Handler = Callable[[Message], tuple[dict[str, Any], Sequence[tuple[str, torch.Tensor]]]]
 
@@ -129,7 +131,9 @@ class DataServer:
             port = self._sock.bind_to_random_port(f"tcp://{host}")
         self.endpoint = f"tcp://{host}:{port}"
         self.extra_endpoints: list[str] = []
-        self._outbox_addr = f"inproc://dips-outbox-{os.getpid()}-{id(self)}"
+        # A fresh name per server: libzmq releases an inproc name asynchronously after close,
+        # so a name derived from id(self) could still be taken when a new server reuses the id.
+        self._outbox_addr = f"inproc://dips-outbox-{os.getpid()}-{next(_OUTBOX_IDS)}"
         self._outbox = self._ctx.socket(zmq.PULL)
         self._outbox.setsockopt(zmq.LINGER, 0)
         self._outbox.bind(self._outbox_addr)
