@@ -37,7 +37,7 @@ proto: install
 bench-shaping: install
 	$(PY) benchmarks/linkshaping/bench_shaping.py
 
-# Real time vs virtual time on configs/compare/eta100.yaml (baselines; about 5 minutes).
+# Real time vs virtual time on configs/compare/eta100.yaml (baselines and Di-PS; about 5 minutes).
 bench-real-vs-virtual: install
 	$(PY) benchmarks/linkshaping/bench_real_vs_virtual.py
 

@@ -1,7 +1,7 @@
 """Real time against virtual time on the same scenario (issue 3: two time modes, same dips/algo).
 
 Runs ``configs/compare/eta100.yaml`` (4 clusters, η = 100, 10 Gbit links) with a shorter token
-budget, once in virtual time (:mod:`dips.emu.virtual_runners`) and once in real time
+budget, once in virtual time (the runners of :mod:`dips.bench.runners`) and once in real time
 (:mod:`dips.bench.real`: one process per cluster, calibrated steps, links shaped by tc tbf as
 root or the token bucket), for the baselines and Di-PS (the processes of ``dips launch``, paced
 and shaped alike).  Prints, per method, the real run's time converted to emulated seconds
@@ -10,7 +10,7 @@ time, and both final validation losses.  A ratio near 1 says the virtual clock m
 real processes and real links do.
 
 Usage: python benchmarks/linkshaping/bench_real_vs_virtual.py [--budget 262144 --time-scale 0.1]
-(``make bench-real-vs-virtual``; ≈ 7 minutes on 2 cores).  Prints a table and ``RESULT {...}``.
+(``make bench-real-vs-virtual``; ≈ 5 minutes on 2 cores).  Prints a table and ``RESULT {...}``.
 """
 
 from __future__ import annotations

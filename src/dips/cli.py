@@ -34,7 +34,8 @@ def launch(config: Path = typer.Option(..., "--config", exists=True, dir_okay=Fa
            faults: Optional[Path] = typer.Option(None, "--faults", exists=True, dir_okay=False,
                                                  help="YAML fault plan (kill, stop, cut_link).")
            ) -> None:
-    """Train with a leader, M followers and N clusters as separate processes on 127.0.0.1."""
+    """Train with a leader, M followers and N clusters as separate processes on this machine
+    (127.0.0.1, or one network namespace per cluster with `network: netns`)."""
     from pydantic import ValidationError
 
     from dips.config import load_config

@@ -12,7 +12,7 @@ The outer loop of §6 as a state machine with phases ``idle → window → push 
 * ``pull``: every cluster of the round is told the version to pull. By default the next
   round opens at once: the clusters pull their version from the followers' per-version
   snapshots while new pushes arrive, so a slow link delays only its own cluster (measured in
-  virtual time on the slow-link scenario: Di-PS 1.10x instead of 0.95x synchronous DiLoCo).
+  virtual time on the slow-link scenario: Di-PS 1.11x instead of 0.95x synchronous DiLoCo).
   With ``LeaderConfig.pull_barrier`` (the seed's §6 round) it opens when all have pulled or
   the pull timeout passes; a cluster that pulled and requests again meanwhile is queued.
 
