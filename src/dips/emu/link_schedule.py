@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from dips.config import ClusterSpec
+from dips.emu.netns import tbf_burst
 from dips.wire.shaping import TokenBucket
 
 __all__ = ["LinkSchedule", "ScheduledBucket"]
@@ -83,7 +84,7 @@ class ScheduledBucket:
         self.bucket = self._bucket(spec.link_bps_at(0.0) / 8)
 
     def _bucket(self, rate_bytes_per_s: float) -> TokenBucket:
-        return TokenBucket(rate_bytes_per_s, max(32768.0, rate_bytes_per_s * 0.005),
+        return TokenBucket(rate_bytes_per_s, float(tbf_burst(rate_bytes_per_s * 8)),
                            clock=self._monotonic, sleep=self._sleep)
 
     def start(self, t0: float) -> None:

@@ -85,7 +85,12 @@ def tbf_params(rate_bps: float) -> tuple[int, float]:
     """
     if isinstance(rate_bps, bool) or not isinstance(rate_bps, (int, float)) or not 8000 <= rate_bps < 1e13:
         raise ValueError(f"rate_bps must be a number in [8000, 1e13) bits/s, got {rate_bps!r}")
-    return max(32768, int(rate_bps / 8 * 0.005)), 0.05
+    return tbf_burst(rate_bps), 0.05
+
+
+def tbf_burst(rate_bps: float) -> int:
+    """The tbf burst (bytes) for ``rate_bps`` bits/s: 5 ms of traffic, at least 32 KiB."""
+    return max(32768, int(rate_bps / 8 * 0.005))
 
 
 @dataclass(frozen=True)

@@ -124,13 +124,14 @@ class FollowerShard:
         self._spare = SpareState()
         self._ckpt_dir = ckpt_dir
         self._writer = None
+        self.checksum = shard_checksum(self.params)  # of the current version, kept up to date
         if ckpt_dir is not None:
             from dips.roles.checkpoint import CheckpointWriter
 
             self._writer = CheckpointWriter(ckpt_dir, index, keep)
             if self._writer.written < version:
-                self._writer.submit(version, self.params, self.momenta,
-                                    shard_checksum(self.params), copy=False)
+                self._writer.submit(version, self.params, self.momenta, self.checksum,
+                                    copy=False)
         self._spare.refresh(version, self.params, self.momenta)
         self._lock = threading.RLock()
         self._log = (log_dir / "applied.jsonl") if log_dir else None
@@ -317,10 +318,10 @@ class FollowerShard:
             missing = [c for c in clusters if c not in deltas]
             if missing:
                 raise ValueError(f"aggregate round {rnd}: clusters {missing} were not scored here")
-            ready = self._sums[rnd].mean(clusters, weights, self.names) if rnd in self._sums else None
             if len(clusters) == 1 and weights[0] == 1.0:
                 mean, scale, sq = deltas[clusters[0]], 1.0, self._sq[rnd][clusters[0]]
-            elif ready is not None:
+            elif rnd in self._sums and (ready := self._sums[rnd].mean(clusters, weights,
+                                                                      self.names)) is not None:
                 mean, scale, sq = ready
             else:
                 mean = weighted_mean([deltas[c] for c in clusters], list(weights))
@@ -380,7 +381,7 @@ class FollowerShard:
         """
         with self._lock:
             if self._prepared is None and new_version == self.version:
-                return self.version, shard_checksum(self.params)
+                return self.version, self.checksum
             prep = self._prepared
             if prep is None or prep["version"] != new_version:
                 have = None if prep is None else prep["version"]
@@ -391,7 +392,7 @@ class FollowerShard:
                 self._pools[1].complete(self.version, lambda n: self.params[n])
             self._spare.recycle(self.params, self.momenta)
             self.params, self.momenta = prep["params"], prep["momenta"]
-            self.version = new_version
+            self.version, self.checksum = new_version, prep["checksum"]
             self._prepared = None
             self._drop(prep["round"])
             self._record({"version": self.version, "round": prep["round"],
@@ -433,7 +434,7 @@ class FollowerShard:
             if self._prepared is not None:
                 self._drop_prepared()
             if version == self.version:
-                return self.version, shard_checksum(self.params)
+                return self.version, self.checksum
             if self._ckpt_dir is None:
                 raise FileNotFoundError(f"follower {self.index}: no checkpoints to restore {version}")
             params, momenta, _ = load_checkpoint(self._ckpt_dir, version, self.names)
@@ -442,9 +443,9 @@ class FollowerShard:
                 self._pools[1].forget_after(version - 1)  # its snapshot may be of other θ
             self._spare.refresh(version, self.params, self.momenta)
             self._drop(10 ** 12)
-            checksum = shard_checksum(self.params)
-            self._record({"event": "restore", "version": version, "checksum": checksum})
-            return version, checksum
+            self.checksum = shard_checksum(self.params)
+            self._record({"event": "restore", "version": version, "checksum": self.checksum})
+            return version, self.checksum
 
     def checkpoint_versions(self) -> list[int]:
         """Complete checkpoint versions on disk (ascending); [] without a checkpoint dir."""
@@ -474,7 +475,7 @@ class FollowerShard:
     def state(self) -> tuple[int, int, str]:
         """(index, version, checksum of the shard)."""
         with self._lock:
-            return self.index, self.version, shard_checksum(self.params)
+            return self.index, self.version, self.checksum
 
     def report(self) -> tuple[int, int, list[int]]:
         """(committed version, prepared version or -1, complete checkpoint versions)."""

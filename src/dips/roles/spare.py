@@ -54,14 +54,7 @@ class SpareState:
         """Start copying the committed ``version`` (``params``, ``momenta``) into the spare
         buffers in the background (allocating them on first use)."""
         self._join()
-        if self._buffers is None:
-            self._buffers = ({n: torch.empty_like(t) for n, t in params.items()},
-                             {n: torch.empty_like(t) for n, t in momenta.items()})
-        dst_p, dst_m = self._buffers
-        if dst_p.keys() != params.keys():  # a restored shard with other tensors: reallocate
-            dst_p = {n: torch.empty_like(t) for n, t in params.items()}
-            dst_m = {n: torch.empty_like(t) for n, t in momenta.items()}
-            self._buffers = (dst_p, dst_m)
+        dst_p, dst_m = self._fit(params, momenta)
         self._version = None
 
         def copy() -> None:
@@ -89,15 +82,20 @@ class SpareState:
         failed), copies now. Raises TimeoutError if a refresh does not finish in ``timeout_s``.
         """
         self._join()
-        if self._buffers is None or self._version != version:
-            if self._buffers is None or self._buffers[0].keys() != params.keys():
-                self._buffers = ({n: torch.empty_like(t) for n, t in params.items()},
-                                 {n: torch.empty_like(t) for n, t in momenta.items()})
+        if self._version != version:
+            dst_p, dst_m = self._fit(params, momenta)
             for n, t in params.items():
-                self._buffers[0][n].copy_(t)
-                self._buffers[1][n].copy_(momenta[n])
+                dst_p[n].copy_(t)
+                dst_m[n].copy_(momenta[n])
         out, self._buffers, self._version = self._buffers, None, None
         return out
+
+    def _fit(self, params: Tensors, momenta: Tensors) -> tuple[Tensors, Tensors]:
+        """The spare buffers, allocated on first use or when the shard's tensors differ."""
+        if self._buffers is None or self._buffers[0].keys() != params.keys():
+            self._buffers = ({n: torch.empty_like(t) for n, t in params.items()},
+                             {n: torch.empty_like(t) for n, t in momenta.items()})
+        return self._buffers
 
     def wait(self) -> None:
         """Block until a pending background refresh is done. Raises TimeoutError after

@@ -74,6 +74,13 @@ class Snapshot:
     def complete(self) -> bool:
         return len(self.ready) == len(self.tensors)
 
+    def fill(self, name: str, source: torch.Tensor) -> torch.Tensor:
+        """The BF16 image of ``name``, converted from ``source`` the first time it is asked for."""
+        if name not in self.ready:
+            self.tensors[name].copy_(source)
+            self.ready.add(name)
+        return self.tensors[name]
+
 
 class VersionedSnapshots:
     """Snapshots (by version) of tensors with one layout; ``keep`` of them are retained.
@@ -97,10 +104,8 @@ class VersionedSnapshots:
         ``source(name)``, so it can keep serving after the source changes."""
         snap = self._snaps.get(version)
         if snap is not None:
-            for name, buf in snap.tensors.items():
-                if name not in snap.ready:
-                    buf.copy_(source(name))
-                    snap.ready.add(name)
+            for name in snap.tensors:
+                snap.fill(name, source(name))
 
     def forget_after(self, version: int) -> None:
         """Drop the snapshots of versions newer than ``version`` (after a rollback their

@@ -148,10 +148,7 @@ class SnapshotSource:
             self._valid()
             if self._snap is None:
                 return self._theta(name).clone()
-            if name not in self._snap.ready:
-                self._snap.tensors[name].copy_(self._theta(name))
-                self._snap.ready.add(name)
-            return self._snap.tensors[name]
+            return self._snap.fill(name, self._theta(name))
 
     def finish(self) -> None:
         try:
