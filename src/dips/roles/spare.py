@@ -6,8 +6,8 @@ momentum into the spare buffers inside the update made that copy — as much mem
 the Nesterov step itself — part of every outer step the clusters wait for. :class:`SpareState`
 copies the committed state into the spare buffers on a background thread right after each
 commit, while the clusters train, so the next update finds them ready and runs the Nesterov
-step in place on them. The copy thread runs at a lower CPU priority (nice 10) so that it does
-not slow the pulls of the new version that start at the same moment. The buffers are reused across versions (fresh memory costs ~1 GB/s on
+step in place on them. The copy thread runs at a lower CPU priority (nice 10), to leave the
+cores to the pulls of the new version that start at the same moment (not measured separately). The buffers are reused across versions (fresh memory costs ~1 GB/s on
 first touch here).
 """
 
