@@ -34,7 +34,7 @@ SCENARIOS = ["eta100", "weak-scaling", "eta200", "slow-link", "eta10", "eta50"]
 
 def _run(name: str, out_root: Path) -> dict:
     from dips.bench.compare import run_compare, run_weak_scaling
-    from dips.bench.scenario import load_scenario
+    from dips.spec import load_scenario
 
     sc = load_scenario(ROOT / "configs" / "compare" / f"{name}.yaml")
     out = out_root / name

@@ -37,13 +37,13 @@ def _cluster_main(cid: str, slowdown: float, cfg_dict: dict, addr: str, secret: 
                   cache_dir: str, stop, out_path: str) -> None:
     import torch
 
-    from dips.config import RunConfig
     from dips.emu.slowdown import Slowdown
     from dips.roles.client import ClusterClient
     from dips.train.corpus import load_tokens
     from dips.train.loop import inner_step, make_inner_optimizer
     from dips.train.model import build_model
     from dips.train.sampler import BatchSampler, assign_chunks, make_chunks
+    from dips.spec import RunConfig
 
     torch.set_num_threads(1)
     cfg = RunConfig.model_validate(cfg_dict)
@@ -79,7 +79,7 @@ def run_one(cfg, mode: str, window_s: float, seconds: float, run_dir: Path) -> d
         f.unlink()
     spec = ("llama", cfg.model.model_dump(), cfg.seed)
     ps = harness.PS(spec, cfg.followers, grace_s=window_s, grace_mode=mode,
-                    grace_max_s=cfg.grace_max_s, run_dir=run_dir)
+                    grace_max_s=cfg.grace.max_s, run_dir=run_dir)
     stop = harness.MP.Event()
     procs = [harness.MP.Process(target=_cluster_main, daemon=True, args=(
         cid, sd, cfg.model_dump(mode="json"), ps.addr, ps.secret, str(cfg.data.cache_dir), stop,
@@ -134,11 +134,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--seconds", type=float, default=75.0)
     ap.add_argument("--H", type=int, default=16)
     ap.add_argument("--windows", nargs="+", default=["fixed:1.0", "dynamic"],
-                    help="fixed:SECONDS or dynamic (starts from the config's grace_window_s)")
+                    help="fixed:SECONDS or dynamic (starts from the config's grace.window_s)")
     ap.add_argument("--run-dir", type=Path, default=Path("runs/bench-dataplane/grace"))
     args = ap.parse_args(argv)
 
-    from dips.config import load_config
+    from dips.spec import load_config
 
     cfg = load_config(args.config)
     cfg = cfg.model_copy(update={"inner": cfg.inner.model_copy(update={"H": args.H})})
@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> dict:
     results = {}
     for w in args.windows:
         mode, _, sec = w.partition(":")
-        window = float(sec) if sec else cfg.grace_window_s
+        window = float(sec) if sec else cfg.grace.window_s
         results[w] = r = run_one(cfg, mode, window, args.seconds, args.run_dir / w.replace(":", "-"))
         print(f"  {w:12s}: fast clusters idle {r['fast_idle_share']:.1%} of wall time "
               f"({r['fast_idle_s_per_sync']:.2f} s per sync), {r['outer_steps']} outer steps "

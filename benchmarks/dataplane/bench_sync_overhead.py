@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--H", type=int, default=64)
     ap.add_argument("--max-time", type=float, default=150.0)
     ap.add_argument("--grace-mode", choices=["fixed", "dynamic"], default=None,
-                    help="override the config's grace_mode (needs a launcher that passes it on)")
+                    help="override the config's grace.mode")
     ap.add_argument("--run-dir", type=Path, default=Path("runs/bench-dataplane/sync-h64"))
     ap.add_argument("--from-run", type=Path, default=None)
     args = ap.parse_args(argv)
@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> dict:
         cfg = yaml.safe_load(args.config.read_text())
         cfg.setdefault("inner", {})["H"] = args.H
         if args.grace_mode:
-            cfg["grace_mode"] = args.grace_mode
+            cfg.setdefault("grace", {})["mode"] = args.grace_mode
         run_dir = args.run_dir
         run_dir.parent.mkdir(parents=True, exist_ok=True)
         cfg_path = run_dir.parent / f"{run_dir.name}.yaml"

@@ -71,7 +71,8 @@ def model_layers(spec: tuple) -> list[tuple[str, list[str], int]]:
         shapes = param_shapes(spec[1], spec[2])
         return [(f"blocks.{i}", [n for n, _ in shapes if layer_of(n) == f"blocks.{i}"],
                  4 * spec[2] * (spec[2] + 1)) for i in range(spec[1])]
-    from dips.train.model import ModelConfig, build_model, layer_table
+    from dips.spec import ModelConfig
+    from dips.train.model import build_model, layer_table
 
     return [(l, list(n), b) for l, n, b in layer_table(build_model(ModelConfig(**spec[1]), spec[2]))]
 
@@ -83,7 +84,8 @@ def shard_params(spec: tuple, owned: list[str]) -> tuple[dict[str, list[str]], d
         layers = {l: [n for n, _ in shapes if layer_of(n) == l] for l in owned}
         return layers, {n: init_param(spec[3], k, s) for k, (n, s) in enumerate(shapes)
                         if layer_of(n) in owned}
-    from dips.train.model import ModelConfig, build_model, layer_table
+    from dips.spec import ModelConfig
+    from dips.train.model import build_model, layer_table
 
     model = build_model(ModelConfig(**spec[1]), spec[2])
     layers = {l: list(n) for l, n, _ in layer_table(model) if l in owned}
@@ -136,8 +138,9 @@ class PS:
     def __init__(self, spec: tuple, followers: int, *, grace_s: float = 0.0,
                  grace_mode: str = "fixed", grace_max_s: float = 30.0,
                  run_dir: Path | None = None, owners: dict[str, int] | None = None) -> None:
-        from dips.algo import PenaltyConfig, partition_contiguous
-        from dips.roles.leader import FollowerEntry, Leader, LeaderConfig
+        from dips.algo import partition_contiguous
+        from dips.roles.leader import FollowerEntry, Leader
+        from dips.spec import GraceConfig, LeaderConfig, MembershipConfig, PenaltyConfig, Timeouts
         from dips.wire.control import make_server
         from dips.wire.pb import control_pb2_grpc as pbg
         from dips.wire.services import FollowerControlClient, LeaderServicer
@@ -149,10 +152,10 @@ class PS:
             parts = partition_contiguous([b for _, _, b in table], followers)
             owners = {names[j]: i for i, r in enumerate(parts) for j in r}
         self.owners = owners
-        cfg = LeaderConfig(grace_window_s=grace_s, grace_mode=grace_mode, grace_max_s=grace_max_s,
-                           push_timeout_s=300, pull_timeout_s=300, heartbeat_interval_s=0.5,
-                           missed_heartbeats=20, followers=followers,
-                           penalty=PenaltyConfig(enabled=False))
+        cfg = LeaderConfig(grace=GraceConfig(mode=grace_mode, window_s=grace_s, max_s=grace_max_s),
+                           timeouts=Timeouts(push_s=300, pull_s=300),
+                           membership=MembershipConfig(heartbeat_interval_s=0.5, missed_heartbeats=20),
+                           followers=followers, penalty=PenaltyConfig(enabled=False))
         secret = self.secret
         self.leader = Leader(cfg, lambda e: FollowerControlClient(e.control_endpoint, secret, 300.0),
                              run_dir)

@@ -41,9 +41,11 @@ def _run(name: str, args: list[str], timeout_s: float) -> dict | None:
 
 
 def _launch_has_grace() -> bool:
-    import dips.emu.processes as processes
+    """Whether ``dips launch`` passes the config's ``grace:`` section on to the leader (it does
+    since the leader's settings are :meth:`dips.spec.LeaderConfig.from_run`)."""
+    from dips.spec import LeaderConfig
 
-    return "grace_mode" in Path(processes.__file__).read_text()
+    return hasattr(LeaderConfig, "from_run")
 
 
 def main() -> None:

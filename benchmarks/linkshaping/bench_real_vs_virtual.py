@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 
 from dips.bench.compare import run_compare
-from dips.bench.scenario import load_scenario
+from dips.spec import load_scenario
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -85,10 +85,8 @@ def bucket_rates(rates_mbit: list[float], seconds: float) -> list[dict]:
 
 def baseline_allreduce(shaping: str) -> dict:
     """Mean all-reduce seconds of a real-time DiLoCo run against the ring's ideal."""
-    from dips.baselines.real_common import ClusterRun, WorkerSpec
     from dips.baselines.real_launch import launch_baseline
-    from dips.config import DataConfig, InnerConfig
-    from dips.train.model import ModelConfig
+    from dips.spec import ClusterConfig, DataConfig, InnerConfig, LinkConfig, ModelConfig, WorkerSpec
 
     rate, payload = 50e6, 2 << 20
     spec = WorkerSpec(
@@ -97,7 +95,7 @@ def baseline_allreduce(shaping: str) -> dict:
         data=DataConfig(vocab_size=512, num_chunks=24, cache_dir=ROOT / ".cache/dips"),
         inner=InnerConfig(H=2, batch_size=4, seq_len=32, lr=0.003), token_budget=2 * 2 * 128 * 10,
         max_time_s=120, step_s=0.05, payload_bytes=payload, eval_batches=1, eval_batch_size=4,
-        clusters=[ClusterRun(id=c, rate_bps=rate) for c in ("a", "b")])
+        clusters=[ClusterConfig(id=c, link=LinkConfig(bps=rate)) for c in ("a", "b")])
     with tempfile.TemporaryDirectory() as tmp:
         res = launch_baseline(spec, Path(tmp), shaping=shaping)
     per = res.comm_s / res.updates_pushed

@@ -1,7 +1,8 @@
 """The ``dips`` command (typer).
 
-* ``dips launch --config FILE --run-dir DIR [--max-time SECONDS]``: a whole Di-PS run on this
-  machine (leader, followers, clusters as separate processes on 127.0.0.1); see README.
+* ``dips launch --config FILE --run-dir DIR [--max-time SECONDS] [--max-outer-steps N]``: a
+  whole Di-PS run on this machine (leader, followers, clusters as separate processes on
+  127.0.0.1); see README.
 * ``dips place --bandwidth B.csv --throughput p.csv``: where to put the PS (§10).
 * ``dips _leader`` / ``_follower`` / ``_cluster``: the processes ``launch`` starts (hidden).
 """
@@ -31,25 +32,27 @@ def launch(config: Path = typer.Option(..., "--config", exists=True, dir_okay=Fa
            run_dir: Path = typer.Option(..., "--run-dir", help="Where every output goes."),
            max_time: Optional[float] = typer.Option(None, "--max-time", min=1.0,
                                                     help="Stop after this many seconds of training."),
+           max_outer_steps: Optional[int] = typer.Option(
+               None, "--max-outer-steps", min=1,
+               help="Stop once the leader reports this many outer steps (overrides the "
+                    "config's max_outer_steps)."),
            faults: Optional[Path] = typer.Option(None, "--faults", exists=True, dir_okay=False,
                                                  help="YAML fault plan (kill, stop, cut_link).")
            ) -> None:
     """Train with a leader, M followers and N clusters as separate processes on this machine
     (127.0.0.1, or one network namespace per cluster with `network: netns`)."""
-    from pydantic import ValidationError
-
-    from dips.config import load_config
-    from dips.emu.launcher import launch as run_launch
-
     from dips.emu.faults import load_faults
+    from dips.emu.launcher import launch as run_launch
+    from dips.spec import SpecError, load_config
 
     try:
         cfg = load_config(config)
         plan = load_faults(faults) if faults else None
-    except ValidationError as exc:
-        typer.echo(f"invalid config or fault plan:\n{exc}", err=True)
+    except (SpecError, OSError) as exc:  # one message naming file, line or field; no traceback
+        typer.echo(f"invalid config or fault plan: {exc}", err=True)
         raise typer.Exit(2)
-    summary = run_launch(cfg, run_dir.resolve(), max_time, faults=plan)
+    summary = run_launch(cfg, run_dir.resolve(), max_time, faults=plan,
+                         max_outer_steps=max_outer_steps)
     if summary.get("eval_loss_final") is None:
         raise typer.Exit(1)
 

@@ -6,7 +6,9 @@ import math
 
 import pytest
 
-from dips.algo.grace import GraceEstimator, GraceWindow, expected_cost_s, optimal_grace_s
+from dips.algo import grace as g
+from dips.algo.grace import GraceState, expected_cost_s, optimal_grace_s
+from dips.spec.protocol import GraceConfig
 
 
 def test_formula_by_hand():
@@ -39,60 +41,53 @@ def test_formula_refuses_bad_input(args, match):
         optimal_grace_s(*args)
 
 
-def test_estimator_by_hand():
-    est = GraceEstimator(arrivals=4, alpha=0.3)
-    assert est.rate_per_s is None and est.miss_cost_s is None
+def test_estimates_by_hand():
+    s = GraceState()
+    assert s.rate_per_s is None and s.miss_cost_s is None
     for t in (100.0, 101.0, 103.0, 104.0):
-        est.observe_request(t)
-    assert est.rate_per_s == pytest.approx(3 / 4)  # 3 gaps over 4 s
-    est.observe_request(108.0)  # window of 4: 101, 103, 104, 108 -> 3 gaps over 7 s
-    assert est.rate_per_s == pytest.approx(3 / 7)
-    est.observe_round(2.0, 1.0)
-    assert est.miss_cost_s == pytest.approx(3.0)
-    est.observe_round(4.0, 2.0)  # EMA: 0.3·6 + 0.7·3 = 3.9
-    assert est.miss_cost_s == pytest.approx(3.9)
+        s = g.observe_request(s, t, keep=4)
+    assert s.rate_per_s == pytest.approx(3 / 4)  # 3 gaps over 4 s
+    s = g.observe_request(s, 108.0, keep=4)  # window of 4: 101, 103, 104, 108 -> 3 gaps over 7 s
+    assert s.rate_per_s == pytest.approx(3 / 7)
+    s = g.observe_round(s, 2.0, 1.0)
+    assert s.miss_cost_s == pytest.approx(3.0)
+    s = g.observe_round(s, 4.0, 2.0, alpha=0.3)  # EMA: 0.3·6 + 0.7·3 = 3.9
+    assert s.miss_cost_s == pytest.approx(3.9)
 
 
-def test_estimator_refuses_bad_observations():
-    est = GraceEstimator()
-    est.observe_request(5.0)
+def test_bad_observations_are_refused():
+    s = g.observe_request(GraceState(), 5.0)
     with pytest.raises(ValueError, match="previous arrival"):
-        est.observe_request(4.0)
+        g.observe_request(s, 4.0)
     with pytest.raises(ValueError, match="update_s"):
-        est.observe_round(-1.0, 0.0)
-    with pytest.raises(ValueError, match="arrivals"):
-        GraceEstimator(arrivals=1)
+        g.observe_round(s, -1.0, 0.0)
+    with pytest.raises(ValueError, match="keep"):
+        g.observe_request(s, 6.0, keep=1)
     with pytest.raises(ValueError, match="alpha"):
-        GraceEstimator(alpha=0.0)
-    assert est.rate_per_s is None and est.miss_cost_s is None  # nothing recorded
+        g.observe_round(s, 1.0, 0.0, alpha=0.0)
+    assert s.rate_per_s is None and s.miss_cost_s is None  # nothing recorded
 
 
 def test_window_modes():
-    fixed = GraceWindow("fixed", fixed_s=8.0, max_s=30.0)
-    dyn = GraceWindow("dynamic", fixed_s=8.0, max_s=5.0)
+    fixed = GraceConfig(mode="fixed", window_s=8.0, max_s=30.0)
+    dyn = GraceConfig(mode="dynamic", window_s=8.0, max_s=5.0)
+    s = GraceState()
     # Until λ and C_m are known the dynamic window uses the fixed value, clamped to max_s.
-    assert fixed.close_time(100.0) == 108.0 and dyn.close_time(100.0) == 105.0
-    for w in (fixed, dyn):
-        for t in (0.0, 0.25, 0.5, 0.75, 1.0):  # λ = 4 gaps / 1 s = 4/s
-            w.observe_request(t)
-        w.observe_round(0.5, 0.5)  # C_m = 1 s: C_m·λ = 4, τ* = ln(4)/4 = 0.34657 s
-    assert fixed.seconds() == 8.0
-    assert dyn.seconds() == pytest.approx(math.log(4) / 4)
-    assert dyn.stats() == {"mode": "dynamic", "window_s": 0.3466, "rate_per_s": 4.0,
-                           "miss_cost_s": 1.0, "tau_star_s": 0.3466}
-    assert fixed.stats()["tau_star_s"] == 0.3466  # estimated but not used
-    with pytest.raises(ValueError, match="grace mode"):
-        GraceWindow("adaptive")
-    with pytest.raises(ValueError, match="opened_at"):
-        dyn.close_time(math.nan)
+    assert g.window_s(s, fixed) == 8.0 and g.window_s(s, dyn) == 5.0
+    for t in (0.0, 0.25, 0.5, 0.75, 1.0):  # λ = 4 gaps / 1 s = 4/s
+        s = g.observe_request(s, t)
+    s = g.observe_round(s, 0.5, 0.5)  # C_m = 1 s: C_m·λ = 4, τ* = ln(4)/4 = 0.34657 s
+    assert g.window_s(s, fixed) == 8.0
+    assert g.window_s(s, dyn) == pytest.approx(math.log(4) / 4)
+    assert g.stats(s, dyn) == {"mode": "dynamic", "window_s": 0.3466, "rate_per_s": 4.0,
+                               "miss_cost_s": 1.0, "tau_star_s": 0.3466}
+    assert g.stats(s, fixed)["tau_star_s"] == 0.3466  # estimated but not used
 
 
-def test_window_state_round_trip_keeps_the_miss_cost():
-    from dips.algo.grace import GraceWindow
-
-    w = GraceWindow("dynamic", 1.0, 30.0)
-    w.observe_round(0.4, 0.2)
-    again = GraceWindow("dynamic", 1.0, 30.0)
-    again.restore(w.state())
-    assert again.estimator.miss_cost_s == pytest.approx(0.6)
-    assert GraceWindow().state() == {"miss_cost_s": None}
+def test_state_round_trip_keeps_the_miss_cost():
+    s = g.observe_round(GraceState(), 0.4, 0.2)
+    again = g.from_dict(g.to_dict(s))
+    assert again.miss_cost_s == pytest.approx(0.6) and again.arrivals == ()
+    assert g.to_dict(GraceState()) == {"miss_cost_s": None}
+    with pytest.raises(ValueError, match="miss_cost_s"):
+        g.from_dict({"miss_cost_s": -1.0})

@@ -1,4 +1,4 @@
-"""Comparison scenarios (dips.bench.scenario) and the runner registry (dips.bench.runners)."""
+"""Comparison scenarios (dips.spec.scenario) and the runner registry (dips.bench.runners)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ import yaml
 from pydantic import ValidationError
 
 from dips.bench import runners
-from dips.bench.scenario import (PAPER_TRANSFER_OVER_ROUND, Scenario, load_scenario,
-                                 paper_bytes_scale)
+from dips.spec.scenario import METHODS
+from dips.spec import (PAPER_TRANSFER_OVER_ROUND, Scenario, SpecError, load_scenario,
+                       paper_bytes_scale)
 
 pytestmark = pytest.mark.timeout(30)
 ROOT = Path(__file__).resolve().parents[2]
@@ -35,9 +36,9 @@ def test_every_shipped_scenario_loads() -> None:
 
 
 def test_generator_spreads_slowdowns_and_links() -> None:
-    s = Scenario.model_validate({**BASE, "bandwidth_pattern_gbit": [10, 5, 1]})
+    s = Scenario.model_validate({**BASE, "link_pattern_bps": [1e10, 5e9, 1e9]})
     assert [c.slowdown for c in s.clusters] == pytest.approx([1.0, 4 / 3, 5 / 3, 2.0])
-    assert [c.bandwidth_gbit for c in s.clusters] == [10, 5, 1, 10]
+    assert [c.link.bps for c in s.clusters] == [1e10, 5e9, 1e9, 1e10]
     assert [c.id for c in s.clusters] == ["c0", "c1", "c2", "c3"]
     # A dumped scenario (generator fields and generated clusters) validates back to itself.
     assert Scenario.model_validate(s.model_dump()) == s
@@ -58,8 +59,11 @@ def test_errors_name_the_field() -> None:
     with pytest.raises(ValidationError, match="end_s"):
         Scenario.model_validate({**data, "clusters": [
             {"id": "a", "transient": [{"start_s": 5, "end_s": 1, "factor": 2}]}]})
-    with pytest.raises(ValidationError, match=r"clusters\.0\.bandwidth_gbit"):
-        Scenario.model_validate({**data, "clusters": [{"id": "a", "bandwidth_gbit": 0}]})
+    with pytest.raises(ValidationError, match=r"clusters\.0\.link\.bps"):
+        Scenario.model_validate({**data, "clusters": [{"id": "a", "link": {"bps": 0}}]})
+    # A cluster without a link gets the 10 Gbit/s default; rates are bits/s.
+    one = Scenario.model_validate({**data, "clusters": [{"id": "a"}]})
+    assert one.clusters[0].link.bps == 1e10 and one.link_pattern_bps == [1e10]
     with pytest.raises(ValidationError, match="timing.step_s"):
         Scenario.model_validate({**BASE, "timing": {"step_s": -1}})
     with pytest.raises(ValidationError, match="weak_scaling.counts"):
@@ -70,7 +74,7 @@ def test_errors_name_the_field() -> None:
 def test_load_scenario_refuses_a_non_mapping(tmp_path: Path) -> None:
     p = tmp_path / "s.yaml"
     p.write_text(yaml.safe_dump([1, 2]))
-    with pytest.raises(ValueError, match="mapping"):
+    with pytest.raises(SpecError, match=f"^{p}: expected a YAML mapping of Scenario fields"):
         load_scenario(p)
 
 
@@ -94,13 +98,10 @@ def test_registry_errors(monkeypatch: pytest.MonkeyPatch) -> None:
         runners.get_runner("warp", "di-ps")
     with pytest.raises(ValueError, match="method"):
         runners.get_runner("virtual", "sgd")
-    with pytest.raises(ValueError, match="method"):
-        runners.register("virtual", "sgd")
     assert callable(runners.get_runner("virtual", "di-ps"))
-    with pytest.raises(ValueError, match="already registered"):
-        runners.register("virtual", "di-ps")(lambda s, o: None)
+    # Every (mode, method) pair has a runner.
+    assert set(runners.RUNNERS) == {(m, x) for m in runners.MODES for x in METHODS}
     # A mode whose runner module is not installed: a clear error, not an ImportError.
-    monkeypatch.setitem(runners._PROVIDERS, "real", ("dips.bench._no_such_module",))
-    monkeypatch.delitem(runners.RUNNERS, ("real", "dp"), raising=False)
+    monkeypatch.setitem(runners.RUNNERS, ("real", "dp"), ("dips.bench._no_such_module", "f", False))
     with pytest.raises(RuntimeError, match="not available"):
         runners.get_runner("real", "dp")

@@ -54,7 +54,7 @@ def test_virtual_clock_of_one_cluster(tmp_path: Path, grace: float, expected: fl
     # H = 2 steps of 1 s, push 1 s, update 0.5 s, pull 1 s; 3 rounds until the budget:
     # steps end at 1, 2 | push to 3, update to 3.5, pull to 4.5 | 5.5, 6.5 | ... | 10, 11.
     # A grace window longer than the push (2 s) delays the update to 4 (+1 s per round).
-    s = tiny(CACHE, clusters=[{"id": "a", "bandwidth_gbit": 10}], grace_window_s=grace,
+    s = tiny(CACHE, clusters=[{"id": "a", "link": {"bps": 1e10}}], grace={"window_s": grace},
              inner={"H": 2}, token_budget=3 * 2 * TOKENS_PER_STEP,
              timing={"step_s": 1.0, "model_bytes_scale": one_second_scale(TINY_PARAMS),
                      "update_s": 0.5})
@@ -67,10 +67,35 @@ def test_virtual_clock_of_one_cluster(tmp_path: Path, grace: float, expected: fl
 
 def test_clusters_finishing_together_share_a_round(tmp_path: Path) -> None:
     clusters = [{"id": "a"}, {"id": "b"}, {"id": "c", "slowdown": 3.0}]
-    s = tiny(CACHE, clusters=clusters, grace_window_s=0.0, inner={"H": 2},
+    s = tiny(CACHE, clusters=clusters, grace={"window_s": 0.0}, inner={"H": 2},
              token_budget=8 * 2 * TOKENS_PER_STEP, methods=["di-ps"])
     run_dips(s, tmp_path)
     rounds = [json.loads(x) for x in _lines(tmp_path / "events.jsonl")]
     # a and b always arrive together; c (3x slower) never at the same instant.
     assert all(set(x["clusters"]) in ({"a", "b"}, {"c"}) for x in rounds)
     assert any(x["clusters"] == ["c"] for x in rounds)
+
+
+def test_dynamic_grace_uses_tau_star_in_virtual_time(tmp_path: Path) -> None:
+    """§7 in virtual time: once λ and C_m are measured, each window is τ* = ln(C_m·λ)/λ of the
+    estimates at its opening (the leader's own rule, dips.algo.grace); before, the fixed τ."""
+    from dips.algo.grace import optimal_grace_s
+
+    # A long update (C_m = 5 s) against ~0.4 requests/s makes waiting pay: C_m·λ > 1.
+    s = tiny(CACHE, grace={"window_s": 2.0, "max_s": 30.0},
+             timing={"step_s": 1.5, "model_bytes_scale": 2000.0, "update_s": 5.0})
+    r = run_dips(s, tmp_path / "dyn", "di-ps-dynamic-grace")
+    rounds = [json.loads(x) for x in _lines(tmp_path / "dyn" / "events.jsonl")]
+    assert rounds[0]["grace"]["mode"] == "dynamic"
+    windows = [x["window_close"] - x["window_open"] for x in rounds]
+    assert windows[0] == 2.0  # nothing measured yet: the fixed window
+    estimated = [(x, w) for x, w in zip(rounds, windows)
+                 if x["grace"]["rate_per_s"] is not None and x["grace"]["miss_cost_s"] is not None]
+    assert len(estimated) >= 3
+    for x, w in estimated:
+        g = x["grace"]
+        tau = optimal_grace_s(g["rate_per_s"], g["miss_cost_s"], 30.0)
+        assert w == pytest.approx(tau, abs=2e-3)  # the log rounds λ and C_m to 4 decimals
+    assert any(0.0 < w != 2.0 for _, w in estimated)
+    fixed = run_dips(s, tmp_path / "fixed", "di-ps")
+    assert (r.time_s, r.extra["rounds"]) != (fixed.time_s, fixed.extra["rounds"])

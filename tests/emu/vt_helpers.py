@@ -7,7 +7,7 @@ from typing import Any
 
 import yaml
 
-from dips.bench.scenario import Scenario
+from dips.spec import Scenario
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs" / "compare" / "tiny.yaml"

@@ -1,6 +1,12 @@
 """The Di-PS protocol in one process: real leader gRPC service, real follower ZeroMQ servers,
 real ClusterClients in threads; checks the outer step against torch.optim.SGD(nesterov=True)
-and that bad pushes never change θ (§5, §6, §8 of the seed)."""
+and that bad pushes never change θ (§5, §6, §8 of the seed).
+
+No assertion depends on timing (which thread's request arrives first, whether it lands
+inside a 0.3 s window, how long a pull takes): clusters that must share a round are admitted
+while the leader's clock is held (:meth:`Run.one_round`), and a slow pull is one the test holds
+back until the event it waits for has happened.
+"""
 
 from __future__ import annotations
 
@@ -12,11 +18,13 @@ import pytest
 import torch
 
 from dips.algo import PenaltyConfig, partition_contiguous
+from dips.algo.round import slot_of
 from dips.roles.client import ClusterClient
 from dips.roles.cluster import fetch_global_model
 from dips.roles.follower import FollowerShard
 from dips.roles.leader import FollowerEntry, Leader, LeaderConfig
-from dips.train.model import ModelConfig, build_model, layer_table
+from dips.spec import GraceConfig, MembershipConfig, ModelConfig, Timeouts
+from dips.train.model import build_model, layer_table
 from dips.wire.control import make_server
 from dips.wire.dataplane import DataClient, DataPlaneError, DataServer
 from dips.wire.pb import control_pb2 as pb
@@ -27,6 +35,46 @@ pytestmark = pytest.mark.timeout(120)
 
 CFG = ModelConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                   num_kv_heads=2, vocab_size=512, max_seq_len=64)
+
+
+def _wait_until(cond, what: str, timeout_s: float = 60.0):
+    """Poll ``cond`` until it returns a true value (returned); fail after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = cond()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise AssertionError(f"{what}: not within {timeout_s} s")
+
+
+class HeldClock:
+    """The leader's clock: monotonic, except that it stands still while held.
+
+    A grace window opened while the clock is held cannot close before :meth:`release`, so
+    requests sent meanwhile join the same round however slowly their threads run (the
+    window's length is unchanged; heartbeats cannot expire meanwhile either).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._held_at: float | None = None
+        self._offset = 0.0
+
+    def __call__(self) -> float:
+        with self._lock:
+            return self._held_at if self._held_at is not None else time.monotonic() - self._offset
+
+    def hold(self) -> None:
+        with self._lock:
+            if self._held_at is None:
+                self._held_at = time.monotonic() - self._offset
+
+    def release(self) -> None:
+        with self._lock:
+            if self._held_at is not None:
+                self._offset = time.monotonic() - self._held_at
+                self._held_at = None
 
 
 class Run:
@@ -41,10 +89,25 @@ class Run:
         params = {n: p.detach().clone() for n, p in self.model0.named_parameters()}
         parts = partition_contiguous([b for _, _, b in table], 2)
         self.shards, self.servers, self.entries = [], [], []
-        cfg = LeaderConfig(grace_window_s=grace_s, push_timeout_s=20, pull_timeout_s=20,
-                           followers=2, penalty=penalty or PenaltyConfig(),
-                           pull_barrier=pull_barrier)
-        self.leader = Leader(cfg, connect=lambda e: self.shards[e.index], run_dir=tmp_path)
+        # No test here is about failure detection: heartbeats may be late on a loaded machine
+        # without anybody being removed (30 missed intervals, not 3).
+        cfg = LeaderConfig(grace=GraceConfig(window_s=grace_s, pull_barrier=pull_barrier),
+                           timeouts=Timeouts(push_s=60, pull_s=60),
+                           membership=MembershipConfig(heartbeat_interval_s=1.0,
+                                                       missed_heartbeats=30),
+                           followers=2, penalty=penalty or PenaltyConfig())
+        self.clock = HeldClock()
+        self.admitted: dict[str, list[int]] = {}  # cluster id -> rounds it was admitted to
+        self.leader = Leader(cfg, connect=lambda e: self.shards[e.index], run_dir=tmp_path,
+                             clock=self.clock)
+        real_request = self.leader.request_push
+
+        def request_push(cluster_id, *args, **kwargs):  # what the gRPC service calls
+            grant = real_request(cluster_id, *args, **kwargs)
+            self.admitted.setdefault(cluster_id, []).append(grant.round)
+            return grant
+
+        self.leader.request_push = request_push
         for i, r in enumerate(parts):
             layers = {table[j][0]: table[j][1] for j in r}
             shard = FollowerShard(i, layers, params, log_dir=tmp_path / f"f{i}")
@@ -63,14 +126,31 @@ class Run:
         self.addr = f"127.0.0.1:{self.grpc.add_insecure_port('127.0.0.1:0')}"
         self.grpc.start()
         self.leader.start()
-        deadline = time.monotonic() + 20
-        while not self.leader.ready and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert self.leader.ready, "followers were not reconciled"
+        _wait_until(lambda: self.leader.ready, "followers reconciled")
 
     def client(self, cid: str, stages: int = 1) -> ClusterClient:
         return ClusterClient(build_model(CFG, seed=1), self.addr, cid, self.secret, H=2,
-                             stages=stages, timeout_s=30, heartbeat_interval_s=0.2)
+                             stages=stages, timeout_s=60, admit_timeout_s=60,
+                             heartbeat_interval_s=0.2)
+
+    def one_round(self, jobs: dict[str, object]) -> dict[str, threading.Thread]:
+        """Start ``jobs`` (cluster id -> a call that makes that cluster push) in threads, all
+        admitted into one round: the leader's clock stands still until every one of them was
+        admitted, so the window cannot close on a request whose thread is merely slow.
+        Returns the threads (started, not joined)."""
+        before = {c: len(self.admitted.get(c, [])) for c in jobs}
+        self.clock.hold()
+        try:
+            threads = {c: threading.Thread(target=job, daemon=True) for c, job in jobs.items()}
+            for t in threads.values():
+                t.start()
+            _wait_until(lambda: all(len(self.admitted.get(c, [])) > before[c] for c in jobs),
+                        f"clusters {sorted(jobs)} admitted")
+        finally:
+            self.clock.release()
+        rounds = {self.admitted[c][before[c]] for c in jobs}
+        assert len(rounds) == 1, f"admitted to different rounds: {rounds}"
+        return threads
 
     def _heartbeats(self) -> None:
         while not self._beating.wait(0.3):
@@ -100,18 +180,19 @@ def _perturb(model, seed, scale=1e-2):
             p.add_(torch.randn(p.shape, generator=g) * scale)
 
 
-def _sync_all(clients, tokens):
+def _sync_all(run, clients, tokens):
+    """Every client finishes H = 2 inner steps and syncs; all in one round."""
     results = {}
 
     def go(c, t):
         c.step_done(t)
         results[c.cluster_id] = c.step_done(t)
 
-    threads = [threading.Thread(target=go, args=(c, t)) for c, t in zip(clients, tokens)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    threads = run.one_round({c.cluster_id: (lambda c=c, t=t: go(c, t))
+                             for c, t in zip(clients, tokens)})
+    for t in threads.values():
+        t.join(90)
+        assert not t.is_alive(), "a sync did not finish"
     return results
 
 
@@ -132,7 +213,7 @@ def test_one_outer_step_equals_sgd_nesterov(run):
         _perturb(c.model, seed=10 + i)
         locals_[c.cluster_id] = {n: p.detach().to(torch.bfloat16).float()
                                  for n, p in c.model.named_parameters()}
-    results = _sync_all(clients, [100, 300])
+    results = _sync_all(run, clients, [100, 300])
     assert all(r.accepted and r.version == 1 for r in results.values()), results
     # Reference: Δ_j = θ0 − θ_j, δ = token-weighted mean, clip to norm 1, SGD(nesterov).
     ref = {n: p.detach().clone().requires_grad_(True) for n, p in run.model0.named_parameters()}
@@ -215,17 +296,23 @@ def test_a_slow_pull_delays_only_its_own_cluster(tmp_path, barrier):
     """Without the pull barrier the next round opens while a slow cluster still pulls: a fast
     cluster completes another outer step meanwhile, and the slow one still receives its whole
     version intact (from the followers' snapshot). With the barrier (the seed's §6 round) the
-    fast cluster's next step waits for that pull."""
+    fast cluster's next step waits for that pull.
+
+    The slow link is a pull the test holds back (not a sleep): without the barrier it is
+    released only after the fast cluster's second outer step, so that step provably ran while
+    the slow cluster was still pulling; with the barrier the fast cluster's next request is
+    seen queued behind the unfinished pull before the pull is let go."""
     run = Run(tmp_path, grace_s=0.5, pull_barrier=barrier)
+    pulled_at, pulling, release = {}, threading.Event(), threading.Event()
     try:
         slow, fast = run.client("slow"), run.client("fast")
         for c in (slow, fast):
             c.join()
-        pulled_at = {}
         real_pull = slow._pull
 
         def slow_pull(version):
-            time.sleep(3.0)  # a slow link: the pull takes 3 s
+            pulling.set()
+            assert release.wait(90), "the held pull was never released"
             real_pull(version)
             pulled_at[version] = time.monotonic()
 
@@ -233,18 +320,38 @@ def test_a_slow_pull_delays_only_its_own_cluster(tmp_path, barrier):
         for i, c in enumerate((slow, fast)):
             _perturb(c.model, seed=20 + i)
         first = {}
-        slow_thread = threading.Thread(target=lambda: first.update(slow=(slow.step_done(100),
-                                                                        slow.step_done(100))))
-        slow_thread.start()
-        first["fast"] = (fast.step_done(100), fast.step_done(100))
-        assert first["fast"][1].version == 1, first["fast"][1]
+        threads = run.one_round({
+            "slow": lambda: first.update(slow=(slow.step_done(100), slow.step_done(100))),
+            "fast": lambda: first.update(fast=(fast.step_done(100), fast.step_done(100)))})
+        threads["fast"].join(90)
+        assert "fast" in first, "the fast cluster's first sync did not finish"
+        assert first["fast"][1].accepted and first["fast"][1].version == 1, first["fast"][1]
+        assert pulling.wait(90), "the slow cluster never started its pull"
         v1 = {n: p.detach().clone() for n, p in fast.model.named_parameters()}
         _perturb(fast.model, seed=30)
         fast.step_done(100)
-        second = fast.step_done(100)
+        second = {}
+        fast_thread = threading.Thread(target=lambda: second.update(r=fast.step_done(100)),
+                                       daemon=True)
+        fast_thread.start()
+        if barrier:
+            # The fast cluster's request is queued behind round 1, whose pull is not done.
+            def queued():
+                slot = slot_of(run.leader._state, "fast")
+                return slot is not None and slot.round is None
+
+            _wait_until(queued, "the fast cluster's second request queued")
+            assert run.leader.phase == "pull" and run.leader.rounds == 1
+            assert 1 not in pulled_at and not second
+            release.set()
+        fast_thread.join(90)
         fast_done = time.monotonic()
-        slow_thread.join(60)
-        assert second.accepted and second.version == 2, second
+        assert "r" in second, "the fast cluster's second sync did not finish"
+        assert second["r"].accepted and second["r"].version == 2, second["r"]
+        if not barrier:
+            assert 1 not in pulled_at  # version 2 exists while version 1 is still being pulled
+            release.set()
+        threads["slow"].join(90)
         res = first["slow"][1]
         assert res.ok and res.version == 1, res  # the slow cluster got version 1, not a mix
         for n, p in slow.model.named_parameters():
@@ -253,4 +360,5 @@ def test_a_slow_pull_delays_only_its_own_cluster(tmp_path, barrier):
         for c in (slow, fast):
             c.close()
     finally:
+        release.set()
         run.close()

@@ -54,7 +54,7 @@ def _step(shard: FollowerShard, rnd: int, clusters: list[str], weights: list[flo
     for c, valid, _, err in shard.score(rnd, clusters):
         assert valid, err
     sq = shard.aggregate(rnd, clusters, weights)
-    scale = shard._mean[rnd][3]
+    scale = shard._mean[rnd].scale
     clip = min(1.0, 1.0 / sq ** 0.5)
     shard.apply(rnd, clip, shard.version + 1, clusters, weights)
     shard.commit(shard.version + 1)

@@ -30,7 +30,7 @@ def tiny_tokens(train_cache_dir: pathlib.Path):
 @pytest.fixture(scope="session")
 def tiny_cfg():
     """A ~40k-parameter LLaMA config for fast tests."""
-    from dips.train.model import ModelConfig
+    from dips.spec import ModelConfig
 
     return ModelConfig(
         hidden_size=32,

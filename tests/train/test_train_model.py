@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dips.train.model import ModelConfig, build_model, layer_of, layer_table, param_count
+from dips.spec import ModelConfig
+from dips.train.model import build_model, layer_of, layer_table, param_count
 
 
 def _same(m1, m2) -> bool:

@@ -12,6 +12,8 @@ import gc
 import pytest
 import torch
 
+from dips.algo.refusal import Refusal, Refused
+
 from dips.roles.follower import FollowerShard
 from dips.wire.frames import tensor_bytes
 from dips.wire.pool import VersionedSnapshots
@@ -67,15 +69,17 @@ def test_a_pull_that_spans_a_commit_gets_its_whole_version():
     for rnd in (2, 3):  # versions 2 and 3 are pulled: keep = 2 snapshots, 0's is recycled
         _step(shard, rnd)
         shard.open_pull(_pull_header(rnd)).finish()
-    with pytest.raises(ValueError, match="holds version 3"):
+    with pytest.raises(Refused) as info:
         shard.open_pull(_pull_header(0))
+    assert info.value.code is Refusal.VERSION_GONE
 
 
 def test_a_version_nobody_snapshotted_is_refused_after_it_moved_on():
     shard = _shard()
     _step(shard, 1)
-    with pytest.raises(ValueError, match="'version' = 0"):
+    with pytest.raises(Refused, match="'version' = 0") as info:
         shard.open_pull(_pull_header(0))
+    assert info.value.code is Refusal.VERSION_GONE
 
 
 def test_snapshots_being_read_are_never_recycled():

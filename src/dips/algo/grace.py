@@ -1,32 +1,38 @@
-"""Dynamic grace time: the ski-rental window of §7 of the seed, estimated online.
+"""Grace window of the outer step: fixed τ, or the ski-rental τ* of §7, estimated online.
 
-After the first push request of an outer step opens the window, waiting τ seconds costs τ of
-idle time for the waiting cluster; closing it while another request is about to arrive makes
-that request miss the step and wait through the whole update and pull, a cost C_m. If
-requests arrive as a Poisson process of rate λ, the chance that none arrives within τ is
-exp(−λτ), so the expected cost is (§7)
+The first push request of an outer step opens the window; requests arriving before it closes
+join the same outer step, later ones wait for the next (§6). Closing at once makes a cluster
+that finishes seconds later miss the step and wait through a whole update and pull; waiting
+long idles the fastest cluster (§7). If requests arrive as a Poisson process of rate λ and a
+request that misses the window waits C_m seconds more, the expected cost of a window τ is
 
     C(τ) = τ + C_m · exp(−λ τ),         minimised at  τ* = (1/λ) · ln(C_m · λ),
 
-and τ* = 0 when C_m · λ <= 1 (waiting never pays). τ* is clamped to [0, max_s].
+and τ* = 0 when C_m · λ <= 1 (waiting never pays); τ* is clamped to [0, max_s].
 
-:class:`GraceEstimator` estimates λ from the arrival times of recent push requests (the
-number of gaps over their time span) and C_m as an exponential moving average of the measured
-update + pull time of recent outer steps. :class:`GraceWindow` is what the leader holds: in
-``"fixed"`` mode it always returns the configured τ (the estimates are still kept, for the
-log); in ``"dynamic"`` mode it returns τ*, or the fixed τ until both estimates exist.
+:class:`GraceState` is the estimator's state, updated by pure functions: λ from the arrival
+times of the last :data:`ARRIVALS` push requests (gaps over their time span), C_m as an
+exponential moving average (weight :data:`ALPHA`) of the measured update + pull time of recent
+outer steps. :func:`window_s` is what the leader's round uses: in ``fixed`` mode always the
+configured τ (the estimates are still kept, for the log); in ``dynamic`` mode τ*, or the fixed
+τ (clamped to ``max_s``) until both estimates exist. The grace settings are a
+:class:`dips.spec.GraceConfig` (any object with ``mode``, ``window_s`` and ``max_s``).
 
-Pure: time is passed in (float seconds on the caller's monotonic clock); nothing here reads a
-clock.
+Pure: time is passed in (float seconds on the caller's monotonic or virtual clock); nothing
+here reads a clock, so the real leader and the virtual-time engine share every rule.
 """
 
 from __future__ import annotations
 
 import math
-from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
+from typing import Any
 
 MODES = ("fixed", "dynamic")
+#: Push requests λ is estimated from (the most recent ones).
+ARRIVALS = 16
+#: Weight of the newest update + pull time in the C_m moving average.
+ALPHA = 0.3
 
 
 def _number(name: str, x: object, minimum: float = 0.0) -> float:
@@ -62,124 +68,89 @@ def optimal_grace_s(rate_per_s: float, miss_cost_s: float, max_s: float = math.i
     return min(cap, math.log(cm * lam) / lam)
 
 
-@dataclass
-class GraceEstimator:
-    """Online estimates of λ and C_m (§7).
+@dataclass(frozen=True)
+class GraceState:
+    """The §7 estimates: recent request times (seconds, ascending, at most :data:`ARRIVALS`)
+    and C_m (seconds; None before the first outer step)."""
 
-    Attributes:
-        arrivals: how many recent request times λ is estimated from (>= 2).
-        alpha: weight of the newest update+pull time in the C_m average, in (0, 1].
-    """
-
-    arrivals: int = 16
-    alpha: float = 0.3
-    _times: deque = field(default_factory=deque, repr=False)
-    _miss_cost: float | None = None
-
-    def __post_init__(self) -> None:
-        if isinstance(self.arrivals, bool) or not isinstance(self.arrivals, int) or self.arrivals < 2:
-            raise ValueError(f"arrivals must be an int >= 2, got {self.arrivals!r}")
-        if not 0.0 < _number("alpha", self.alpha) <= 1.0:
-            raise ValueError(f"alpha must be in (0, 1], got {self.alpha!r}")
-        self._times = deque(maxlen=self.arrivals)
-
-    def observe_request(self, t: float) -> None:
-        """Record a push request that arrived at time ``t`` (seconds; finite, not earlier
-        than the previous one). Raises ValueError otherwise."""
-        t = _number("t", t, -math.inf)
-        if math.isinf(t) or (self._times and t < self._times[-1]):
-            raise ValueError(f"t must be finite and >= the previous arrival, got {t!r}")
-        self._times.append(t)
-
-    def observe_round(self, update_s: float, pull_s: float) -> None:
-        """Record one outer step's update and pull durations (seconds, finite, >= 0)."""
-        cost = _number("update_s", update_s) + _number("pull_s", pull_s)
-        if math.isinf(cost):
-            raise ValueError(f"update_s and pull_s must be finite, got {update_s!r}, {pull_s!r}")
-        self._miss_cost = cost if self._miss_cost is None else (
-            self.alpha * cost + (1.0 - self.alpha) * self._miss_cost)
+    arrivals: tuple[float, ...] = ()
+    miss_cost_s: float | None = None
 
     @property
     def rate_per_s(self) -> float | None:
         """λ = (n − 1) / (t_n − t_1) over the kept arrivals; None before 2 distinct times."""
-        if len(self._times) < 2 or self._times[-1] <= self._times[0]:
+        a = self.arrivals
+        if len(a) < 2 or a[-1] <= a[0]:
             return None
-        return (len(self._times) - 1) / (self._times[-1] - self._times[0])
-
-    @property
-    def miss_cost_s(self) -> float | None:
-        """C_m, the moving average of update + pull seconds; None before the first round."""
-        return self._miss_cost
+        return (len(a) - 1) / (a[-1] - a[0])
 
 
-class GraceWindow:
-    """The leader's grace window, fixed or dynamic (§6, §7).
+def observe_request(state: GraceState, t: float, keep: int = ARRIVALS) -> GraceState:
+    """``state`` with a push request that arrived at ``t`` seconds (finite, not earlier than
+    the previous one; the newest ``keep`` >= 2 are kept). Raises ValueError otherwise."""
+    t = _number("t", t, -math.inf)
+    if math.isinf(t) or (state.arrivals and t < state.arrivals[-1]):
+        raise ValueError(f"t must be finite and >= the previous arrival, got {t!r}")
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 2:
+        raise ValueError(f"keep must be an int >= 2, got {keep!r}")
+    return replace(state, arrivals=(*state.arrivals, t)[-keep:])
 
-    Args:
-        mode: "fixed" (always ``fixed_s``) or "dynamic" (τ* of the estimates).
-        fixed_s: the fixed window in seconds (>= 0); also the dynamic window's value until
-            λ and C_m are both known.
-        max_s: clamp of the dynamic window in seconds (>= 0).
-        estimator: the λ / C_m estimator (default :class:`GraceEstimator`).
 
-    Raises:
-        ValueError: unknown mode or a negative / NaN duration (naming it).
+def observe_round(state: GraceState, update_s: float, pull_s: float,
+                  alpha: float = ALPHA) -> GraceState:
+    """``state`` with one outer step's update and pull durations (seconds, finite, >= 0)
+    folded into C_m (the first one sets it). Raises ValueError on a bad duration or alpha."""
+    cost = _number("update_s", update_s) + _number("pull_s", pull_s)
+    if math.isinf(cost):
+        raise ValueError(f"update_s and pull_s must be finite, got {update_s!r}, {pull_s!r}")
+    if not 0.0 < _number("alpha", alpha) <= 1.0:
+        raise ValueError(f"alpha must be in (0, 1], got {alpha!r}")
+    old = state.miss_cost_s
+    return replace(state, miss_cost_s=cost if old is None else alpha * cost + (1.0 - alpha) * old)
+
+
+def _check(grace: Any) -> None:
+    if grace.mode not in MODES:
+        raise ValueError(f"grace field 'mode' = {grace.mode!r} must be one of {MODES}")
+
+
+def dynamic_s(state: GraceState, grace: Any) -> float | None:
+    """τ* from the estimates, clamped to ``grace.max_s``; None while λ or C_m is unknown."""
+    lam, cm = state.rate_per_s, state.miss_cost_s
+    if lam is None or cm is None:
+        return None
+    return optimal_grace_s(lam, cm, grace.max_s)
+
+
+def window_s(state: GraceState, grace: Any) -> float:
+    """The window to open now, in seconds (see the module docstring).
+
+    Raises ValueError on an unknown ``grace.mode``.
     """
+    _check(grace)
+    if grace.mode == "fixed":
+        return float(grace.window_s)
+    tau = dynamic_s(state, grace)
+    return float(min(grace.window_s, grace.max_s)) if tau is None else tau
 
-    def __init__(self, mode: str = "fixed", fixed_s: float = 1.0, max_s: float = 30.0,
-                 estimator: GraceEstimator | None = None) -> None:
-        if mode not in MODES:
-            raise ValueError(f"grace mode must be one of {MODES}, got {mode!r}")
-        self.mode = mode
-        self.fixed_s = _number("fixed_s", fixed_s)
-        self.max_s = _number("max_s", max_s)
-        if math.isinf(self.fixed_s):
-            raise ValueError(f"fixed_s must be finite, got {fixed_s!r}")
-        self.estimator = estimator or GraceEstimator()
 
-    def observe_request(self, t: float) -> None:
-        self.estimator.observe_request(t)
+def stats(state: GraceState, grace: Any) -> dict[str, float | str | None]:
+    """Mode, window now, λ, C_m and τ* (None where unknown), for the outer-step log."""
+    tau = dynamic_s(state, grace)
+    lam, cm = state.rate_per_s, state.miss_cost_s
+    return {"mode": grace.mode, "window_s": round(window_s(state, grace), 4),
+            "rate_per_s": None if lam is None else round(lam, 4),
+            "miss_cost_s": None if cm is None else round(cm, 4),
+            "tau_star_s": None if tau is None else round(tau, 4)}
 
-    def observe_round(self, update_s: float, pull_s: float) -> None:
-        self.estimator.observe_round(update_s, pull_s)
 
-    def dynamic_s(self) -> float | None:
-        """τ* from the current estimates (clamped), or None while one is unknown."""
-        lam, cm = self.estimator.rate_per_s, self.estimator.miss_cost_s
-        if lam is None or cm is None:
-            return None
-        return optimal_grace_s(lam, cm, self.max_s)
+def to_dict(state: GraceState) -> dict[str, float | None]:
+    """What the leader checkpoints: C_m (seconds). λ is not kept: the arrival times belong to
+    the old process's clock, and new arrivals re-estimate it."""
+    return {"miss_cost_s": state.miss_cost_s}
 
-    def seconds(self) -> float:
-        """The window to use now, in seconds."""
-        if self.mode == "fixed":
-            return self.fixed_s
-        tau = self.dynamic_s()
-        return min(self.fixed_s, self.max_s) if tau is None else tau
 
-    def close_time(self, opened_at: float) -> float:
-        """When a window opened at ``opened_at`` (finite seconds) closes."""
-        t = _number("opened_at", opened_at, -math.inf)
-        if math.isinf(t):
-            raise ValueError(f"opened_at must be a finite number of seconds, got {opened_at!r}")
-        return t + self.seconds()
-
-    def state(self) -> dict[str, float | None]:
-        """What the leader checkpoints: the C_m estimate (seconds). λ is not kept: the arrival
-        times belong to the old process's clock, and new arrivals re-estimate it."""
-        return {"miss_cost_s": self.estimator.miss_cost_s}
-
-    def restore(self, state: dict[str, float | None]) -> None:
-        """Resume the C_m estimate saved by :meth:`state`. Raises ValueError if malformed."""
-        cm = state.get("miss_cost_s")
-        if cm is not None:
-            self.estimator.observe_round(_number("miss_cost_s", cm), 0.0)
-
-    def stats(self) -> dict[str, float | str | None]:
-        """Mode, window now, λ, C_m and τ* (None where unknown), for the outer-step log."""
-        tau = self.dynamic_s()
-        lam, cm = self.estimator.rate_per_s, self.estimator.miss_cost_s
-        return {"mode": self.mode, "window_s": round(self.seconds(), 4),
-                "rate_per_s": None if lam is None else round(lam, 4),
-                "miss_cost_s": None if cm is None else round(cm, 4),
-                "tau_star_s": None if tau is None else round(tau, 4)}
+def from_dict(data: dict[str, Any]) -> GraceState:
+    """Resume the estimates saved by :func:`to_dict`. Raises ValueError if malformed."""
+    cm = data.get("miss_cost_s")
+    return GraceState(miss_cost_s=None if cm is None else _number("miss_cost_s", cm))

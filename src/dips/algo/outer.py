@@ -12,14 +12,20 @@ the cluster pulled), aggregates the accepted Δ into δ (see ``aggregate``), and
 which is exactly ``torch.optim.SGD(lr, momentum, nesterov=True, dampening=0, weight_decay=0)``
 with ``p.grad = g``. Buffers start at zero: torch's first step sets buf = g, and
 momentum · 0 + g = g, so both agree from the first outer step.
+
+The settings (lr, momentum, max_norm, uniform_weights) are :class:`dips.spec.OuterConfig`,
+re-exported here.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
+
+from dips.spec import OuterConfig
+
+__all__ = ["OuterConfig", "nesterov_step", "nesterov_step_fused", "pseudo_gradient"]
 
 
 def _dtype(t: object) -> object:
@@ -30,34 +36,6 @@ def _finite(name: str, x: object) -> float:
     if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x):
         raise ValueError(f"{name} must be a finite number, got {x!r}")
     return float(x)
-
-
-@dataclass(frozen=True)
-class OuterConfig:
-    """Outer optimizer settings (§6, §13 of the seed: Nesterov, lr 0.7, momentum 0.8, clip 1).
-
-    lr: outer learning rate (finite, > 0). momentum: Nesterov momentum in [0, 1).
-    max_norm: global clip norm c (> 0); None or math.inf disables clipping (ablation).
-
-    Raises:
-        ValueError: a field out of range, naming the field and the value.
-    """
-
-    lr: float = 0.7
-    momentum: float = 0.8
-    max_norm: float | None = 1.0
-
-    def __post_init__(self) -> None:
-        if not _finite("lr", self.lr) > 0.0:
-            raise ValueError(f"lr must be > 0, got {self.lr!r}")
-        if not 0.0 <= _finite("momentum", self.momentum) < 1.0:
-            raise ValueError(f"momentum must be in [0, 1), got {self.momentum!r}")
-        if self.max_norm is not None and (
-            isinstance(self.max_norm, bool)
-            or not isinstance(self.max_norm, (int, float))
-            or not self.max_norm > 0
-        ):
-            raise ValueError(f"max_norm must be > 0, None or math.inf, got {self.max_norm!r}")
 
 
 def pseudo_gradient(

@@ -7,6 +7,8 @@ which clusters are accepted. :func:`decide` is that decision, as a pure function
 
 Semantics (the parts §8 leaves open are fixed here):
 
+* The parameters are :class:`dips.spec.PenaltyConfig` (α, β, warm-up, history length, floors;
+  re-exported here); pydantic validates them and names a field out of range.
 * Every G_j must be a finite float >= 0; the caller filters NaN/inf upstream, so a bad value
   is a programming error and raises :class:`ValueError` naming the cluster and the value.
 * Warm-up: while ``state.n_seen < cfg.warmup`` (G values observed *before* this step), every
@@ -36,6 +38,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from dips.spec import PenaltyConfig
+
+__all__ = ["SIGMA_EPS", "PenaltyConfig", "PenaltyState", "Verdict", "decide"]
+
 #: Absolute floor of sigma: keeps E finite when all observed G are 0.
 SIGMA_EPS = 1e-12
 
@@ -48,45 +54,6 @@ def _finite(name: str, x: Any) -> float:
     if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x):
         raise ValueError(f"{name} must be a finite number, got {x!r}")
     return float(x)
-
-
-@dataclass(frozen=True)
-class PenaltyConfig:
-    """Parameters of the penalty (§8 of the seed; defaults alpha=0.02, beta=3 from §8).
-
-    alpha: EMA rate of mu/sigma, 0 < alpha <= 1. beta: threshold multiplier, > 0.
-    warmup: G values (>= 1) observed before scoring starts. recent: length (>= 1) of the
-    accepted-score history. score_floor: > 0, lower bound of max(recent_scores) in the threshold.
-    sigma_floor_rel: >= 0, sigma is kept >= sigma_floor_rel * mu. enabled: False accepts all.
-
-    Raises:
-        ValueError: a field out of range, naming the field and the value.
-    """
-
-    alpha: float = 0.02
-    beta: float = 3.0
-    warmup: int = 3
-    recent: int = 16
-    score_floor: float = 1.0
-    sigma_floor_rel: float = 0.05
-    enabled: bool = True
-
-    def __post_init__(self) -> None:
-        alpha = _finite("alpha", self.alpha)
-        if not 0.0 < alpha <= 1.0:
-            raise ValueError(f"alpha must be in (0, 1], got {self.alpha!r}")
-        if not _finite("beta", self.beta) > 0.0:
-            raise ValueError(f"beta must be > 0, got {self.beta!r}")
-        for name in ("warmup", "recent"):
-            value = getattr(self, name)
-            if not _is_int(value) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        if not _finite("score_floor", self.score_floor) > 0.0:
-            raise ValueError(f"score_floor must be > 0, got {self.score_floor!r}")
-        if not _finite("sigma_floor_rel", self.sigma_floor_rel) >= 0.0:
-            raise ValueError(f"sigma_floor_rel must be >= 0, got {self.sigma_floor_rel!r}")
-        if not isinstance(self.enabled, bool):
-            raise ValueError(f"enabled must be a bool, got {self.enabled!r}")
 
 
 @dataclass

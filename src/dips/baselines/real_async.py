@@ -2,8 +2,9 @@
 
 One process per cluster (``python -m dips.baselines.real_async --run-dir D --rank i``).  Each
 cluster keeps its own replica of the global θ and its own Nesterov outer optimizer.  When it
-finishes H inner steps it forms Δ_i = θ_i,global − θ_i,local and sends Δ_i point to point to
-every peer at once (ZeroMQ DEALER → ROUTER, the HMAC-authenticated raw frames of
+finishes H inner steps it forms Δ_i = θ_i,global − θ_i,local (:func:`dips.algo.pseudo_gradient`)
+and sends Δ_i point to point to every peer at once (ZeroMQ DEALER → ROUTER, the
+HMAC-authenticated raw frames of
 :mod:`dips.wire.frames`; never pickle; BF16 padded to ``payload_bytes``); all copies share the
 cluster's one uplink (its veth's tbf, or the token bucket of the fallback).  When every peer
 has acknowledged receipt it applies, without waiting for anyone else's pseudo-gradient, the
@@ -28,11 +29,11 @@ from typing import Any
 import torch
 import zmq
 
-from dips.algo import nesterov_step
-from dips.baselines.real_common import Worker, payload_elems, worker_main
+from dips.baselines.real_common import OuterReplica, Worker, payload_elems, worker_main
+from dips.train.trainer import ClusterTrainer, StepResult
 from dips.wire.frames import FrameError, decode, encode
 
-__all__ = ["PeerLinks", "main", "run"]
+__all__ = ["GossipDiLoCo", "PeerLinks", "main", "run"]
 
 
 class PeerLinks:
@@ -43,7 +44,7 @@ class PeerLinks:
     Δ to every peer at once and returns when every peer acknowledged it (or was given up).
 
     Args:
-        worker: this cluster's worker (its address, port, bucket, parameter names/shapes).
+        worker: this cluster's worker (its endpoint, bucket, parameter names/shapes).
         key: the run secret (HMAC key, bytes).
     """
 
@@ -52,12 +53,12 @@ class PeerLinks:
         self.ctx = zmq.Context()
         self.inbox_sock = self.ctx.socket(zmq.ROUTER)
         self.inbox_sock.setsockopt(zmq.LINGER, 0)
-        me = worker.me
-        if me.port:
-            self.inbox_sock.bind(f"tcp://{me.addr}:{me.port}")
-            self.endpoint = f"tcp://{me.addr}:{me.port}"
+        ep = worker.endpoint
+        if ep.port:
+            self.inbox_sock.bind(f"tcp://{ep.addr}:{ep.port}")
+            self.endpoint = f"tcp://{ep.addr}:{ep.port}"
         else:
-            self.endpoint = f"tcp://{me.addr}:{self.inbox_sock.bind_to_random_port(f'tcp://{me.addr}')}"
+            self.endpoint = f"tcp://{ep.addr}:{self.inbox_sock.bind_to_random_port(f'tcp://{ep.addr}')}"
         self.shapes = {n: tuple(p.shape) for n, p in zip(worker.names, worker.params)}
         self.inbox: list[dict[str, Any]] = []
         self.latest_tokens: dict[str, int] = {}
@@ -66,7 +67,7 @@ class PeerLinks:
         self.peers: dict[str, zmq.Socket] = {}
         self.thread = threading.Thread(target=self._receive, name="recv", daemon=True)
         self.delivered = self.undelivered = 0
-        self._recv_log = open(worker.run_dir / "clusters" / me.id / "recv.jsonl", "a", buffering=1)
+        self._recv_log = open(worker.run_dir / "clusters" / worker.me.id / "recv.jsonl", "a", buffering=1)
 
     def connect(self, endpoints: dict[str, str]) -> None:
         """Open a DEALER socket to every peer; start receiving."""
@@ -150,58 +151,95 @@ class PeerLinks:
         self._recv_log.close()
 
 
+class GossipDiLoCo:
+    """Naive asynchronous DiLoCo as the sync of :func:`dips.train.run.run_loop` (module docstring).
+
+    Before an inner step, once H steps are done, it sends Δ to every peer, applies the mean
+    of its own and every arrived peer Δ and writes the ``sync`` record; a stop request ends
+    the loop at once (a partial round is not sent).  :meth:`finish` saves the final replica.
+
+    Args:
+        worker: this cluster's process; key: the run secret (HMAC key).
+    """
+
+    grad_hook = None
+
+    def __init__(self, worker: Worker, key: bytes) -> None:
+        self.w, self.key = worker, key
+        self.H = worker.spec.inner.H
+        self.outer = OuterReplica(worker.params, worker.spec.outer)  # this cluster's θ replica
+        pad_n = payload_elems(worker.spec, worker.n_real) - worker.n_real
+        self.pad = [("_pad", torch.zeros(pad_n, dtype=torch.bfloat16))] if pad_n > 0 else []
+        self.links = PeerLinks(worker, key)
+        self.round = 0
+        self.in_round = 0  # inner steps since the last outer step
+
+    def start(self) -> None:
+        """The start barrier; then connect to every peer's published inbox."""
+        go = self.w.ready_and_wait_go({"endpoint": self.links.endpoint})
+        self.links.connect(go["endpoints"])
+
+    def before_step(self, trainer: ClusterTrainer, stop: threading.Event) -> bool:
+        """Send and apply after H steps; False once stopped."""
+        if stop.is_set():
+            return False
+        if self.in_round >= self.H:
+            self._sync(trainer)
+        return not stop.is_set()
+
+    def after_step(self, trainer: ClusterTrainer, result: StepResult,
+                   stop: threading.Event) -> dict[str, Any]:
+        """Count the round's step; nothing to add to the step's record."""
+        self.in_round += 1
+        return {}
+
+    def starved(self, trainer: ClusterTrainer, stop: threading.Event) -> None:
+        """Never: a fixed-assignment sampler cycles through its chunks."""
+
+    def _sync(self, trainer: ClusterTrainer) -> None:
+        w, links = self.w, self.links
+        self.round += 1
+        self.in_round = 0
+        t = time.monotonic()
+        delta = self.outer.pseudo_gradients(w.params)
+        header = {"op": "pseudo_grad", "cluster": w.me.id, "round": self.round,
+                  "tokens": trainer.tokens, "sent_at": round(w.now(), 4)}
+        frames = encode(self.key, header,
+                        [(n, d.to(torch.bfloat16)) for n, d in zip(w.names, delta)] + self.pad)
+        comm_s = links.broadcast(frames, self.round)
+        peers = links.drain()
+        with torch.no_grad():
+            for d, name in zip(delta, w.names):
+                for m in peers:
+                    d.add_(m["tensors"][name].float())
+                d.div_(1 + len(peers))
+        self.outer.step(delta)
+        self.outer.load_into(w.params)
+        with links.lock:
+            est = trainer.tokens + sum(links.latest_tokens.values())
+        w.record(event="sync", round=self.round, sync=True, tokens=trainer.tokens,
+                 comm_s=round(comm_s, 4), update_s=round(time.monotonic() - t - comm_s, 4),
+                 applied=1 + len(peers), applied_from=[m["from"] for m in peers],
+                 bytes=sum(memoryview(f).nbytes for f in frames))
+        if w.rank == 0:
+            w.maybe_snapshot(self.outer.theta, est)
+
+    def finish(self, trainer: ClusterTrainer) -> None:
+        """Save the final replica, record the delivery counts."""
+        self.w.maybe_snapshot(self.outer.theta, trainer.tokens, force=True, tag="final")
+        self.w.record(event="links", delivered=self.links.delivered,
+                      undelivered=self.links.undelivered)
+
+
 def run(worker: Worker, key: bytes) -> None:
     """The naive asynchronous loop of one cluster (module docstring) until stopped."""
-    spec, w = worker.spec, worker
-    H, tpb = spec.inner.H, w.sampler.tokens_per_batch
-    theta = [p.detach().clone() for p in w.params]  # this cluster's replica of the global θ
-    momenta = [torch.zeros_like(p) for p in theta]
-    delta = [torch.zeros_like(p) for p in theta]
-    pad_n = payload_elems(spec, w.n_real) - w.n_real
-    pad = [("_pad", torch.zeros(pad_n, dtype=torch.bfloat16))] if pad_n > 0 else []
-    links = PeerLinks(w, key)
+    sync = GossipDiLoCo(worker, key)
     try:
-        go = w.ready_and_wait_go({"endpoint": links.endpoint})
-        links.connect(go["endpoints"])
-        step = rnd = 0
-        while not w.stop.is_set():
-            for _ in range(H):
-                step += 1
-                w.paced_inner_step(step, tpb, spec.inner.grad_clip)
-                if w.stop.is_set():
-                    break
-            if w.stop.is_set():
-                break  # a partial round is not sent
-            rnd += 1
-            t = time.monotonic()
-            with torch.no_grad():
-                for d, th, p in zip(delta, theta, w.params):
-                    torch.sub(th, p, out=d)
-            header = {"op": "pseudo_grad", "cluster": w.me.id, "round": rnd, "tokens": step * tpb,
-                      "sent_at": round(w.now(), 4)}
-            frames = encode(key, header, [(n, d.to(torch.bfloat16)) for n, d in zip(w.names, delta)] + pad)
-            comm_s = links.broadcast(frames, rnd)
-            peers = links.drain()
-            with torch.no_grad():
-                for d, name in zip(delta, w.names):
-                    for m in peers:
-                        d.add_(m["tensors"][name].float())
-                    d.div_(1 + len(peers))
-            nesterov_step(theta, momenta, delta, spec.outer_lr, spec.outer_momentum)
-            with torch.no_grad():
-                for p, th in zip(w.params, theta):
-                    p.copy_(th)
-            with links.lock:
-                est = step * tpb + sum(links.latest_tokens.values())
-            w.record(event="sync", round=rnd, sync=True, tokens=step * tpb, comm_s=round(comm_s, 4),
-                     update_s=round(time.monotonic() - t - comm_s, 4), applied=1 + len(peers),
-                     applied_from=[m["from"] for m in peers], bytes=sum(memoryview(f).nbytes for f in frames))
-            if w.rank == 0:
-                w.maybe_snapshot(theta, est)
-        w.maybe_snapshot(theta, step * tpb, force=True, tag="final")
-        w.record(event="links", delivered=links.delivered, undelivered=links.undelivered)
+        sync.start()
+        worker.train(sync)
+        sync.finish(worker.trainer)
     finally:
-        links.close()
+        sync.links.close()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,10 +1,10 @@
-"""What every real-time baseline process shares: spec, data, model, pacing, logs (§4, §13).
+"""What every real-time baseline process shares: start barrier, pacing, shaping, logs (§4, §13).
 
 A baseline run (:mod:`dips.baselines.real_launch`) starts one OS process per cluster; each
-reads ``RUN_DIR/spec.json`` (a :class:`WorkerSpec`) and gets the same model
-(:func:`dips.train.model.build_model`, same seed), tokenizer and token stream
-(:mod:`dips.train.corpus`), data chunks (``assign_chunks`` over the cluster ids, the sampler
-seed of ``dips launch``'s clusters) and inner AdamW (:mod:`dips.train.loop`) as Di-PS.
+reads ``RUN_DIR/spec.json`` (a :class:`dips.spec.WorkerSpec`), builds its cluster with
+:func:`dips.train.trainer.build_trainer` (the same model, seed, token stream, inner AdamW as
+every other method; a fixed round-robin share of the chunks) and trains it with the one loop
+of :func:`dips.train.run.run_loop`; each baseline module only supplies its sync.
 
 Emulated inner steps (§13, the issue's real-time design).  Every inner step is a REAL model
 step on the cluster's batch followed by an injected delay (:class:`dips.emu.pacing.Pacer`):
@@ -26,118 +26,26 @@ import argparse
 import json
 import math
 import os
-import signal
 import sys
-import threading
 import time
-import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from dips.config import DataConfig, InnerConfig
+from dips.algo import nesterov_step, pseudo_gradient
 from dips.emu.pacing import Pacer
-from dips.train.model import ModelConfig
+from dips.spec import OuterConfig, WorkerSpec
+from dips.train.run import Sync, TrainLog, run_loop, stop_on_signals
+from dips.train.trainer import build_trainer
 from dips.wire.shaping import TokenBucket
 
-__all__ = ["DIVERGED_EXIT", "ClusterRun", "SyncBuffer", "Worker", "WorkerSpec", "init_gloo", "payload_elems",
-           "sampler_seed", "synced_allreduce", "worker_main"]
+__all__ = ["DIVERGED_EXIT", "OuterReplica", "SyncBuffer", "Worker", "WorkerSpec", "init_gloo",
+           "payload_elems", "synced_allreduce", "worker_main"]
 
 DIVERGED_EXIT = 3
 """Exit status of a worker whose training produced a non-finite loss (reported, not hidden)."""
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class ClusterRun(_Strict):
-    """One cluster's process: identity, compute speed, network placement, link rate.
-
-    Times are real seconds since the common start (``go.json``'s ``t0``); rates bits/s.
-    ``transient``: ``(start_s, end_s, factor)`` extra slowdowns; ``rate_schedule``:
-    ``(at_s, rate_bps)`` link changes.  ``addr``/``iface``: where the cluster's sockets bind
-    (127.0.0.1/lo on loopback, its namespace's veth when shaped by tc).
-    """
-
-    id: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
-    slowdown: float = Field(1.0, ge=1.0)
-    transient: list[tuple[float, float, float]] = Field(default_factory=list)
-    rate_bps: float | None = Field(None, gt=0)
-    rate_schedule: list[tuple[float, float]] = Field(default_factory=list)
-    addr: str = "127.0.0.1"
-    iface: str = "lo"
-    port: int = Field(0, ge=0, le=65535)
-
-    @model_validator(mode="after")
-    def _valid_schedules(self) -> "ClusterRun":
-        Pacer(self.slowdown, None, self.transient)  # raises ValueError naming a bad transient
-        for at, rate in self.rate_schedule:
-            if not (at >= 0 and rate > 0):
-                raise ValueError(f"cluster {self.id!r}: rate_schedule entry {(at, rate)!r} needs "
-                                 "at_s >= 0 and rate_bps > 0")
-        return self
-
-    def rate_at(self, t: float) -> float | None:
-        """Link rate (bits/s) at real time ``t``; None: unshaped."""
-        rate = self.rate_bps
-        for at, r in sorted(self.rate_schedule):
-            if at <= t:
-                rate = r
-        return rate
-
-
-class WorkerSpec(_Strict):
-    """Everything a baseline process needs (``RUN_DIR/spec.json``); validated, no extra keys.
-
-    Units: seconds, bytes, tokens, bits/s.  ``token_budget`` counts the tokens of every inner
-    step of every cluster; ``payload_bytes`` the bytes of one model-sized transfer on the wire
-    (at least the model's BF16 size); ``step_s`` the real seconds of one inner step at slowdown
-    1 (None: measured, see the module docstring).
-    """
-
-    method: Literal["dp", "diloco", "async-diloco"]
-    seed: int = Field(0, ge=0)
-    model: ModelConfig
-    data: DataConfig
-    inner: InnerConfig
-    outer_lr: float = Field(0.7, gt=0)
-    outer_momentum: float = Field(0.8, ge=0, lt=1)
-    token_budget: int = Field(ge=1)
-    max_time_s: float = Field(gt=0)
-    step_s: float | None = Field(None, gt=0)
-    payload_bytes: int = Field(0, ge=0)
-    shaping: Literal["tc-tbf", "token-bucket", "none"] = "none"
-    clusters: list[ClusterRun] = Field(min_length=1)
-    master_addr: str = "127.0.0.1"
-    master_port: int = Field(0, ge=0, le=65535)
-    eval_every_tokens: int = Field(10**12, ge=1)
-    eval_batches: int = Field(8, ge=1)
-    eval_batch_size: int = Field(16, ge=1)
-    startup_s: float = Field(300.0, gt=0)
-    collective_s: float = Field(300.0, gt=0)
-
-    @model_validator(mode="after")
-    def _consistent(self) -> "WorkerSpec":
-        ids = [c.id for c in self.clusters]
-        if len(set(ids)) != len(ids):
-            raise ValueError(f"clusters: ids {ids} must be unique")
-        if self.data.num_chunks < len(ids):
-            raise ValueError(f"data.num_chunks = {self.data.num_chunks} < {len(ids)} clusters")
-        return self
-
-    @classmethod
-    def read(cls, path: Path) -> "WorkerSpec":
-        """Load and validate ``spec.json``.  Raises FileNotFoundError, pydantic.ValidationError."""
-        return cls.model_validate_json(Path(path).read_text())
-
-
-def sampler_seed(seed: int, cluster_id: str) -> int:
-    """The BatchSampler seed of a cluster; the same formula as ``dips launch``'s clusters."""
-    return seed * 7919 + zlib.crc32(cluster_id.encode())
 
 
 def payload_elems(spec: WorkerSpec, n_real: int) -> int:
@@ -146,53 +54,42 @@ def payload_elems(spec: WorkerSpec, n_real: int) -> int:
 
 
 class Worker:
-    """One cluster's process: its data, model, inner optimizer, pacing, logs and snapshots.
+    """One cluster's process: its trainer, pacing, link shaping, start barrier, logs, snapshots.
 
     Args:
         spec: the run's spec; run_dir: the run directory; rank: index into ``spec.clusters``.
 
+    Attributes: ``trainer`` (:class:`dips.train.trainer.ClusterTrainer`: model, inner AdamW,
+    fixed batches), ``names``/``params``/``n_real`` (the model's parameters), ``stop`` (set by
+    SIGTERM/SIGINT; the sync's loop then ends at its next safe point), ``log``.
     Files: ``clusters/<id>/train.jsonl`` (one line per inner step, sync lines with
     ``"sync": true``), ``ready/<id>.json``, ``snapshots/<id>/*.safetensors`` + ``snapshots.jsonl``.
-    SIGTERM/SIGINT set :attr:`stop`; the method's loop then ends at its next safe point.
     """
 
     def __init__(self, spec: WorkerSpec, run_dir: Path, rank: int) -> None:
-        from dips.train.corpus import load_tokens
-        from dips.train.loop import make_inner_optimizer
-        from dips.train.model import build_model
-        from dips.train.sampler import BatchSampler, assign_chunks, make_chunks
-
         if not 0 <= rank < len(spec.clusters):
             raise ValueError(f"rank = {rank} outside 0..{len(spec.clusters) - 1}")
         torch.set_num_threads(1)
         self.spec, self.run_dir, self.rank = spec, Path(run_dir), rank
         self.me = spec.clusters[rank]
+        self.endpoint = spec.endpoint(self.me.id)
         self.world = len(spec.clusters)
-        self.stop = threading.Event()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: self.stop.set())
-        d = spec.data
-        data = load_tokens(d.cache_dir, d.vocab_size, d.val_fraction, d.max_train_tokens)
-        chunks = make_chunks(len(data.train), d.num_chunks)
-        mine = assign_chunks(d.num_chunks, [c.id for c in spec.clusters])[self.me.id]
-        self.sampler = BatchSampler(data.train, chunks, mine, spec.inner.batch_size,
-                                    spec.inner.seq_len, seed=sampler_seed(spec.seed, self.me.id))
-        self.model = build_model(spec.model, spec.seed)
-        self.opt = make_inner_optimizer(self.model, spec.inner.lr, spec.inner.weight_decay)
-        self.names = [n for n, _ in self.model.named_parameters()]
-        self.params = [p for _, p in self.model.named_parameters()]
-        self.n_real = sum(p.numel() for p in self.params)
-        rate = self.me.rate_at(0.0)
+        self.stop = stop_on_signals()
+        self.trainer = build_trainer(self.me.id, spec.model, spec.data, spec.inner, spec.seed,
+                                     assignment=[c.id for c in spec.clusters])
+        self.model = self.trainer.model
+        self.names, self.params = self.trainer.names, self.trainer.params
+        self.n_real = self.trainer.n_params
+        rate = self.me.link.rate_at(0.0) if self.me.link is not None else None
         self.bucket = None
         if spec.shaping == "token-bucket" and rate is not None:
             self.bucket = TokenBucket(rate / 8, max(65536, rate / 8 * 0.005))
         self.t0 = math.inf
-        out = self.run_dir / "clusters" / self.me.id
-        out.mkdir(parents=True, exist_ok=True)
-        self._log = open(out / "train.jsonl", "a", buffering=1)
+        self.log = TrainLog(self.run_dir / "clusters" / self.me.id / "train.jsonl",
+                            stamp=lambda: round(self.now(), 4))
         self._snap_dir = self.run_dir / "snapshots" / self.me.id
         self._next_eval = spec.eval_every_tokens
-        self.pacer = Pacer(self.me.slowdown, spec.step_s, self.me.transient)
+        self.pacer = Pacer(self.me.slowdown, spec.step_s, self.me.transient_tuples())
 
     # start barrier -------------------------------------------------------------------------
     def ready_and_wait_go(self, info: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -224,32 +121,21 @@ class Worker:
         return time.time() - self.t0
 
     # pacing and shaping --------------------------------------------------------------------
-    def pace(self, compute_s: float) -> float:
-        """Inject this step's delay (:class:`dips.emu.pacing.Pacer`); returns the seconds waited.
-
-        Under the token-bucket fallback it also applies the link's rate schedule.
-        """
-        t = self.now()
+    def delay(self, compute_s: float, t: float) -> float:
+        """This step's injected delay (:class:`dips.emu.pacing.Pacer`), seconds: the
+        :class:`dips.train.run.Pacer` the loop takes.  Under the token-bucket fallback it also
+        applies the link's rate schedule at ``t`` (seconds since the common start)."""
         delay = self.pacer.delay(compute_s, t)
         if self.bucket is not None:
-            rate = self.me.rate_at(t)
+            rate = self.me.link.rate_at(t) if self.me.link is not None else None
             if rate is not None and rate / 8 != self.bucket.rate_bytes_per_s:
                 self.bucket.set_rate(rate / 8)
-        if delay > 0:
-            self.stop.wait(delay)
         return delay
 
-    def paced_inner_step(self, step: int, tokens_per_batch: int, grad_clip: float | None) -> None:
-        """One real AdamW inner step on the next batch, paced, and recorded as ``step``
-        (``tokens`` = step × tokens_per_batch) in ``train.jsonl``."""
-        from dips.train.loop import inner_step
-
-        t = time.monotonic()
-        loss = inner_step(self.model, self.opt, self.sampler.next_batch(), grad_clip)
-        compute_s = time.monotonic() - t
-        delay_s = self.pace(compute_s)
-        self.record(step=step, loss=round(loss, 5), tokens=step * tokens_per_batch,
-                    compute_s=round(compute_s, 4), delay_s=round(delay_s, 4))
+    def train(self, sync: Sync) -> int:
+        """Run the one training loop (:func:`dips.train.run.run_loop`) with ``sync``, paced by
+        :meth:`delay`; returns the inner steps run."""
+        return run_loop(self.trainer, sync, self.stop, self, self.log, self.now)
 
     @property
     def overruns(self) -> int:
@@ -263,8 +149,7 @@ class Worker:
     # logs and snapshots --------------------------------------------------------------------
     def record(self, **rec: Any) -> None:
         """Append one JSON line to ``train.jsonl`` (adds ``time``: seconds since start)."""
-        rec.setdefault("time", round(self.now(), 4))
-        self._log.write(json.dumps(rec) + "\n")
+        self.log.write(rec)
 
     def maybe_snapshot(self, tensors: list[torch.Tensor], global_tokens: int, force: bool = False,
                        tag: str | None = None) -> None:
@@ -287,7 +172,42 @@ class Worker:
     def close(self) -> None:
         """Write the final counters and close the log."""
         self.record(event="end", overruns=self.pacer.overruns)
-        self._log.close()
+        self.log.close()
+
+
+class OuterReplica:
+    """A cluster's replica of the global θ and of the Nesterov outer optimizer (§3, §4; FP32).
+
+    The synchronous and the naive asynchronous DiLoCo keep one per cluster (no server): Δ is
+    formed with :func:`dips.algo.pseudo_gradient` (θ − θ_local), the outer step is
+    :func:`dips.algo.nesterov_step` (``outer.lr``, ``outer.momentum``; no clip, §4), and the
+    cluster restarts from the new θ.
+
+    Args:
+        params: the cluster's model parameters (θ starts as a copy of them); outer: the settings.
+    """
+
+    def __init__(self, params: Sequence[torch.Tensor], outer: OuterConfig) -> None:
+        self.theta = [p.detach().clone() for p in params]
+        self.momenta = [torch.zeros_like(p) for p in self.theta]
+        self.delta = [torch.zeros_like(p) for p in self.theta]
+        self.outer = outer
+
+    def pseudo_gradients(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Δ = θ − ``params`` (FP32), into the replica's own buffers (overwritten each call)."""
+        for d, th, p in zip(self.delta, self.theta, params):
+            pseudo_gradient(th, p, out=d)
+        return self.delta
+
+    def step(self, mean: list[torch.Tensor]) -> None:
+        """One Nesterov outer step of θ with the (mean) pseudo-gradient ``mean``."""
+        nesterov_step(self.theta, self.momenta, mean, self.outer.lr, self.outer.momentum)
+
+    @torch.no_grad()
+    def load_into(self, params: Sequence[torch.Tensor]) -> None:
+        """Overwrite the model's ``params`` with θ (the cluster restarts from it)."""
+        for p, th in zip(params, self.theta):
+            p.copy_(th)
 
 
 class SyncBuffer:

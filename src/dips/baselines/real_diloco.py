@@ -2,8 +2,9 @@
 
 One process per cluster (``python -m dips.baselines.real_diloco --run-dir D --rank i``).  Every
 cluster runs H inner AdamW steps from the common θ_t, forms its pseudo-gradient
-Δ_i = θ_t − θ_i (§3), waits for every other cluster (barrier), all-reduces the Δ with gloo in
-BF16 padded to ``payload_bytes``, averages them uniformly and applies one Nesterov outer step
+Δ_i = θ_t − θ_i (§3, :func:`dips.algo.pseudo_gradient`), waits for every other cluster
+(barrier), all-reduces the Δ with gloo in BF16 padded to ``payload_bytes``, averages them
+uniformly and applies one Nesterov outer step
 (lr 0.7, momentum 0.8; :func:`dips.algo.nesterov_step`, FP32) to its replica of θ; the replicas
 stay identical.  The inner AdamW state carries over between rounds.  The barrier makes every
 round as long as the slowest cluster's compute plus the slowest link (§4).
@@ -16,58 +17,92 @@ rank cuts its round short, the others finish theirs).
 from __future__ import annotations
 
 import math
+import threading
 import time
+from typing import Any
 
-import torch
+from dips.baselines.real_common import (OuterReplica, SyncBuffer, Worker, init_gloo,
+                                        synced_allreduce, worker_main)
+from dips.train.trainer import ClusterTrainer, StepResult
 
-from dips.algo import nesterov_step
-from dips.baselines.real_common import SyncBuffer, Worker, init_gloo, synced_allreduce, worker_main
+__all__ = ["AllReduceDiLoCo", "main", "run"]
 
-__all__ = ["main", "run"]
+
+class AllReduceDiLoCo:
+    """Synchronous DiLoCo as the sync of :func:`dips.train.run.run_loop` (module docstring).
+
+    Before an inner step, once H steps of the round are done (or this rank must stop), it
+    all-reduces Δ, applies the outer step and writes the round's ``sync`` record; rank 0
+    saves the global θ every ``eval_every_tokens`` global tokens and at the end.
+
+    Args:
+        worker: this cluster's process.
+    """
+
+    grad_hook = None
+
+    def __init__(self, worker: Worker) -> None:
+        self.w = worker
+        spec = worker.spec
+        self.H, self.tpb = spec.inner.H, worker.trainer.tokens_per_batch
+        self.rounds = math.ceil(spec.token_budget / (worker.world * self.H * self.tpb))
+        self.sbuf = SyncBuffer(worker.n_real, spec.payload_bytes)
+        self.outer = OuterReplica(worker.params, spec.outer)  # the global θ_t, replicated
+        self.round = 0
+        self.in_round = 0  # inner steps since the last sync
+        self.finished = False
+
+    def start(self) -> None:
+        """The start barrier (every rank ready, common t0)."""
+        self.w.ready_and_wait_go({"payload_bytes": self.sbuf.nbytes})
+
+    def before_step(self, trainer: ClusterTrainer, stop: threading.Event) -> bool:
+        """Sync after H steps, or at once (a round cut short) when this rank must stop."""
+        w = self.w
+        if not self.finished and self.in_round:
+            flag = stop.is_set() or w.now() > w.spec.max_time_s
+            if flag or self.in_round >= self.H:
+                self._sync(trainer, flag)
+        return not self.finished
+
+    def after_step(self, trainer: ClusterTrainer, result: StepResult,
+                   stop: threading.Event) -> dict[str, Any]:
+        """Count the round's step; nothing to add to the step's record."""
+        self.in_round += 1
+        return {}
+
+    def starved(self, trainer: ClusterTrainer, stop: threading.Event) -> None:
+        """Never: a fixed-assignment sampler cycles through its chunks."""
+
+    def _sync(self, trainer: ClusterTrainer, flag: bool) -> None:
+        w, sbuf = self.w, self.sbuf
+        self.round += 1
+        delta = self.outer.pseudo_gradients(w.params)
+        sbuf.pack(delta, flag)
+        wait_s, comm_s = synced_allreduce(w, sbuf)
+        t = time.monotonic()
+        sbuf.mean_into(delta, w.world)
+        self.outer.step(delta)
+        self.outer.load_into(w.params)
+        update_s = time.monotonic() - t
+        global_tokens = self.round * w.world * self.H * self.tpb
+        self.finished = sbuf.flag or self.round == self.rounds
+        self.in_round = 0
+        w.record(event="sync", round=self.round, sync=True, tokens=trainer.tokens,
+                 global_tokens=global_tokens, wait_s=round(wait_s, 4), comm_s=round(comm_s, 4),
+                 update_s=round(update_s, 4), bytes=sbuf.nbytes, applied=w.world)
+        if w.rank == 0:
+            w.maybe_snapshot(self.outer.theta, global_tokens, force=self.finished,
+                             tag="final" if self.finished else None)
 
 
 def run(worker: Worker) -> None:
     """The synchronous DiLoCo loop of one rank; returns when all ranks stop."""
     import torch.distributed as dist
 
-    spec, w = worker.spec, worker
-    H, tpb = spec.inner.H, w.sampler.tokens_per_batch
-    rounds = math.ceil(spec.token_budget / (w.world * H * tpb))
-    sbuf = SyncBuffer(w.n_real, spec.payload_bytes)
-    theta = [p.detach().clone() for p in w.params]  # the global θ_t (replicated, FP32)
-    momenta = [torch.zeros_like(p) for p in theta]
-    delta = [torch.zeros_like(p) for p in theta]
-    w.ready_and_wait_go({"payload_bytes": sbuf.nbytes})
-    step = 0
-    for rnd in range(1, rounds + 1):
-        for _ in range(H):
-            step += 1
-            w.paced_inner_step(step, tpb, spec.inner.grad_clip)
-            if w.stop.is_set() or w.now() > spec.max_time_s:
-                break
-        flag = w.stop.is_set() or w.now() > spec.max_time_s
-        with torch.no_grad():
-            for d, th, p in zip(delta, theta, w.params):
-                torch.sub(th, p, out=d)
-        sbuf.pack(delta, flag)
-        wait_s, comm_s = synced_allreduce(w, sbuf)
-        t = time.monotonic()
-        sbuf.mean_into(delta, w.world)
-        nesterov_step(theta, momenta, delta, spec.outer_lr, spec.outer_momentum)
-        with torch.no_grad():
-            for p, th in zip(w.params, theta):
-                p.copy_(th)
-        update_s = time.monotonic() - t
-        global_tokens = rnd * w.world * H * tpb
-        stop = sbuf.flag
-        w.record(event="sync", round=rnd, sync=True, tokens=step * tpb, global_tokens=global_tokens,
-                 wait_s=round(wait_s, 4), comm_s=round(comm_s, 4), update_s=round(update_s, 4),
-                 bytes=sbuf.nbytes, applied=w.world)
-        if w.rank == 0:
-            final = stop or rnd == rounds
-            w.maybe_snapshot(theta, global_tokens, force=final, tag="final" if final else None)
-        if stop:
-            break
+    sync = AllReduceDiLoCo(worker)
+    sync.start()
+    worker.train(sync)
     dist.destroy_process_group()
 
 

@@ -16,64 +16,86 @@ the same step).  Rank 0 saves snapshots of the model for the launcher's evaluati
 from __future__ import annotations
 
 import math
-import time
+import threading
+from collections.abc import Sequence
+from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from dips.baselines.real_common import SyncBuffer, Worker, init_gloo, synced_allreduce, worker_main
+from dips.train.trainer import ClusterTrainer, StepResult
 
-__all__ = ["main", "run"]
+__all__ = ["GradientAllReduce", "main", "run"]
 
 
-def _loss(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
-    # The same mean next-token cross-entropy as dips.train.loop.inner_step (logits upcast).
-    logits = model(input_ids=batch[:, :-1], use_cache=False).logits
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), batch[:, 1:].reshape(-1))
+class GradientAllReduce:
+    """Per-step data parallel as the sync of :func:`dips.train.run.run_loop` (module docstring).
+
+    The gradient hook all-reduces every inner step's gradient (after the step's injected
+    delay, before the clip and the AdamW step); the step's record gets ``global_tokens``,
+    ``sync``, ``wait_s``, ``comm_s`` and ``bytes``.  Rank 0 saves a snapshot every
+    ``eval_every_tokens`` global tokens and at the end.
+
+    Args:
+        worker: this cluster's process.
+    """
+
+    def __init__(self, worker: Worker) -> None:
+        self.w = worker
+        self.tpb = worker.trainer.tokens_per_batch
+        self.steps = math.ceil(worker.spec.token_budget / (worker.world * self.tpb))
+        self.sbuf = SyncBuffer(worker.n_real, worker.spec.payload_bytes)
+        self.grads = [torch.zeros_like(p) for p in worker.params]
+        self.finished = False
+        self._times = (0.0, 0.0)
+        self._snapshot: tuple[int, bool] | None = None
+
+    def start(self) -> None:
+        """The start barrier (every rank ready, common t0)."""
+        self.w.ready_and_wait_go({"payload_bytes": self.sbuf.nbytes})
+
+    def grad_hook(self, params: Sequence[torch.nn.Parameter]) -> None:
+        """Replace every ``p.grad`` with the mean over the clusters (BF16 on the wire); the
+        stop flag travels along, so every rank stops on the same step."""
+        w = self.w
+        flag = w.stop.is_set() or w.now() > w.spec.max_time_s
+        self.sbuf.pack([p.grad for p in params], flag)
+        self._times = synced_allreduce(w, self.sbuf)
+        self.sbuf.mean_into(self.grads, w.world)
+        for p, g in zip(params, self.grads):
+            p.grad.copy_(g)
+
+    def before_step(self, trainer: ClusterTrainer, stop: threading.Event) -> bool:
+        """Save the previous step's snapshot (rank 0); False after the last step."""
+        if self._snapshot is not None and self.w.rank == 0:
+            global_tokens, final = self._snapshot
+            self.w.maybe_snapshot(self.w.params, global_tokens, force=final,
+                                  tag="final" if final else None)
+        self._snapshot = None
+        return not self.finished
+
+    def after_step(self, trainer: ClusterTrainer, result: StepResult,
+                   stop: threading.Event) -> dict[str, Any]:
+        """The step's sync fields; the run ends after the budget's step or a stop flag."""
+        step = trainer.steps
+        global_tokens = step * self.w.world * self.tpb
+        self.finished = self.sbuf.flag or step == self.steps
+        self._snapshot = (global_tokens, self.finished)
+        wait_s, comm_s = self._times
+        return {"global_tokens": global_tokens, "sync": True, "wait_s": round(wait_s, 4),
+                "comm_s": round(comm_s, 4), "bytes": self.sbuf.nbytes}
+
+    def starved(self, trainer: ClusterTrainer, stop: threading.Event) -> None:
+        """Never: a fixed-assignment sampler cycles through its chunks."""
 
 
 def run(worker: Worker) -> None:
     """The data-parallel loop of one rank (module docstring); returns when all ranks stop."""
     import torch.distributed as dist
 
-    spec, w = worker.spec, worker
-    tpb = w.sampler.tokens_per_batch
-    steps = math.ceil(spec.token_budget / (w.world * tpb))
-    sbuf = SyncBuffer(w.n_real, spec.payload_bytes)
-    grads = [torch.zeros_like(p) for p in w.params]
-    w.ready_and_wait_go({"payload_bytes": sbuf.nbytes})
-    for step in range(1, steps + 1):
-        w.model.train()
-        t = time.monotonic()
-        w.opt.zero_grad(set_to_none=True)
-        loss = _loss(w.model, w.sampler.next_batch())
-        value = float(loss.detach())
-        if not math.isfinite(value):
-            raise FloatingPointError(f"cluster {w.me.id}: step {step} loss is {value}")
-        loss.backward()
-        compute_s = time.monotonic() - t
-        delay_s = w.pace(compute_s)
-        flag = w.stop.is_set() or w.now() > spec.max_time_s
-        sbuf.pack([p.grad for p in w.params], flag)
-        wait_s, comm_s = synced_allreduce(w, sbuf)
-        t = time.monotonic()
-        sbuf.mean_into(grads, w.world)
-        for p, g in zip(w.params, grads):
-            p.grad.copy_(g)
-        if spec.inner.grad_clip is not None:
-            torch.nn.utils.clip_grad_norm_(w.params, spec.inner.grad_clip)
-        w.opt.step()
-        compute_s += time.monotonic() - t
-        global_tokens = step * w.world * tpb
-        w.record(step=step, loss=round(value, 5), tokens=step * tpb, global_tokens=global_tokens,
-                 compute_s=round(compute_s, 4), delay_s=round(delay_s, 4), sync=True,
-                 wait_s=round(wait_s, 4), comm_s=round(comm_s, 4), bytes=sbuf.nbytes)
-        stop = sbuf.flag
-        if w.rank == 0:
-            w.maybe_snapshot(w.params, global_tokens, force=stop or step == steps,
-                             tag="final" if stop or step == steps else None)
-        if stop:
-            break
+    sync = GradientAllReduce(worker)
+    sync.start()
+    worker.train(sync)
     dist.destroy_process_group()
 
 

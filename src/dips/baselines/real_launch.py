@@ -25,8 +25,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from dips.baselines.real_common import DIVERGED_EXIT, WorkerSpec
-from dips.bench.result import MethodResult
+from dips.baselines.real_common import DIVERGED_EXIT
+from dips.spec import Endpoint, WorkerSpec
+from dips.emu.result import MethodResult
 from dips.emu import netns
 
 __all__ = ["MODULES", "launch_baseline", "resolve_shaping"]
@@ -85,7 +86,8 @@ class _Run:
         argv = [*prefix, sys.executable, "-m", MODULES[self.spec.method], "--run-dir",
                 str(self.run_dir), "--rank", str(rank)]
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1",
-                   TOKENIZERS_PARALLELISM="false", GLOO_SOCKET_IFNAME=c.iface)
+                   TOKENIZERS_PARALLELISM="false",
+                   GLOO_SOCKET_IFNAME=self.spec.endpoint(c.id).iface)
         log = self.run_dir / "logs" / f"{c.id}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
         with open(log, "ab") as out:
@@ -137,7 +139,8 @@ def _tokens(run_dir: Path, cid: str, offsets: dict[str, int], last: dict[str, in
 def _monitor(run: _Run, t0: float, shutdown_s: float) -> str:
     """Wait for the end of training; apply tc rate schedules. Returns the stop reason."""
     spec = run.spec
-    pending = sorted((at, c.id, r) for c in spec.clusters for at, r in c.rate_schedule)
+    pending = sorted((ch.at_s, c.id, ch.bps) for c in spec.clusters if c.link is not None
+                     for ch in c.link.schedule)
     offsets: dict[str, int] = {}
     last: dict[str, int] = {}
     stopping_since: float | None = None
@@ -190,8 +193,7 @@ def launch_baseline(spec: WorkerSpec, run_dir: Path, shaping: Shaping = "auto",
         (run_dir / stale).unlink(missing_ok=True)
     for sub in ("ready", "clusters", "snapshots", "logs"):
         shutil.rmtree(run_dir / sub, ignore_errors=True)
-    mode, why = resolve_shaping(shaping, any(c.rate_bps is not None or c.rate_schedule
-                                             for c in spec.clusters))
+    mode, why = resolve_shaping(shaping, spec.shaped)
     d = spec.data
     load_tokens(d.cache_dir, d.vocab_size, d.val_fraction, d.max_train_tokens)  # warm the cache once
     (run_dir / "secret").unlink(missing_ok=True)
@@ -202,15 +204,15 @@ def launch_baseline(spec: WorkerSpec, run_dir: Path, shaping: Shaping = "auto",
         net = None
         if mode == "tc-tbf":
             ids = [c.id for c in spec.clusters]
-            net = stack.enter_context(netns.ShapedNetwork(ids, {c.id: c.rate_bps for c in spec.clusters}))
-            clusters = [c.model_copy(update={"addr": net.addr(c.id), "iface": net.iface(c.id),
-                                             "port": _ASYNC_PORT}) for c in spec.clusters]
-            spec = spec.model_copy(update={"clusters": clusters, "master_addr": net.addr(ids[0]),
+            net = stack.enter_context(netns.ShapedNetwork(
+                ids, {c.id: c.link.bps if c.link else None for c in spec.clusters}))
+            endpoints = {c: Endpoint(addr=net.addr(c), iface=net.iface(c), port=_ASYNC_PORT)
+                         for c in ids}
+            spec = spec.model_copy(update={"endpoints": endpoints, "master_addr": net.addr(ids[0]),
                                            "master_port": _GLOO_PORT, "shaping": mode})
         else:
-            clusters = [c.model_copy(update={"addr": "127.0.0.1", "iface": "lo", "port": 0})
-                        for c in spec.clusters]
-            spec = spec.model_copy(update={"clusters": clusters, "master_addr": "127.0.0.1",
+            endpoints = {c.id: Endpoint(addr="127.0.0.1", iface="lo", port=0) for c in spec.clusters}
+            spec = spec.model_copy(update={"endpoints": endpoints, "master_addr": "127.0.0.1",
                                            "master_port": _free_port(), "shaping": mode})
         (run_dir / "spec.json").write_text(spec.model_dump_json(indent=1))
         run = _Run(spec, run_dir, net)

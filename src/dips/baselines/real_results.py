@@ -24,8 +24,8 @@ import bisect
 from pathlib import Path
 from typing import Any
 
-from dips.baselines.real_common import WorkerSpec
-from dips.bench.result import CurvePoint, MethodResult
+from dips.spec import WorkerSpec
+from dips.emu.result import CurvePoint, MethodResult
 from dips.emu.summary import read_jsonl
 
 __all__ = ["collect", "read_jsonl"]
@@ -127,7 +127,7 @@ def collect(spec: WorkerSpec, run_dir: Path, t0: float, shaping: str,
         "train_loss_first": sum(losses0[:k]) / k if losses0 else None,
         "train_loss_last": sum(losses0[-k:]) / k if losses0 else None,
         "step_s": spec.step_s, "payload_bytes": spec.payload_bytes,
-        "rates_bps": {c.id: c.rate_bps for c in spec.clusters},
+        "rates_bps": {c.id: c.link.bps if c.link else None for c in spec.clusters},
         "last_record_s": round(last_time, 4),
     })
     return MethodResult(

@@ -19,16 +19,14 @@ from pathlib import Path
 import torch
 
 from dips.algo import nesterov_step, pseudo_gradient, weighted_mean
-from dips.bench.result import MethodResult
-from dips.bench.runners import register
-from dips.bench.scenario import Scenario
+from dips.emu.result import MethodResult
 from dips.emu.vclock import EventQueue, transfer_s
 from dips.emu.vworld import World, bf16_copy, load_params
+from dips.spec import Scenario
 
 __all__ = ["run_async_diloco"]
 
 
-@register("virtual", "async-diloco")
 def run_async_diloco(scenario: Scenario, out_dir: Path) -> MethodResult:
     """Naive decentralized async DiLoCo on ``scenario`` (see the module docstring).
 
@@ -76,7 +74,7 @@ def run_async_diloco(scenario: Scenario, out_dir: Path) -> MethodResult:
                 j = (i + k) % n
                 peer = world.clusters[j].spec
                 tc += transfer_s(c.spec, tc, world.transfer_bytes, s.timing.latency_s,
-                                 cap_gbit=peer.bandwidth_at(tc))
+                                 cap_bps=peer.link.rate_at(tc))
                 q.push(tc, "arrive", (j, wire))  # arrivals sort before applies at equal times
             pushed += 1
             q.push(tc, "apply", i, priority=1)

@@ -18,29 +18,19 @@ Runs stop at the end of the step/round that reaches the token budget.
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from dips.algo import nesterov_step, pseudo_gradient, weighted_mean
-from dips.bench.result import MethodResult
-from dips.bench.runners import register
-from dips.bench.scenario import Scenario
+from dips.emu.result import MethodResult
 from dips.emu.vclock import ring_allreduce_s
 from dips.emu.vworld import World, bf16_copy, load_params
+from dips.spec import Scenario
 
 __all__ = ["run_diloco", "run_dp"]
 
 
-def _mean_loss(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy (nats/token), as :func:`dips.train.loop.inner_step` computes it."""
-    logits = model(input_ids=batch[:, :-1], use_cache=False).logits
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), batch[:, 1:].reshape(-1))
-
-
-@register("virtual", "dp")
 def run_dp(scenario: Scenario, out_dir: Path) -> MethodResult:
     """Cross-cluster data parallel in virtual time (see the module docstring).
 
@@ -48,7 +38,8 @@ def run_dp(scenario: Scenario, out_dir: Path) -> MethodResult:
     """
     s = scenario
     world = World(s, out_dir, "dp", replicas=False)
-    model, opt = world.clusters[0].model, world.clusters[0].opt
+    shared = world.clusters[0].trainer  # every cluster's trainer holds this model and AdamW
+    model = shared.model
     specs = [c.spec for c in world.clusters]
     n = len(world.clusters)
     t = 0.0
@@ -56,22 +47,13 @@ def run_dp(scenario: Scenario, out_dir: Path) -> MethodResult:
     while not world.done:
         durations = [world.step_s(c, t) for c in world.clusters]
         compute_end = t + max(durations)
-        model.train()
-        opt.zero_grad(set_to_none=True)
+        # One inner step of the replicated model: each cluster's batch adds its gradient ÷ n
+        # (in cluster order: the sum's rounding is part of the result), then one clip + AdamW.
+        shared.zero_grad()
         total = 0.0
         for c in world.clusters:
-            loss = _mean_loss(model, c.sampler.next_batch()) / n  # mean of the clusters' gradients
-            value = float(loss.detach())
-            if not math.isfinite(value):
-                raise FloatingPointError(f"dp: loss of cluster {c.spec.id} is {value}")
-            total += value
-            loss.backward()
-            c.tokens += c.sampler.tokens_per_batch
-            c.steps += 1
-        if s.inner.grad_clip is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), float(s.inner.grad_clip))
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+            total += c.trainer.accumulate(divide_by=n)
+        shared.apply()
         ar = ring_allreduce_s(specs, compute_end, world.transfer_bytes, s.timing.latency_s)
         for c, d in zip(world.clusters, durations):
             c.comm_s += ar
@@ -82,7 +64,6 @@ def run_dp(scenario: Scenario, out_dir: Path) -> MethodResult:
     return world.result(t, world.tokens, 0, 0, 0, model, {"allreduce_per_step_s": ar if n > 1 else 0.0})
 
 
-@register("virtual", "diloco")
 def run_diloco(scenario: Scenario, out_dir: Path) -> MethodResult:
     """Synchronous DiLoCo in virtual time (see the module docstring)."""
     s = scenario

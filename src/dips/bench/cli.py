@@ -25,23 +25,22 @@ def compare(scenario: Path = typer.Option(..., "--scenario", exists=True, dir_ok
                                         help="Comma-separated subset of the scenario's methods.")
             ) -> None:
     """Run each method of SCENARIO; write compare.json, compare.md and plots into OUT."""
-    from pydantic import ValidationError
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from dips.bench.compare import run_compare, run_weak_scaling
-    from dips.bench.result import MethodResult
-    from dips.bench.scenario import load_scenario
+    from dips.emu.result import MethodResult
     from dips.emu import vworld
+    from dips.spec import SpecError, load_scenario, validate
 
     console = Console(stderr=True)
     try:
         sc = load_scenario(scenario)
         if methods:
-            sc = sc.model_copy(update={"methods": [m.strip() for m in methods.split(",")]})
-            sc = type(sc).model_validate(sc.model_dump())
-    except (ValidationError, ValueError) as exc:
-        console.print(f"[red]invalid scenario {scenario}:[/red]\n{exc}")
+            data = {**sc.model_dump(), "methods": [m.strip() for m in methods.split(",")]}
+            sc = validate(type(sc), data, f"{scenario} (--methods {methods})")
+    except (SpecError, OSError) as exc:  # one message naming file, line or field; no traceback
+        typer.echo(f"invalid scenario: {exc}", err=True)
         raise typer.Exit(2)
     with Progress(TextColumn("{task.description:<28}"), BarColumn(),
                   TextColumn("{task.fields[status]}"), TimeElapsedColumn(),

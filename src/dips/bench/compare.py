@@ -16,9 +16,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from dips.bench.result import MethodResult
+from dips.emu.result import MethodResult
 from dips.bench.runners import get_runner
-from dips.bench.scenario import Scenario
+from dips.spec import Scenario
 
 __all__ = ["derive", "run_compare", "run_weak_scaling"]
 

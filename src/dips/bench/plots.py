@@ -18,7 +18,7 @@ matplotlib.use("Agg")  # files only; never a display
 
 import matplotlib.pyplot as plt  # noqa: E402
 
-from dips.bench.result import MethodResult  # noqa: E402
+from dips.emu.result import MethodResult  # noqa: E402
 
 __all__ = ["plot_compare", "plot_weak_scaling"]
 

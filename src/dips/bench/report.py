@@ -1,6 +1,6 @@
 """``compare.md``: the human-readable report of ``dips bench compare`` (seed §14, §15, §18).
 
-Reads only :class:`~dips.bench.result.MethodResult` figures and the derived ratios of
+Reads only :class:`~dips.emu.result.MethodResult` figures and the derived ratios of
 :func:`dips.bench.compare.derive`; §18 asks for aggregate tokens/s, outer communication time,
 the share of rejected updates, effective tokens and the final loss side by side, so that "the
 network was fast", "updates were discarded" and "a model of the same quality came sooner" can
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dips.bench.result import MethodResult
+from dips.emu.result import MethodResult
 
 __all__ = ["render_compare", "render_weak_scaling"]
 
@@ -27,6 +27,15 @@ def _f(x: float | None, fmt: str = "{:.2f}") -> str:
     return "–" if x is None else fmt.format(x)
 
 
+def _link(c: dict[str, Any]) -> str:
+    """A dumped cluster's link in Gbit/s for the report (the config holds bits/s)."""
+    link = c.get("link")
+    if not link:
+        return "unshaped"
+    return (f"{link['bps'] / 1e9:g} Gbit" + "".join(f" → {ch['bps'] / 1e9:g} Gbit at {ch['at_s']:g} s"
+                                                   for ch in link["schedule"]))
+
+
 def _timing_lines(doc: dict[str, Any], results: list[MethodResult]) -> list[str]:
     cfg = doc["config"]
     lines = []
@@ -38,16 +47,14 @@ def _timing_lines(doc: dict[str, Any], results: list[MethodResult]) -> list[str]
             f"{cfg['timing']['model_bytes_scale']:g}); at 10 Gbit/s it costs "
             f"{100 * ex['transfer_over_round_10gbit']:.2f}% of a round of H = {cfg['inner']['H']} "
             f"inner steps of {cfg['timing']['step_s']:g} s (the paper's 1B model: 1.98%).")
-    clusters = ", ".join(f"{c['id']} ×{c['slowdown']:.2f} @ {c['bandwidth_gbit']:g} Gbit"
-                         + ("".join(f" → {b['gbit']:g} Gbit at {b['at_s']:g} s"
-                                    for b in c["bandwidth_schedule"]))
+    clusters = ", ".join(f"{c['id']} ×{c['slowdown']:.2f} @ {_link(c)}"
                          + ("".join(f" (×{tr['factor']:g} on [{tr['start_s']:g}, {tr['end_s']:g}) s)"
                                     for tr in c["transient"]))
                          for c in cfg["clusters"])
     lines.append(f"Clusters (slowdown @ link): {clusters}.")
     lines.append(f"Token budget {cfg['token_budget']:,}; H = {cfg['inner']['H']}; batch "
                  f"{cfg['inner']['batch_size']}×{cfg['inner']['seq_len']}; grace window "
-                 f"{cfg['grace_window_s']:g} s; seed {cfg['seed']}.")
+                 f"{cfg['grace']['window_s']:g} s; seed {cfg['seed']}.")
     return lines
 
 
@@ -113,8 +120,7 @@ def render_weak_scaling(doc: dict[str, Any]) -> str:
         out.append(f"| {n} | {first['ideal_tokens_per_s']:,.1f} | " + " | ".join(cells) + " | "
                    + " | ".join(losses) + " |")
     cfg = doc["config"]
-    clusters = ", ".join(f"{c['id']} ×{c['slowdown']:.2f} @ {c['bandwidth_gbit']:g} Gbit"
-                         for c in cfg["clusters"])
+    clusters = ", ".join(f"{c['id']} ×{c['slowdown']:.2f} @ {_link(c)}" for c in cfg["clusters"])
     out += ["", f"Clusters in order of joining (slowdown @ link): {clusters}.", ""]
     for name in doc.get("plots", []):
         out.append(f"![{name}]({name})")

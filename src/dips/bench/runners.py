@@ -1,79 +1,70 @@
-"""Registry of comparison runners, keyed by (time mode, method) (seed §4, §13–§15).
+"""The comparison runners, keyed by (time mode, method) (seed §4, §13–§15).
 
-A runner trains one method on one scenario and returns a :class:`~dips.bench.result.MethodResult`::
-
-    @register("virtual", "di-ps")
-    def run_dips_virtual(scenario: Scenario, out_dir: Path) -> MethodResult: ...
-
-``out_dir`` is a directory the runner may write into (per-method logs); it exists on entry.
-Virtual-time runners live in :mod:`dips.emu.virtual` (Di-PS and its ablations),
-:mod:`dips.baselines.virtual_sync` (data parallel, DiLoCo) and :mod:`dips.baselines.virtual_async`;
-real-time ones in :mod:`dips.bench.real`.  Both are imported lazily by :func:`get_runner`, so importing this
-module stays cheap.
+A runner trains one method on one scenario and returns a :class:`dips.emu.result.MethodResult`:
+``runner(scenario, out_dir) -> MethodResult``; ``out_dir`` exists on entry and may hold
+per-method logs.  The table below names where each runner lives; its module is imported on
+first use, so importing this one stays cheap.  The runners import nothing from this module
+(layers point down: ``emu`` ← ``baselines`` ← ``bench``): virtual-time Di-PS and its ablations
+are :func:`dips.emu.virtual.run_dips`, the virtual baselines are in
+:mod:`dips.baselines.virtual_sync` / :mod:`dips.baselines.virtual_async`, and the real-time
+runners in :mod:`dips.bench.real`.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 from pathlib import Path
 from typing import Callable
 
-from dips.bench.result import MethodResult
-from dips.bench.scenario import METHODS, Scenario
+from dips.emu.result import MethodResult
+from dips.spec import Scenario
+from dips.spec.scenario import METHODS
 
-__all__ = ["RUNNERS", "Runner", "get_runner", "register"]
+__all__ = ["MODES", "RUNNERS", "Runner", "get_runner"]
 
 Runner = Callable[[Scenario, Path], MethodResult]
-RUNNERS: dict[tuple[str, str], Runner] = {}
-
-# Modules that register runners for each mode (imported on first use).
-_PROVIDERS: dict[str, tuple[str, ...]] = {
-    "virtual": ("dips.emu.virtual", "dips.baselines.virtual_sync", "dips.baselines.virtual_async"),
-    "real": ("dips.bench.real",),
-}
+MODES = ("virtual", "real")
 
 
-def register(mode: str, method: str) -> Callable[[Runner], Runner]:
-    """Decorator adding ``fn`` as the runner of ``(mode, method)``.
+def _table() -> dict[tuple[str, str], tuple[str, str, bool]]:
+    """(mode, method) -> (module, function, whether it takes the method as third argument)."""
+    table: dict[tuple[str, str], tuple[str, str, bool]] = {
+        ("virtual", "dp"): ("dips.baselines.virtual_sync", "run_dp", False),
+        ("virtual", "diloco"): ("dips.baselines.virtual_sync", "run_diloco", False),
+        ("virtual", "async-diloco"): ("dips.baselines.virtual_async", "run_async_diloco", False),
+        ("real", "dp"): ("dips.bench.real", "run_dp_real", False),
+        ("real", "diloco"): ("dips.bench.real", "run_diloco_real", False),
+        ("real", "async-diloco"): ("dips.bench.real", "run_async_diloco_real", False),
+    }
+    for m in METHODS:
+        if m.startswith("di-ps"):
+            table[("virtual", m)] = ("dips.emu.virtual", "run_dips", True)
+            table[("real", m)] = ("dips.bench.real", "run_dips_real", True)
+    return table
 
-    Raises:
-        ValueError: unknown mode or method, or the pair already registered.
-    """
-    if mode not in _PROVIDERS:
-        raise ValueError(f"mode = {mode!r} must be one of {sorted(_PROVIDERS)}")
-    if method not in METHODS:
-        raise ValueError(f"method = {method!r} must be one of {list(METHODS)}")
 
-    def deco(fn: Runner) -> Runner:
-        if (mode, method) in RUNNERS and RUNNERS[(mode, method)] is not fn:
-            raise ValueError(f"runner for mode = {mode!r}, method = {method!r} already registered")
-        RUNNERS[(mode, method)] = fn
-        return fn
-
-    return deco
+#: Where every runner lives (see :func:`_table`).
+RUNNERS: dict[tuple[str, str], tuple[str, str, bool]] = _table()
 
 
 def get_runner(mode: str, method: str) -> Runner:
-    """The runner of ``(mode, method)``, importing its provider module on first use.
+    """The runner of ``(mode, method)``, importing its module on first use.
 
     Raises:
-        ValueError: unknown mode or method; or no runner registered for the pair.
-        RuntimeError: the provider module for ``mode`` is not installed (real time not built).
+        ValueError: unknown mode or method.
+        RuntimeError: the runner's module is not installed (e.g. real time not built).
     """
-    if mode not in _PROVIDERS:
-        raise ValueError(f"mode = {mode!r} must be one of {sorted(_PROVIDERS)}")
+    if mode not in MODES:
+        raise ValueError(f"mode = {mode!r} must be one of {list(MODES)}")
     if method not in METHODS:
         raise ValueError(f"method = {method!r} must be one of {list(METHODS)}")
-    if (mode, method) not in RUNNERS:
-        for module in _PROVIDERS[mode]:
-            try:
-                importlib.import_module(module)
-            except ModuleNotFoundError as exc:
-                if exc.name != module:
-                    raise
-                raise RuntimeError(f"mode = {mode!r}: its runners ({module}) are not available "
-                                   f"in this installation") from exc
+    module, name, takes_method = RUNNERS[(mode, method)]
     try:
-        return RUNNERS[(mode, method)]
-    except KeyError:
-        raise ValueError(f"no runner for mode = {mode!r}, method = {method!r}") from None
+        fn = getattr(importlib.import_module(module), name)
+    except ModuleNotFoundError as exc:
+        if exc.name != module:
+            raise
+        raise RuntimeError(f"mode = {mode!r}: its runners ({module}) are not available in this "
+                           f"installation") from exc
+    return functools.partial(fn, method=method) if takes_method else fn

@@ -25,21 +25,23 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
+
+from dips.spec import Strict, load_yaml
 
 
-class Fault(BaseModel):
+class Fault(Strict):
     """One fault. Times in seconds since training started."""
 
-    model_config = ConfigDict(extra="forbid")
-
-    action: Literal["kill", "stop", "cut_link"]
-    target: str = Field(pattern=r"^(leader|follower-\d+|cluster-[A-Za-z0-9_.-]+)$")
-    at_s: float | None = Field(None, ge=0)
-    phase: Literal["push", "update", "pull"] | None = None
-    after_s: float = Field(0.0, ge=0)
-    duration_s: float = Field(5.0, gt=0)
+    action: Literal["kill", "stop", "cut_link"] = Field(
+        description="kill: kill -9; stop: SIGSTOP then SIGCONT; cut_link: the cluster offline")
+    target: str = Field(pattern=r"^(leader|follower-\d+|cluster-[A-Za-z0-9_.-]+)$",
+                        description="process name: leader, follower-<i> or cluster-<id>")
+    at_s: float | None = Field(None, ge=0, description="when, seconds of training")
+    phase: Literal["push", "update", "pull"] | None = Field(
+        None, description="or: kill the target inside this protocol phase (a failpoint)")
+    after_s: float = Field(0.0, ge=0, description="phase faults: armed after this many seconds")
+    duration_s: float = Field(5.0, gt=0, description="stop / cut_link: how long, seconds")
 
     @model_validator(mode="after")
     def _when(self) -> "Fault":
@@ -50,16 +52,16 @@ class Fault(BaseModel):
         return self
 
 
-class FaultPlan(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class FaultPlan(Strict):
+    """A fault plan (``dips launch --faults FILE``)."""
 
-    faults: list[Fault] = Field(default_factory=list)
+    faults: list[Fault] = Field(default_factory=list, description="the faults, in any order")
 
 
 def load_faults(path: Path) -> FaultPlan:
-    """Read a fault plan. Raises FileNotFoundError or pydantic.ValidationError (names the field)."""
-    with open(path) as f:
-        return FaultPlan.model_validate(yaml.safe_load(f) or {})
+    """Read a fault plan.  Raises OSError, or :class:`dips.spec.SpecError` naming the file and
+    line of a YAML error or each failing field."""
+    return load_yaml(path, FaultPlan)
 
 
 class FaultInjector:

@@ -3,9 +3,10 @@
 Steps: prepare the data (tokenizer, token stream, chunks) and the initial model once; start
 the leader, M followers and N clusters on 127.0.0.1 (``network: netns``: each cluster in its
 own network namespace, links shaped by tc tbf); show live progress; change link rates on
-``clusters[].link_schedule``; stop at the token budget, ``--max-time`` or Ctrl-C; pull the
-final global model from the followers, evaluate it on the held-out split, save it in HF
-format, and write ``summary.json``.
+``clusters[].link.schedule``; stop at the token budget, ``--max-outer-steps`` (the leader
+reports that many outer steps), ``--max-time`` or Ctrl-C; pull the final global model from
+the followers, evaluate it on the held-out split, save it in HF format, and write
+``summary.json``.
 
 Children run in their own sessions, so Ctrl-C reaches only the launcher, which then stops
 them in order (clusters first, then followers and leader) with SIGTERM, and SIGKILL after
@@ -30,10 +31,11 @@ import grpc
 from rich.console import Console
 
 from dips.algo import partition_contiguous
-from dips.config import RunConfig
+from dips.algo.round import Phase
 from dips.emu.faults import FaultInjector, FaultPlan
 from dips.emu.link_schedule import LinkSchedule
 from dips.emu.progress import Progress
+from dips.spec import RunConfig, RunSpec
 from dips.wire.pb import control_pb2 as pb
 from dips.wire.services import leader_client
 
@@ -125,10 +127,11 @@ class Launch:
             self.event("stopped", c.name, returncode=c.proc.returncode)
 
 
-def prepare(cfg: RunConfig, run_dir: Path, bind_host: str = "127.0.0.1") -> dict[str, Any]:
+def prepare(cfg: RunConfig, run_dir: Path, bind_host: str = "127.0.0.1") -> RunSpec:
     """Tokenizer, token stream, initial model and layer ownership; returns the run spec.
 
-    Writes ``init/model.safetensors`` (version 0 of θ), ``run.json``, ``secret`` (0600).
+    Writes ``init/model.safetensors`` (version 0 of θ), ``run.json`` (the :class:`RunSpec` as
+    JSON), ``secret`` (0600).
     """
     import torch
     from safetensors.torch import save_file
@@ -149,18 +152,18 @@ def prepare(cfg: RunConfig, run_dir: Path, bind_host: str = "127.0.0.1") -> dict
               str(run_dir / "init" / "model.safetensors"))
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     initial = eval_loss(model, data.val, cfg.inner.seq_len, cfg.eval_batch_size, cfg.eval_batches)
-    spec = {"config": cfg.model_dump(mode="json"), "cache_dir": str(cache),
-            "layers": [[l, names, nbytes] for l, names, nbytes in table],
-            "follower_layers": [[table[i][0] for i in r] for r in parts],
-            "init": "init/model.safetensors", "eval_loss_initial": initial,
-            "train_tokens": int(len(data.train)), "val_tokens": int(len(data.val)),
-            "params": int(sum(p.numel() for p in model.parameters())),
-            "windows_per_chunk": min(e - s for s, e in make_chunks(len(data.train),
-                                                                   cfg.data.num_chunks))
-            // (cfg.inner.seq_len + 1),
-            "leader_addr": f"{bind_host}:{free_port()}", "bind_host": bind_host,
-            "follower_ports": [[free_port(), free_port()] for _ in range(cfg.followers)]}
-    (run_dir / "run.json").write_text(json.dumps(spec, indent=1))
+    spec = RunSpec(
+        config=cfg, cache_dir=cache,
+        layers=[(l, list(names), int(nbytes)) for l, names, nbytes in table],
+        follower_layers=[[table[i][0] for i in r] for r in parts],
+        init="init/model.safetensors", eval_loss_initial=initial,
+        train_tokens=int(len(data.train)), val_tokens=int(len(data.val)),
+        params=int(sum(p.numel() for p in model.parameters())),
+        windows_per_chunk=min(e - s for s, e in make_chunks(len(data.train), cfg.data.num_chunks))
+        // (cfg.inner.seq_len + 1),
+        leader_addr=f"{bind_host}:{free_port()}", bind_host=bind_host,
+        follower_ports=[(free_port(), free_port()) for _ in range(cfg.followers)])
+    spec.write(run_dir / "run.json")
     secret_path = run_dir / "secret"
     secret_path.write_text(secrets.token_hex(32))
     secret_path.chmod(0o600)
@@ -198,8 +201,13 @@ def _status(client: Any) -> pb.StatusReply | None:
 
 
 def launch(cfg: RunConfig, run_dir: Path, max_time_s: float | None = None,
-           console: Console | None = None, faults: FaultPlan | None = None) -> dict[str, Any]:
+           console: Console | None = None, faults: FaultPlan | None = None,
+           max_outer_steps: int | None = None) -> dict[str, Any]:
     """Run Di-PS end to end; returns (and writes) the summary. See the module docstring.
+
+    ``max_time_s`` and ``max_outer_steps`` (None: ``cfg.max_time_s``, ``cfg.max_outer_steps``)
+    stop the run after that many seconds of training, or once the leader's status reports
+    that many outer steps, whichever comes first (the token budget too).
 
     Raises RuntimeError if a leader or follower process dies, TimeoutError on startup.
     """
@@ -215,9 +223,13 @@ def launch(cfg: RunConfig, run_dir: Path, max_time_s: float | None = None,
     for stale in ("followers", "clusters", "logs", "final", "init", "failpoints"):
         shutil.rmtree(run_dir / stale, ignore_errors=True)
     max_time_s = max_time_s if max_time_s is not None else cfg.max_time_s
+    if max_outer_steps is not None:
+        if max_outer_steps < 1:
+            raise ValueError(f"max_outer_steps = {max_outer_steps} must be >= 1")
+        cfg = cfg.model_copy(update={"max_outer_steps": max_outer_steps})
     t_start = time.time()
     run = Launch(cfg, run_dir, console)
-    spec: dict[str, Any] | None = None
+    spec: RunSpec | None = None
     summary: dict[str, Any] = {}
     client = None
     t_train = None
@@ -227,16 +239,16 @@ def launch(cfg: RunConfig, run_dir: Path, max_time_s: float | None = None,
         if cfg.network == "netns":
             from dips.emu.netns import ShapedNetwork
 
-            net = ShapedNetwork([c.id for c in cfg.clusters],
-                                {c.id: c.link_bps for c in cfg.clusters})
+            rates = {c.id: c.link.bps if c.link is not None else None for c in cfg.clusters}
+            net = ShapedNetwork([c.id for c in cfg.clusters], rates)
             net.__enter__()
             run.net, bind_host = net, net.hub_addr
             run.event("network", "launcher", mode="netns", hub=net.hub_addr, prefix=net.prefix,
-                      rates_bps={c.id: c.link_bps for c in cfg.clusters})
+                      rates_bps=rates)
         spec = prepare(cfg, run_dir, bind_host)
-        console.print(f"model {spec['params']:,} parameters; {spec['train_tokens']:,} train / "
-                      f"{spec['val_tokens']:,} validation tokens; initial validation loss "
-                      f"{spec['eval_loss_initial']:.3f}")
+        console.print(f"model {spec.params:,} parameters; {spec.train_tokens:,} train / "
+                      f"{spec.val_tokens:,} validation tokens; initial validation loss "
+                      f"{spec.eval_loss_initial:.3f}")
         secret = (run_dir / "secret").read_text().strip()
         run.spawn("leader", ["_leader", "--run-dir", str(run_dir)])
         _wait_for(lambda: (run_dir / "leader.addr").exists() and
@@ -285,10 +297,12 @@ def _train(run: Launch, client: Any, progress: Progress, t_train: float,
            max_time_s: float | None, injector: FaultInjector | None = None,
            links: LinkSchedule | None = None) -> bool:
     """Show progress, supervise the children, inject faults and apply link-rate changes until
-    the token budget, the time limit or Ctrl-C. Returns whether it was interrupted."""
+    the token budget, ``cfg.max_outer_steps`` outer steps, the time limit or Ctrl-C. Returns
+    whether it was interrupted."""
     cfg = run.cfg
+    max_steps = cfg.max_outer_steps
     reason = "token budget"
-    liveness_s = max(3.0, cfg.missed_heartbeats * cfg.heartbeat_interval_s)
+    liveness_s = max(3.0, cfg.membership.missed_heartbeats * cfg.membership.heartbeat_interval_s)
     last_ok = time.monotonic()
     answered: int | None = None
     next_status = 0.0
@@ -319,6 +333,9 @@ def _train(run: Launch, client: Any, progress: Progress, t_train: float,
                     os.kill(leader_pid, signal.SIGKILL)
                 if status is not None and sum(c.tokens for c in status.clusters) >= cfg.token_budget:
                     break
+                if status is not None and max_steps is not None and status.outer_steps >= max_steps:
+                    reason = "max outer steps"
+                    break
                 if max_time_s is not None and elapsed >= max_time_s:
                     reason = "max time"
                     break
@@ -334,7 +351,7 @@ def _train(run: Launch, client: Any, progress: Progress, t_train: float,
     return False
 
 
-def _finish(run: Launch, client: Any, spec: dict[str, Any], secret: str, t_start: float,
+def _finish(run: Launch, client: Any, spec: RunSpec, secret: str, t_start: float,
             t_train: float | None, interrupted: bool) -> dict[str, Any]:
     """Stop clusters, let the last round finish, export and evaluate the model, summarize."""
     from dips.emu.summary import export_and_summarize
@@ -347,7 +364,7 @@ def _finish(run: Launch, client: Any, spec: dict[str, Any], secret: str, t_start
         deadline = time.monotonic() + cfg.timeouts.push_s + cfg.timeouts.pull_s
         while time.monotonic() < deadline:
             status = _status(client)
-            if status is None or status.phase == "idle":
+            if status is None or status.phase == Phase.IDLE.value:
                 break
             time.sleep(0.2)
     train_s = time.monotonic() - t_train if t_train is not None else 0.0

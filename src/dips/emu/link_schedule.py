@@ -1,8 +1,10 @@
-"""Bandwidth schedules of a Di-PS run: ``clusters[].link_schedule`` (§13, §15 slow links).
+"""Bandwidth schedules of a Di-PS run: ``clusters[].link.schedule`` (§13, §15 slow links).
 
-A scenario's ``bandwidth_schedule`` (emulated Gbit/s at emulated seconds) reaches ``dips
-launch`` as ``clusters[].link_schedule``: ``(at_s, link_bps)`` pairs, seconds after the run's
-training start (the launcher's ``train_start``) and bits/s.  Two enforcers, one per shaping:
+A cluster's :class:`dips.spec.LinkConfig` holds its rate (``bps``, bits/s) and its changes
+(``schedule``: ``{at_s, bps}``, seconds after the run's training start, the launcher's
+``train_start``); a real-time scenario's links reach ``dips launch`` rescaled
+(:func:`dips.bench.real.dips_run_config`).  The rate in force is always
+:meth:`dips.spec.LinkConfig.rate_at`.  Two enforcers, one per shaping:
 
 * ``network: netns`` (root): the launcher's :class:`LinkSchedule` changes the cluster veth's
   ``tc tbf`` rate (:meth:`dips.emu.netns.ShapedNetwork.set_rate`, both directions) when the
@@ -18,8 +20,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from dips.config import ClusterSpec
 from dips.emu.netns import tbf_burst
+from dips.spec import ClusterConfig
 from dips.wire.shaping import TokenBucket
 
 __all__ = ["LinkSchedule", "ScheduledBucket"]
@@ -29,15 +31,16 @@ class LinkSchedule:
     """The run's pending link-rate changes, fired in time order (the launcher's side).
 
     Args:
-        clusters: the run's clusters (their ``link_schedule``).
+        clusters: the run's clusters (their ``link.schedule``).
         net: a :class:`dips.emu.netns.ShapedNetwork` whose tbf rates to change, or None (the
             clusters' token buckets apply the changes themselves; only events are recorded).
         event: ``(kind, process, **extra)`` recorder (the launcher's events.jsonl), or None.
     """
 
-    def __init__(self, clusters: Sequence[ClusterSpec], net: Any = None,
+    def __init__(self, clusters: Sequence[ClusterConfig], net: Any = None,
                  event: Callable[..., None] | None = None) -> None:
-        self.pending = sorted((at, c.id, bps) for c in clusters for at, bps in c.link_schedule)
+        self.pending = sorted((ch.at_s, c.id, ch.bps) for c in clusters if c.link is not None
+                              for ch in c.link.schedule)
         self._net, self._event = net, event
 
     def tick(self, elapsed_s: float) -> list[tuple[str, float]]:
@@ -57,7 +60,7 @@ class LinkSchedule:
 
 
 class ScheduledBucket:
-    """A cluster's upload token bucket that follows its ``link_schedule`` (the cluster's side).
+    """A cluster's upload token bucket that follows its ``link.schedule`` (the cluster's side).
 
     Burst: 5 ms of traffic at the current rate, at least 32 KiB: the burst of the kernel's tbf
     (:func:`dips.emu.netns.tbf_params`), so that both shapings let the same bytes through
@@ -65,23 +68,24 @@ class ScheduledBucket:
     replaces the bucket by a full one of the new rate and burst, as ``tc qdisc replace`` does.
 
     Args:
-        spec: the cluster (``link_bps`` must be set).
+        spec: the cluster (``link`` must be set).
         clock: wall clock in seconds (``time.time``; injected in tests).
         sleep, monotonic: passed to the :class:`TokenBucket` (injected in tests).
 
     Raises:
-        ValueError: ``spec.link_bps`` is None (named with the cluster id).
+        ValueError: ``spec.link`` is None (named with the cluster id).
     """
 
-    def __init__(self, spec: ClusterSpec, clock: Callable[[], float] = time.time,
+    def __init__(self, spec: ClusterConfig, clock: Callable[[], float] = time.time,
                  sleep: Callable[[float], None] = time.sleep,
                  monotonic: Callable[[], float] = time.monotonic) -> None:
-        if spec.link_bps is None:
-            raise ValueError(f"cluster {spec.id!r}: link_bps is None; nothing to shape")
+        if spec.link is None:
+            raise ValueError(f"cluster {spec.id!r}: link is None; nothing to shape")
+        self.link = spec.link
         self.spec, self._clock, self._sleep, self._monotonic = spec, clock, sleep, monotonic
         self.t0: float | None = None
         self._lock = threading.Lock()
-        self.bucket = self._bucket(spec.link_bps_at(0.0) / 8)
+        self.bucket = self._bucket(self.link.rate_at(0.0) / 8)
 
     def _bucket(self, rate_bytes_per_s: float) -> TokenBucket:
         return TokenBucket(rate_bytes_per_s, float(tbf_burst(rate_bytes_per_s * 8)),
@@ -94,7 +98,7 @@ class ScheduledBucket:
     def rate_bps(self) -> float:
         """The link rate that applies now (bits/s); before :meth:`start`, the rate at time 0."""
         t = 0.0 if self.t0 is None else self._clock() - self.t0
-        return self.spec.link_bps_at(t)
+        return self.link.rate_at(t)
 
     def consume(self, nbytes: int) -> float:
         """Apply the current scheduled rate, then block until ``nbytes`` may leave; returns the

@@ -13,8 +13,8 @@ iteration.  Real-time runs inject that delay after each REAL inner step, in one 
   :meth:`dips.emu.slowdown.Slowdown.delay` of the measured step (what ``dips launch`` does).
 
 Pure arithmetic: the caller measures the compute time, passes the time since the start, and
-sleeps.  Used by the real-time baselines (:mod:`dips.baselines.real_common`); a Di-PS cluster
-process can use the same :class:`Pacer` so that every method is paced alike.
+sleeps.  Every real-time cluster process (Di-PS and the baselines) hands its :class:`Pacer` to
+the one training loop, :func:`dips.train.run.run_loop`, so that every method is paced alike.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from dips.config import RunConfig
+from dips.spec import RunConfig
 
 
 class Progress:

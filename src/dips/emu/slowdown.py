@@ -2,12 +2,15 @@
 
 A cluster with slowdown factor s >= 1 waits (s − 1) × the measured duration of each inner
 step after the step, so its wall time per step is s times that of an unslowed cluster on the
-same hardware, while the training itself stays real.
+same hardware, while the training itself stays real.  The slowdowns of a generated scenario
+(η spread over [1, 1 + η/100]) come from :func:`dips.spec.scenario.spread`.
 """
 
 from __future__ import annotations
 
 import math
+
+__all__ = ["Slowdown"]
 
 
 class Slowdown:
@@ -30,15 +33,3 @@ class Slowdown:
         if step_s < 0 or not math.isfinite(step_s):
             raise ValueError(f"step_s = {step_s} must be a finite number >= 0")
         return (self.factor - 1.0) * step_s
-
-
-def spread(eta_percent: float, n: int) -> list[float]:
-    """Slowdown factors of n clusters spread evenly over [1, 1 + η/100] (§13).
-
-    Raises ValueError for n < 1 or η < 0.
-    """
-    if n < 1 or eta_percent < 0:
-        raise ValueError(f"spread(eta_percent={eta_percent}, n={n}): need n >= 1, eta >= 0")
-    if n == 1:
-        return [1.0]
-    return [1.0 + eta_percent / 100.0 * i / (n - 1) for i in range(n)]

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from dips.config import RunConfig
+from dips.spec import RunConfig, RunSpec
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -43,7 +43,7 @@ def tokens_consumed(run_dir: Path, cfg: RunConfig) -> dict[str, int]:
     return out
 
 
-def export_and_summarize(cfg: RunConfig, run_dir: Path, spec: dict[str, Any], secret: str,
+def export_and_summarize(cfg: RunConfig, run_dir: Path, spec: RunSpec, secret: str,
                          status: Any, t_start: float, train_s: float,
                          interrupted: bool) -> dict[str, Any]:
     """Pull the final FP32 model, save it (HF safetensors + tokenizer), evaluate, summarize."""
@@ -55,7 +55,7 @@ def export_and_summarize(cfg: RunConfig, run_dir: Path, spec: dict[str, Any], se
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    cache = Path(spec["cache_dir"])
+    cache = spec.cache_dir
     data = load_tokens(cache, cfg.data.vocab_size, cfg.data.val_fraction, cfg.data.max_train_tokens)
     model = build_model(cfg.model, cfg.seed)
     final_loss = None
@@ -79,7 +79,7 @@ def export_and_summarize(cfg: RunConfig, run_dir: Path, spec: dict[str, Any], se
         "method": "di-ps", "run_dir": str(run_dir), "clusters": len(cfg.clusters),
         "cluster_ids": [c.id for c in cfg.clusters],
         "slowdowns": [c.slowdown for c in cfg.clusters], "followers": cfg.followers,
-        "H": cfg.inner.H, "params": spec["params"],
+        "H": cfg.inner.H, "params": spec.params,
         "outer_steps": status.outer_steps if status else 0,
         "rounds": status.rounds if status else 0,
         "final_version": version,
@@ -88,7 +88,7 @@ def export_and_summarize(cfg: RunConfig, run_dir: Path, spec: dict[str, Any], se
         "updates_pushed": status.updates_pushed if status else 0,
         "updates_accepted": status.updates_accepted if status else 0,
         "updates_rejected": status.updates_rejected if status else 0,
-        "eval_loss_initial": round(spec["eval_loss_initial"], 5),
+        "eval_loss_initial": round(spec.eval_loss_initial, 5),
         "eval_loss_final": None if final_loss is None else round(final_loss, 5),
         "wall_time_s": round(time.time() - t_start, 2), "train_time_s": round(train_s, 2),
         "tokens_per_s": round(total / train_s, 1) if train_s > 0 else 0.0,

@@ -2,9 +2,11 @@
 
 Virtual time replaces measured wall time so that a comparison is reproducible bit for bit: an
 inner step of cluster i started at virtual time t lasts ``step_s × slowdown_i(t)`` seconds
-(constant slowdown × any active transient factor), and a transfer of b bytes over a link of
-bandwidth B(t) Gbit/s lasts the time to move 8·b bits through the piecewise-constant B(t)
-(§13: per-cluster 10/5/1 Gbit links, one that drops from 10 to 1 Gbit), plus a fixed latency.
+(:meth:`dips.spec.ClusterConfig.slowdown_at`: constant slowdown × any active transient
+factor), and a transfer of b bytes over a link of rate B(t) bits/s
+(:meth:`dips.spec.LinkConfig.rate_at`) lasts the time to move 8·b bits through the
+piecewise-constant B(t) (§13: per-cluster 10/5/1 Gbit/s links, one that drops from 10 to
+1 Gbit/s), plus a fixed latency.
 Nothing here reads a clock or trains; the engines in :mod:`dips.emu.virtual` and
 :mod:`dips.baselines` call these functions.
 """
@@ -16,7 +18,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from dips.bench.scenario import ClusterScenario
+from dips.spec import ClusterConfig, LinkConfig
 
 __all__ = ["EventQueue", "ideal_tokens", "ring_allreduce_s", "step_duration", "transfer_s"]
 
@@ -59,32 +61,39 @@ class EventQueue:
         return len(self._heap)
 
 
-def step_duration(cluster: ClusterScenario, t: float, step_s: float) -> float:
+def step_duration(cluster: ClusterConfig, t: float, step_s: float) -> float:
     """Emulated seconds of one inner step started at virtual time ``t`` (s) on ``cluster``."""
     return step_s * cluster.slowdown_at(t)
 
 
-def transfer_s(cluster: ClusterScenario, start_s: float, nbytes: float, latency_s: float = 0.0,
-               cap_gbit: float | None = None) -> float:
+def _link(cluster: ClusterConfig) -> LinkConfig:
+    if cluster.link is None:
+        raise ValueError(f"cluster {cluster.id!r}: no link; virtual time needs a link rate")
+    return cluster.link
+
+
+def transfer_s(cluster: ClusterConfig, start_s: float, nbytes: float, latency_s: float = 0.0,
+               cap_bps: float | None = None) -> float:
     """Seconds to move ``nbytes`` bytes over ``cluster``'s link starting at virtual time ``start_s``.
 
-    Integrates the piecewise-constant bandwidth of ``cluster.bandwidth_schedule`` (Gbit/s,
-    1 Gbit = 1e9 bit): with a constant link it is exactly ``latency_s + 8·nbytes / (gbit·1e9)``.
-    ``cap_gbit`` caps the rate (e.g. the other end of a point-to-point transfer).
+    Integrates the piecewise-constant rate of ``cluster.link`` (bits/s, its ``schedule``): with
+    a constant link it is exactly ``latency_s + 8·nbytes / bps``.  ``cap_bps`` caps the rate
+    (bits/s; e.g. the other end of a point-to-point transfer).
 
     Raises:
-        ValueError: negative or non-finite ``nbytes`` / ``start_s``.
+        ValueError: negative or non-finite ``nbytes`` / ``start_s``; a cluster without a link.
     """
     if not math.isfinite(nbytes) or nbytes < 0 or not math.isfinite(start_s) or start_s < 0:
         raise ValueError(f"transfer: nbytes = {nbytes}, start_s = {start_s} must be finite and >= 0")
+    link = _link(cluster)
 
     def rate(t: float) -> float:
-        g = cluster.bandwidth_at(t)
-        return (min(g, cap_gbit) if cap_gbit is not None else g) * 1e9
+        bps = link.rate_at(t)
+        return min(bps, cap_bps) if cap_bps is not None else bps
 
     t = start_s + latency_s
     bits = 8.0 * nbytes
-    for change in cluster.bandwidth_schedule:
+    for change in link.schedule:
         if change.at_s <= t:
             continue
         capacity = (change.at_s - t) * rate(t)
@@ -95,7 +104,7 @@ def transfer_s(cluster: ClusterScenario, start_s: float, nbytes: float, latency_
     return t + bits / rate(t) - start_s
 
 
-def ring_allreduce_s(clusters: list[ClusterScenario], start_s: float, nbytes: float,
+def ring_allreduce_s(clusters: list[ClusterConfig], start_s: float, nbytes: float,
                      latency_s: float = 0.0) -> float:
     """Seconds of a ring all-reduce of ``nbytes`` bytes among ``clusters`` from ``start_s``.
 
@@ -109,7 +118,7 @@ def ring_allreduce_s(clusters: list[ClusterScenario], start_s: float, nbytes: fl
     return max(transfer_s(c, start_s, per_link, latency_s) for c in clusters)
 
 
-def ideal_tokens(clusters: list[ClusterScenario], step_s: float, tokens_per_step: int,
+def ideal_tokens(clusters: list[ClusterConfig], step_s: float, tokens_per_step: int,
                  horizon_s: float) -> int:
     """Tokens that ``clusters`` would consume by ``horizon_s`` training independently (no outer
     communication, no waiting): the weak-scaling ideal of §13/§14."""

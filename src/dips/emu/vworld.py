@@ -4,8 +4,10 @@ Each method of a comparison builds one :class:`World` from the scenario: the sam
 token stream (:func:`dips.train.corpus.load_tokens`), the same data chunks per cluster
 (:func:`dips.train.sampler.assign_chunks`, disjoint), the same seeded model
 (:func:`dips.train.model.build_model`) and one fused AdamW per cluster
-(:func:`dips.train.loop.make_inner_optimizer`).  Inner steps are the real
-:func:`dips.train.loop.inner_step`; only their *duration* is emulated (:mod:`dips.emu.vclock`).
+(:func:`dips.train.loop.make_inner_optimizer`): one
+:class:`~dips.train.trainer.ClusterTrainer` per cluster, built by
+:func:`dips.train.trainer.build_trainer` as in the real-time processes.  Inner steps are the
+trainer's real steps; only their *duration* is emulated (:mod:`dips.emu.vclock`).
 Evaluations use :func:`dips.train.loop.eval_loss` on the held-out split every
 ``eval_every_tokens`` tokens.  Everything runs on one thread (``torch.set_num_threads(1)``) in
 a fixed order, so two runs of the same scenario give the same numbers bit for bit.
@@ -14,20 +16,20 @@ a fixed order, so two runs of the same scenario give the same numbers bit for bi
 from __future__ import annotations
 
 import json
-import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
-from dips.bench.result import CurvePoint, MethodResult
-from dips.bench.scenario import ClusterScenario, Scenario
+from dips.emu.result import CurvePoint, MethodResult
 from dips.emu.vclock import step_duration
+from dips.spec import ClusterConfig, Scenario
 from dips.train.corpus import load_tokens
-from dips.train.loop import eval_loss, inner_step, make_inner_optimizer
+from dips.train.loop import eval_loss
 from dips.train.model import build_model, layer_table, param_count
-from dips.train.sampler import BatchSampler, assign_chunks, make_chunks
+from dips.train.sampler import BatchSampler
+from dips.train.trainer import ClusterTrainer, build_trainer
 
 __all__ = ["PROGRESS", "VCluster", "World", "bf16_copy", "load_params"]
 
@@ -50,32 +52,52 @@ def load_params(model: torch.nn.Module, params: dict[str, torch.Tensor]) -> None
 
 @dataclass
 class VCluster:
-    """One emulated cluster: its spec, real model, inner AdamW, sampler and counters.
+    """One emulated cluster: its spec, its trainer (real model, inner AdamW, sampler) and counters.
 
-    Counters: ``tokens`` consumed (tokens), ``steps`` inner steps, ``comm_s`` seconds spent on
-    its own outer transfers, ``idle_s`` seconds not computing (waiting + transfers).
+    Counters: ``tokens`` consumed (tokens) and ``steps`` inner steps (the trainer's),
+    ``tokens_since_sync`` (tokens since its last pull), ``comm_s`` seconds spent on its own
+    outer transfers, ``idle_s`` seconds not computing (waiting + transfers).
     """
 
-    spec: ClusterScenario
-    model: torch.nn.Module
-    opt: torch.optim.Optimizer
-    sampler: BatchSampler
-    grad_clip: float | None
-    tokens: int = 0
-    steps: int = 0
+    spec: ClusterConfig
+    trainer: ClusterTrainer
     tokens_since_sync: int = 0
     comm_s: float = 0.0
     idle_s: float = 0.0
     last_loss: float = float("nan")
     extra: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def model(self) -> torch.nn.Module:
+        """The cluster's model (FP32)."""
+        return self.trainer.model
+
+    @property
+    def opt(self) -> torch.optim.Optimizer:
+        """The cluster's inner AdamW."""
+        return self.trainer.optimizer
+
+    @property
+    def sampler(self) -> BatchSampler:
+        """The cluster's batches (its fixed share of the chunks)."""
+        return self.trainer.batches  # type: ignore[return-value]
+
+    @property
+    def tokens(self) -> int:
+        """Tokens trained on so far (tokens)."""
+        return self.trainer.tokens
+
+    @property
+    def steps(self) -> int:
+        """Inner steps (batches) trained on so far."""
+        return self.trainer.steps
+
     def step(self) -> float:
         """Run one real inner step; count its tokens. Returns the training loss (nats/token)."""
-        self.last_loss = inner_step(self.model, self.opt, self.sampler.next_batch(), self.grad_clip)
-        self.tokens += self.sampler.tokens_per_batch
-        self.tokens_since_sync += self.sampler.tokens_per_batch
-        self.steps += 1
-        return self.last_loss
+        result = self.trainer.step()
+        self.last_loss = result.loss
+        self.tokens_since_sync += result.tokens
+        return result.loss
 
 
 class World:
@@ -99,18 +121,14 @@ class World:
         data = load_tokens(s.data.cache_dir, s.data.vocab_size, s.data.val_fraction,
                            s.data.max_train_tokens)
         self.val = data.val
-        chunks = make_chunks(len(data.train), s.data.num_chunks)
-        owned = assign_chunks(s.data.num_chunks, [c.id for c in s.clusters])
+        ids = [c.id for c in s.clusters]
         self.clusters: list[VCluster] = []
-        shared = None
-        for i, spec in enumerate(s.clusters):
-            if replicas or shared is None:
-                model = build_model(s.model, s.seed)
-                opt = make_inner_optimizer(model, s.inner.lr, s.inner.weight_decay)
-                shared = (model, opt)
-            sampler = BatchSampler(data.train, chunks, owned[spec.id], s.inner.batch_size,
-                                   s.inner.seq_len, seed=s.seed * 7919 + zlib.crc32(spec.id.encode()))
-            self.clusters.append(VCluster(spec, shared[0], shared[1], sampler, s.inner.grad_clip))
+        first: ClusterTrainer | None = None
+        for spec in s.clusters:
+            trainer = build_trainer(spec.id, s.model, s.data, s.inner, s.seed, assignment=ids,
+                                    tokens=data, share=None if replicas else first)
+            first = first or trainer
+            self.clusters.append(VCluster(spec, trainer))
         self.eval_model = build_model(s.model, s.seed)
         self.names = [n for n, _ in self.eval_model.named_parameters()]
         self.table = layer_table(self.eval_model)

@@ -35,15 +35,21 @@ import logging
 import math
 import threading
 import time
+from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
 import grpc
 import torch
 
 from dips.algo import partition_contiguous
+from dips.algo.refusal import Refusal
 from dips.roles import failpoints
-from dips.roles.cluster import StageWorker, SyncResult, group_layers
+from dips.roles.cluster import StageWorker, SyncResult
+from dips.roles.layers import group_layers
+from dips.roles.layers import layer_of as default_layer_of
 from dips.wire.pb import control_pb2 as pb
+from dips.wire.control import refusal_of
+from dips.wire.dataplane import DataPlaneError
 from dips.wire.services import leader_client
 
 log = logging.getLogger(__name__)
@@ -68,7 +74,7 @@ class ClusterClient:
         secret: the run secret (hex string) shared by every process of the run.
         H: inner steps between two pushes (§3; default 64).
         stages: number of stage workers S pushing/pulling in parallel (threads here).
-        layer_of: parameter name -> layer key (default :func:`dips.train.model.layer_of`).
+        layer_of: parameter name -> layer key (default :func:`dips.roles.layers.layer_of`).
         timeout_s: deadline of transfers and of waiting for a verdict (seconds).
         admit_timeout_s: deadline of a push request's admission into a window (seconds).
         heartbeat_interval_s: progress reports to the leader (None: the leader's value).
@@ -87,9 +93,7 @@ class ClusterClient:
                  limiter: Callable[[int], object] | None = None) -> None:
         if H < 1:
             raise ValueError(f"H = {H} must be >= 1")
-        if layer_of is None:
-            from dips.train.model import layer_of as default_layer_of
-            layer_of = default_layer_of
+        layer_of = layer_of or default_layer_of
         self.model = model
         self.cluster_id = cluster_id
         self.H = H
@@ -182,7 +186,7 @@ class ClusterClient:
             reply = self._leader.Lease(pb.LeaseRequest(cluster_id=self.cluster_id,
                                                        n=self.data.wanted()), timeout=5.0)
         except grpc.RpcError as exc:
-            if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+            if refusal_of(exc) is Refusal.NOT_JOINED:
                 self._rejoin.set()
             return False
         self.data.merge_holdings([(h.chunk, h.position) for h in reply.holdings])
@@ -237,8 +241,8 @@ class ClusterClient:
                                                          version=self._pending_pull), timeout=2.0)
                 self._pending_pull = None
             except (ValueError, TimeoutError, RuntimeError, grpc.RpcError) as exc:
-                if "holds version" in str(exc):  # a newer version exists: re-join to get it
-                    self._pending_pull = None
+                if isinstance(exc, PullFailed) and Refusal.VERSION_GONE in exc.failures.refusals():
+                    self._pending_pull = None  # a newer version exists: re-join to get it
                     self._rejoin.set()
                 self._fail(f"pull retry failed: {exc}")
                 return False
@@ -270,7 +274,7 @@ class ClusterClient:
                 tokens=max(tokens, 1), inner_steps=self.inner_step, progress=progress),
                 timeout=self.admit_timeout_s)
         except grpc.RpcError as exc:
-            if exc.code() == grpc.StatusCode.FAILED_PRECONDITION and "not joined" in (exc.details() or ""):
+            if refusal_of(exc) is Refusal.NOT_JOINED:
                 self._rejoin.set()
             reason = f"push request failed: {exc.code().name}: {exc.details()}"
             self._fail(reason)
@@ -321,23 +325,25 @@ class ClusterClient:
         return result
 
     def _run_stages(self, grant: pb.PushGrant, tokens: int) -> str | None:
+        """Push through every stage worker; returns None, or what failed (for the leader)."""
         plans: list[list[tuple[str, int]]] = [[] for _ in self._stages]
         for step in grant.schedule:
             for t in step.transfers:
                 plans[t.stage].append((t.layer, t.follower))
-        return self._guard(_in_threads(
+        failures = self._guard(_in_threads(
             [lambda s=s, p=p: s.push(self.cluster_id, grant.round, grant.push_id, p, tokens)
              for s, p in zip(self._stages, plans)], self.timeout_s))
+        return None if failures is None else str(failures)
 
-    def _guard(self, error: str | None) -> str | None:
+    def _guard(self, failures: StageFailures | None) -> StageFailures | None:
         """After a stage worker overran its deadline, replace every stage worker: a ZeroMQ
         socket must never be used by two threads, and the stuck thread still owns its own."""
-        if error and "still running" in error:
+        if failures is not None and failures.overran:
             followers = [pb.FollowerInfo(index=i, data_endpoint=ep)
                          for i, ep in self._endpoints.items()]
             self._stages = []
             self._connect(followers, keep_owner=True)
-        return error
+        return failures
 
     def _pull(self, version: int) -> None:
         results: list[dict[str, torch.Tensor]] = [{} for _ in self._stages]
@@ -345,10 +351,10 @@ class ClusterClient:
         def fetch(i: int, stage: StageWorker) -> None:
             results[i] = stage.pull(version, self._owner)
 
-        error = self._guard(_in_threads([lambda i=i, s=s: fetch(i, s)
-                                         for i, s in enumerate(self._stages)], self.timeout_s))
-        if error:
-            raise RuntimeError(f"pull of version {version} failed: {error}")
+        failures = self._guard(_in_threads([lambda i=i, s=s: fetch(i, s)
+                                            for i, s in enumerate(self._stages)], self.timeout_s))
+        if failures is not None:
+            raise PullFailed(version, failures)
 
         def load(stage: StageWorker, tensors: dict[str, torch.Tensor]) -> None:
             with torch.no_grad():
@@ -358,10 +364,10 @@ class ClusterClient:
 
         # Every stage's tensors arrived and were verified: now widen BF16 into the FP32
         # parameters, one thread per stage (torch releases the GIL: the copies run in parallel).
-        error = _in_threads([lambda s=s, t=t: load(s, t) for s, t in zip(self._stages, results)],
-                            self.timeout_s)
-        if error:  # only a timeout or a bug can get here; the model may be partly loaded
-            raise RuntimeError(f"loading version {version} failed: {error}")
+        failures = _in_threads([lambda s=s, t=t: load(s, t) for s, t in zip(self._stages, results)],
+                               self.timeout_s)
+        if failures is not None:  # only a timeout or a bug can get here; the model may be partly loaded
+            raise PullFailed(version, failures, loading=True)
         self.version = version
         self.tokens_since_pull = 0
 
@@ -407,15 +413,49 @@ class ClusterClient:
         self._leader.close()
 
 
-def _in_threads(jobs: list[Callable[[], None]], timeout_s: float) -> str | None:
-    """Run jobs in parallel threads; returns the joined error texts, or None if all succeeded."""
-    errors: list[str] = []
+@dataclass
+class StageFailures:
+    """What went wrong in a parallel run of the stage workers.
+
+    ``errors``: (stage index, exception) of each stage that raised; ``overran``: some stage
+    worker was still running at the deadline (its sockets must not be reused).
+    """
+
+    errors: list[tuple[int, BaseException]] = field(default_factory=list)
+    overran: bool = False
+    timeout_s: float = 0.0
+
+    def refusals(self) -> set[Refusal]:
+        """The refusal codes the followers answered with."""
+        return {e.code for _, e in self.errors if isinstance(e, DataPlaneError)}
+
+    def __str__(self) -> str:
+        parts = [f"stage {i}: {e}" for i, e in self.errors]
+        if self.overran:
+            parts.append(f"stage workers still running after {self.timeout_s} s")
+        return "; ".join(parts)
+
+
+class PullFailed(RuntimeError):
+    """A pull did not complete; ``failures`` says why (the model was not modified, except
+    when ``loading`` is True: the widening into the parameters itself failed)."""
+
+    def __init__(self, version: int, failures: StageFailures, loading: bool = False) -> None:
+        super().__init__(f"{'loading' if loading else 'pull of'} version {version} failed: {failures}")
+        self.version, self.failures, self.loading = version, failures, loading
+
+
+def _in_threads(jobs: list[Callable[[], None]], timeout_s: float) -> StageFailures | None:
+    """Run jobs in parallel threads; returns their failures, or None if all succeeded."""
+    failures = StageFailures(timeout_s=timeout_s)
+    lock = threading.Lock()
 
     def run(i: int, job: Callable[[], None]) -> None:
         try:
             job()
         except Exception as exc:
-            errors.append(f"stage {i}: {exc}")
+            with lock:
+                failures.errors.append((i, exc))
 
     threads = [threading.Thread(target=run, args=(i, j), daemon=True) for i, j in enumerate(jobs)]
     for t in threads:
@@ -423,6 +463,6 @@ def _in_threads(jobs: list[Callable[[], None]], timeout_s: float) -> str | None:
     deadline = time.monotonic() + timeout_s
     for t in threads:
         t.join(max(0.0, deadline - time.monotonic()))
-    if any(t.is_alive() for t in threads):
-        errors.append(f"stage workers still running after {timeout_s} s")
-    return "; ".join(errors) or None
+    failures.overran = any(t.is_alive() for t in threads)
+    with lock:
+        return failures if failures.errors or failures.overran else None

@@ -16,6 +16,8 @@ from typing import Any, Callable
 
 import torch
 
+from dips.roles.layers import group_layers
+from dips.roles.layers import layer_of as default_layer_of
 from dips.wire.dataplane import DataClient
 from dips.wire.pb import control_pb2 as pb
 from dips.wire.stream import DEFAULT_CHUNK_BYTES
@@ -36,24 +38,6 @@ class SyncResult:
     wait_s: float = 0.0
     pull_s: float = 0.0
     ok: bool = True
-
-
-def group_layers(model: torch.nn.Module, layer_of: Callable[[str], str]
-                 ) -> list[tuple[str, list[tuple[str, torch.nn.Parameter]]]]:
-    """Model-order layers: ``[(layer key, [(param name, parameter), ...]), ...]``.
-
-    Raises ValueError if a layer's parameters are not contiguous in ``named_parameters``.
-    """
-    out: list[tuple[str, list[tuple[str, torch.nn.Parameter]]]] = []
-    for name, p in model.named_parameters():
-        key = layer_of(name)
-        if out and out[-1][0] == key:
-            out[-1][1].append((name, p))
-        elif any(k == key for k, _ in out):
-            raise ValueError(f"parameter {name!r}: layer {key!r} is not contiguous")
-        else:
-            out.append((key, [(name, p)]))
-    return out
 
 
 class _Links:
@@ -236,9 +220,7 @@ def fetch_global_model(model: torch.nn.Module, followers: list[pb.FollowerInfo],
     Uses one stage worker and does not join the run. Every tensor is fetched and checked
     before any parameter is written. Raises RuntimeError/ValueError/TimeoutError on failure.
     """
-    if layer_of is None:
-        from dips.train.model import layer_of as default_layer_of
-        layer_of = default_layer_of
+    layer_of = layer_of or default_layer_of
     key = bytes.fromhex(secret)
     layers = dict(group_layers(model, layer_of))
     owner = {l: f.index for f in followers for l in f.layers}

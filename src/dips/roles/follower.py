@@ -34,12 +34,13 @@ import xxhash
 
 from dips.algo import pseudo_gradient, squared_norm, weighted_mean
 from dips.algo.outer import nesterov_step_fused
+from dips.algo.refusal import Refusal, Refused
 from dips.roles import failpoints
 from dips.roles.round_sum import RoundSum
 from dips.roles.spare import SpareState
 from dips.wire.frames import Message
 from dips.wire.pool import TensorPool, VersionedSnapshots
-from dips.wire.staging import DeltaSink, SnapshotSource, check_specs
+from dips.roles.staging import DeltaSink, SnapshotSource, check_specs
 from dips.wire.stream import TensorSpec
 
 
@@ -59,6 +60,30 @@ class _StagedPush:
     done: set[str] = field(default_factory=set)
     sq: dict[str, float] = field(default_factory=dict)
     formed: dict[str, torch.Tensor] = field(default_factory=dict)  # Δ of single-message layers
+
+
+@dataclass
+class _RoundMean:
+    """δ of a round as aggregated: the accepted set, its weights, δ (or S with ``scale``)."""
+
+    clusters: list[str]
+    weights: list[float]
+    mean: list[torch.Tensor]
+    scale: float
+
+
+@dataclass
+class _PreparedStep:
+    """Phase 1 of a two-phase outer step: θ' and its momentum, formed aside (§12)."""
+
+    round: int
+    version: int
+    params: dict[str, torch.Tensor]
+    momenta: dict[str, torch.Tensor]
+    checksum: str
+    accepted: list[str]
+    weights: list[float]
+    clip_factor: float
 
 
 def shard_checksum(params: dict[str, torch.Tensor]) -> str:
@@ -119,8 +144,8 @@ class FollowerShard:
         self._deltas: dict[int, dict[str, list[torch.Tensor]]] = {}
         self._sq: dict[int, dict[str, float]] = {}
         self._sums: dict[int, RoundSum] = {}
-        self._mean: dict[int, tuple[list[str], list[float], list[torch.Tensor], float]] = {}
-        self._prepared: dict[str, Any] | None = None
+        self._mean: dict[int, _RoundMean] = {}
+        self._prepared: _PreparedStep | None = None
         self._spare = SpareState()
         self._ckpt_dir = ckpt_dir
         self._writer = None
@@ -167,8 +192,8 @@ class FollowerShard:
 
     def _is_current(self, want: Any) -> None:
         if want != self.version:
-            raise ValueError(f"pull field 'version' = {want!r}, follower {self.index} "
-                             f"holds version {self.version}")
+            raise Refused(Refusal.VERSION_GONE, f"pull field 'version' = {want!r}, follower "
+                                                f"{self.index} holds version {self.version}")
 
     def _receive_push(self, msg: Message) -> dict[str, Any]:
         cluster, rnd, layer = self._push_fields(msg.header)
@@ -222,7 +247,7 @@ class FollowerShard:
 
     def open_push(self, header: dict[str, Any], specs: list[TensorSpec]) -> DeltaSink:
         """Accept one streamed layer of a push: Δ is formed into a pooled FP32 buffer while its
-        chunks arrive (:class:`dips.wire.staging.DeltaSink`). Raises ValueError naming the field;
+        chunks arrive (:class:`dips.roles.staging.DeltaSink`). Raises ValueError naming the field;
         wrong tensors (or a later refused chunk, NaN, ...) also mark the cluster's push invalid
         on this shard, so the leader excludes it on every shard."""
         failpoints.hit("push")
@@ -326,7 +351,7 @@ class FollowerShard:
             else:
                 mean = weighted_mean([deltas[c] for c in clusters], list(weights))
                 scale, sq = 1.0, squared_norm(mean)
-            self._mean[rnd] = (list(clusters), list(weights), mean, scale)
+            self._mean[rnd] = _RoundMean(list(clusters), list(weights), mean, scale)
             return sq
 
     def apply(self, rnd: int, clip: float, new_version: int, accepted: list[str],
@@ -340,14 +365,15 @@ class FollowerShard:
         those aggregated, or the clip factor is not in (0, 1].
         """
         with self._lock:
-            if self._prepared is not None and self._prepared["round"] == rnd:
-                return self._prepared["version"], self._prepared["checksum"]
+            if self._prepared is not None and self._prepared.round == rnd:
+                return self._prepared.version, self._prepared.checksum
             if new_version != self.version + 1:
                 raise ValueError(f"apply field 'new_version' = {new_version}, shard is at "
                                  f"version {self.version}")
             if rnd not in self._mean:
                 raise ValueError(f"apply round {rnd}: nothing aggregated")
-            clusters, w, mean, scale = self._mean[rnd]
+            m = self._mean[rnd]
+            clusters, w, mean, scale = m.clusters, m.weights, m.mean, m.scale
             if clusters != list(accepted) or [round(x, 12) for x in w] != [round(x, 12) for x in weights]:
                 raise ValueError(f"apply round {rnd}: accepted {accepted} differs from "
                                  f"aggregated {clusters}")
@@ -366,9 +392,8 @@ class FollowerShard:
                 raise
             checksum = shard_checksum(params)
             failpoints.hit("update")
-            self._prepared = {"round": rnd, "version": new_version, "params": params,
-                              "momenta": momenta, "checksum": checksum, "accepted": list(accepted),
-                              "weights": list(weights), "clip_factor": clip}
+            self._prepared = _PreparedStep(rnd, new_version, params, momenta, checksum,
+                                           list(accepted), list(weights), clip)
             return new_version, checksum
 
     def commit(self, new_version: int, timeout_s: float = 60.0) -> tuple[int, str]:
@@ -383,39 +408,40 @@ class FollowerShard:
             if self._prepared is None and new_version == self.version:
                 return self.version, self.checksum
             prep = self._prepared
-            if prep is None or prep["version"] != new_version:
-                have = None if prep is None else prep["version"]
+            if prep is None or prep.version != new_version:
+                have = None if prep is None else prep.version
                 raise ValueError(f"commit field 'new_version' = {new_version}, prepared {have}")
             if self._writer is not None and not self._writer.wait(self.version, timeout_s):
                 raise TimeoutError(f"checkpoint of version {self.version} not durable in {timeout_s} s")
             if getattr(self, "_pools", None) is not None:  # slow pullers keep their version
                 self._pools[1].complete(self.version, lambda n: self.params[n])
             self._spare.recycle(self.params, self.momenta)
-            self.params, self.momenta = prep["params"], prep["momenta"]
-            self.version, self.checksum = new_version, prep["checksum"]
+            self.params, self.momenta = prep.params, prep.momenta
+            self.version, self.checksum = new_version, prep.checksum
             self._prepared = None
-            self._drop(prep["round"])
-            self._record({"version": self.version, "round": prep["round"],
-                          "accepted": prep["accepted"], "weights": prep["weights"],
-                          "clip_factor": prep["clip_factor"], "checksum": prep["checksum"]})
+            self._drop(prep.round)
+            self._record({"version": self.version, "round": prep.round,
+                          "accepted": prep.accepted, "weights": prep.weights,
+                          "clip_factor": prep.clip_factor, "checksum": prep.checksum})
             if self._writer is not None:
                 # No copy: the committed tensors are not modified until they are recycled as
                 # spare buffers, which the next commit does only once this write is durable.
-                self._writer.submit(self.version, self.params, self.momenta, prep["checksum"],
+                self._writer.submit(self.version, self.params, self.momenta, prep.checksum,
                                     copy=False)
             self._spare.refresh(self.version, self.params, self.momenta)
-            return self.version, prep["checksum"]
+            return self.version, prep.checksum
 
-    def abort(self, rnd: int) -> None:
-        """Drop a prepared (uncommitted) outer step and everything staged up to ``rnd``."""
+    def abort(self, rnd: int | None) -> None:
+        """Drop a prepared (uncommitted) outer step and everything staged up to round ``rnd``
+        (None: whatever its round)."""
         with self._lock:
-            if self._prepared is not None and self._prepared["round"] <= rnd:
+            if self._prepared is not None and (rnd is None or self._prepared.round <= rnd):
                 self._drop_prepared()
             self._drop(rnd)
 
     def _drop_prepared(self) -> None:
         # The prepared buffers were stepped in place: recycle them and copy the current version.
-        self._spare.recycle(self._prepared["params"], self._prepared["momenta"])
+        self._spare.recycle(self._prepared.params, self._prepared.momenta)
         self._prepared = None
         self._spare.refresh(self.version, self.params, self.momenta)
 
@@ -429,7 +455,7 @@ class FollowerShard:
         from dips.roles.checkpoint import load_checkpoint
 
         with self._lock:
-            if self._prepared is not None and self._prepared["version"] == version:
+            if self._prepared is not None and self._prepared.version == version:
                 return self.commit(version)
             if self._prepared is not None:
                 self._drop_prepared()
@@ -442,7 +468,7 @@ class FollowerShard:
             if getattr(self, "_pools", None) is not None:
                 self._pools[1].forget_after(version - 1)  # its snapshot may be of other θ
             self._spare.refresh(version, self.params, self.momenta)
-            self._drop(10 ** 12)
+            self._drop(None)
             self.checksum = shard_checksum(self.params)
             self._record({"event": "restore", "version": version, "checksum": self.checksum})
             return version, self.checksum
@@ -463,13 +489,17 @@ class FollowerShard:
         with self._lock:
             self._drop(rnd)
 
-    def _drop(self, rnd: int) -> None:
-        for key in [k for k in self._staged if k[0] <= rnd]:
+    def _drop(self, rnd: int | None) -> None:
+        """Forget what was staged for rounds <= ``rnd`` (None: every round)."""
+        def old(r: int) -> bool:
+            return rnd is None or r <= rnd
+
+        for key in [k for k in self._staged if old(k[0])]:
             del self._staged[key]
-        for r in [r for r in self._sums if r <= rnd]:
+        for r in [r for r in self._sums if old(r)]:
             self._sums.pop(r).close()
         for d in (self._deltas, self._mean, self._sq):
-            for r in [r for r in d if r <= rnd]:
+            for r in [r for r in d if old(r)]:
                 del d[r]
 
     def state(self) -> tuple[int, int, str]:
@@ -485,7 +515,7 @@ class FollowerShard:
     def prepared_version(self) -> int:
         """Version prepared by :meth:`apply` and not yet committed, or -1."""
         with self._lock:
-            return -1 if self._prepared is None else self._prepared["version"]
+            return -1 if self._prepared is None else self._prepared.version
 
     def close(self) -> None:
         """Finish the pending checkpoint write."""

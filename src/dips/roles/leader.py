@@ -1,60 +1,62 @@
 """The leader: control plane of Di-PS (§5, §6, §8, §12 of the seed). Metadata only.
 
-The outer loop of §6 as a state machine with phases ``idle → window → push → update → pull``:
+Every decision of the outer loop is the pure round machine of :mod:`dips.algo.round`
+(phases ``idle → window → push → update → pull``, the grace window of §7, push and pull
+timeouts, verdicts). This class is the thin shell around it: gRPC handlers (many threads)
+turn calls into the machine's events under one lock; the loop thread sends it the clock
+(:class:`dips.algo.round.Tick` at its deadlines) and carries out its actions — the update
+phase (:func:`dips.roles.outer_step.run_update`: score, decide, aggregate, clip, two-phase
+apply across the followers, outside the lock), the counts, the data-chunk ledger, the
+outer-step log and the metadata checkpoint. The virtual-time engine drives the same machine.
 
-* ``idle``: no request pending; the loop waits (the server never updates with nothing to do).
-* ``window``: the first push request opens the grace window; every request that arrives
-  before it closes joins the same outer step (round), receiving a push id and a §10 schedule.
-* ``push``: the window has closed; the leader waits until every admitted cluster reported its
-  push done (or the push timeout passes; a late push is dropped). Later requests queue.
-* ``update``: :func:`dips.roles.leader_step.outer_step`: penalty over the summed ‖Δ‖²,
-  token weights, one clip factor, a two-phase apply on every follower.
-* ``pull``: every cluster of the round is told the version to pull. By default the next
-  round opens at once: the clusters pull their version from the followers' per-version
-  snapshots while new pushes arrive, so a slow link delays only its own cluster (measured in
-  virtual time on the slow-link scenario: Di-PS 1.11x instead of 0.95x synchronous DiLoCo).
-  With ``LeaderConfig.pull_barrier`` (the seed's §6 round) it opens when all have pulled or
-  the pull timeout passes; a cluster that pulled and requests again meanwhile is queued.
-
-Resilience (§12): clusters and followers heartbeat; a cluster silent for 3 intervals is
-removed (its data chunks return to the ledger) without pausing anyone; a silent follower is
-marked down and no round opens until every follower is up again and reconciled to one
-version. The leader checkpoints its metadata (membership, version, penalty history, ledger,
-counts; a few KB) atomically after every round and resumes from it after a restart.
+Resilience (§12): clusters and followers heartbeat (:mod:`dips.roles.leader_members`); a
+cluster silent for 3 intervals is removed (its data chunks return to the ledger) without
+pausing anyone; a silent follower is marked down and no round opens until every follower is
+up again and reconciled to one version. The leader checkpoints its metadata (membership,
+version, penalty history, grace estimates, ledger, counts; a few KB) atomically after every
+decision and round and resumes from it after a restart.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import secrets
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
-from dips.algo import GraceWindow, PenaltyState, ScheduleBook
-from dips.algo.ledger import ChunkLedger
-from dips.roles import failpoints, leader_step
-from dips.wire.control import PreconditionError, UnavailableError
+from dips.algo import ScheduleBook
+from dips.algo import grace as grace_rules
+from dips.algo.ledger import ChunkLedger, LedgerError
+from dips.algo.penalty import PenaltyState
+from dips.algo.reconcile import FollowerReport, reconcile_target
+from dips.algo.refusal import Refusal, Refused
+from dips.algo.round import (Decided, PullDone, PushReported, PushRequested, PushWithdrawn,
+                             ReadyChanged, RoundEnded, RoundPolicy, RoundState, StartUpdate, Tick,
+                             UpdateFinished, WindowClosed, next_deadline, slot_of, step)
+from dips.roles import failpoints
+from dips.roles.leader_checkpoint import load_state, save_state
+from dips.roles.leader_members import Membership
+from dips.roles.leader_types import (ClusterEntry, FollowerEntry, Grant, LeaderConfig,
+                                     LeaderStatus, VerdictReply)
+from dips.roles.outer_step import FollowerControl, UpdateReport, abort_everywhere, run_update
 
 log = logging.getLogger(__name__)
 
-
-from dips.roles.leader_members import Membership
-from dips.roles.leader_types import (ClusterEntry, FollowerControl, FollowerEntry, LeaderConfig,
-                                     Push, Round)
-
-__all__ = ["ClusterEntry", "FollowerControl", "FollowerEntry", "Leader", "LeaderConfig", "Push",
-           "Round"]
+__all__ = ["ClusterEntry", "FollowerControl", "FollowerEntry", "Grant", "Leader", "LeaderConfig",
+           "VerdictReply"]
 
 
 class Leader(Membership):
-    """The leader's state machine; gRPC handlers call its public methods from many threads.
+    """The leader's shell around the round machine; gRPC handlers call its public methods
+    from many threads.
 
     Args:
-        cfg: :class:`LeaderConfig`.
+        cfg: :class:`dips.spec.LeaderConfig` (grace, penalty, outer, membership, timeouts,
+            followers).
         connect: ``FollowerEntry -> FollowerControl``, how to reach a registered follower.
         run_dir: where ``outer_steps.jsonl``, ``leader_events.jsonl`` and the metadata
             checkpoint ``leader.json`` go (None: nothing written, no resume).
@@ -66,16 +68,19 @@ class Leader(Membership):
                  run_dir: Path | None = None, ledger: ChunkLedger | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.cfg = cfg
+        self.policy = RoundPolicy(cfg.grace, cfg.timeouts.push_s, cfg.timeouts.pull_s)
         self._connect = connect
         self._clock = clock
-        self._window = GraceWindow(cfg.grace_mode, cfg.grace_window_s, cfg.grace_max_s)
         self._cond = threading.Condition()
         self._stop = threading.Event()
+        self._state = RoundState(ready=False)
+        self._update: StartUpdate | None = None      # the update the loop must run next
+        self._ended: list[RoundEnded] = []           # rounds whose record the loop must write
+        self._reports: dict[int, UpdateReport] = {}  # round -> its update, until it is logged
+        self._holdings: dict[str, list[tuple[int, int]]] = {}  # push id -> ledger positions
         self.followers: dict[int, FollowerEntry] = {}
         self.clusters: dict[str, ClusterEntry] = {}
         self.version = 0
-        self.rounds = 0
-        self.phase = "idle"
         self.penalty = PenaltyState()
         self.ledger = ledger
         self.counts = {"updates_pushed": 0, "updates_accepted": 0, "updates_rejected": 0,
@@ -83,8 +88,6 @@ class Leader(Membership):
                        "outer_steps_lost": 0, "restarts": 0}
         self.needs_reconcile = True
         self._version_stats: dict[int, tuple[int, int]] = {}
-        self._queue: list[Push] = []
-        self._round: Round | None = None
         self._layer_owner: dict[str, int] = {}
         self._book = ScheduleBook()  # follower use across the clusters of a round (§10)
         self._run_dir = run_dir
@@ -94,6 +97,16 @@ class Leader(Membership):
             self._resume(run_dir / "leader.json")
 
     # ----- lifecycle -------------------------------------------------------------------
+    @property
+    def phase(self) -> str:
+        """The round machine's phase (``idle``, ``window``, ``push``, ``update``, ``pull``)."""
+        return self._state.phase.value
+
+    @property
+    def rounds(self) -> int:
+        """Rounds opened so far."""
+        return self._state.rounds
+
     def start(self) -> "Leader":
         for t in self._threads:
             t.start()
@@ -108,18 +121,20 @@ class Leader(Membership):
                 t.join(timeout_s)
 
     def _resume(self, path: Path) -> None:
-        state = leader_step.load_state(path)
+        state = load_state(path)
         if state is None:
             return
-        self.version, self.rounds = state["version"], state["rounds"]
+        self.version = state["version"]
+        self._state = RoundState(rounds=state["rounds"], ready=False,
+                                 grace=grace_rules.from_dict(state.get("grace", {})))
         self.counts.update(state["counts"])
         self.counts["restarts"] += 1
         self.penalty = PenaltyState.from_dict(state["penalty"])
         self._version_stats = {int(v): (int(x[0]), int(x[1]))
                                for v, x in state.get("version_stats", {}).items()}
-        self._window.restore(state.get("grace", {}))
         # Members get a few extra intervals to find the restarted leader before removal.
-        grace = self._clock() + 2 * self.cfg.missed_heartbeats * self.cfg.heartbeat_interval_s
+        members = self.cfg.membership
+        grace = self._clock() + 2 * members.missed_heartbeats * members.heartbeat_interval_s
         self.clusters = {c: ClusterEntry(c, stages, last_seen=grace)
                          for c, stages in state["clusters"].items()}
         if self.ledger is not None and state.get("ledger"):
@@ -137,8 +152,8 @@ class Leader(Membership):
                      "clusters": {c.cluster_id: c.stages for c in self.clusters.values()},
                      "ledger": self.ledger.to_dict() if self.ledger else None,
                      "version_stats": {str(v): list(x) for v, x in self._version_stats.items()},
-                     "grace": self._window.state()}
-        leader_step.save_state(self._run_dir / "leader.json", state)
+                     "grace": grace_rules.to_dict(self._state.grace)}
+        save_state(self._run_dir / "leader.json", state)
 
     def event(self, kind: str, **extra: Any) -> None:
         """Append a timestamped event to ``leader_events.jsonl`` (and the log)."""
@@ -147,46 +162,74 @@ class Leader(Membership):
             with open(self._run_dir / "leader_events.jsonl", "a") as f:
                 f.write(json.dumps({"time": time.time(), "event": kind, **extra}) + "\n")
 
+    # ----- the round machine -------------------------------------------------------------
+    def _apply(self, event: Any) -> None:
+        """Feed one event to the round machine and carry out its actions (lock held).
+
+        Raises :class:`Refused` (the state is then unchanged) as :func:`dips.algo.round.step`.
+        """
+        self._sync_ready(event.now)
+        self._carry(*step(self._state, event, self.policy))
+
+    def _sync_ready(self, now: float) -> None:
+        """Tell the machine when the followers' readiness changed (lock held)."""
+        if self._state.ready != self.ready:
+            self._carry(*step(self._state, ReadyChanged(now, self.ready), self.policy))
+
+    def _carry(self, state: RoundState, actions: list) -> None:
+        self._state = state
+        for a in actions:
+            if isinstance(a, WindowClosed):
+                failpoints.hit("push")
+            elif isinstance(a, StartUpdate):
+                self._update = a
+            elif isinstance(a, Decided):
+                self._settle(a)
+            elif isinstance(a, RoundEnded):
+                self._ended.append(a)
+        self._cond.notify_all()
+
     # ----- push / pull (called by cluster stage workers' client) ------------------------
     def request_push(self, cluster_id: str, base_version: int, tokens: int, timeout_s: float,
-                     progress: dict[int, int] | None = None
-                     ) -> tuple[Push, int, int, list[list[tuple[int, str, int]]]]:
-        """Block until admitted into a grace window; returns (push, round, version, schedule).
+                     progress: dict[int, int] | None = None) -> Grant:
+        """Block until admitted into a grace window; returns the :class:`Grant`.
 
-        ``progress`` (chunk → window position reached) is recorded in the ledger. Raises
-        ValueError on tokens <= 0, a negative base version or a progress report the ledger
-        refuses; UnavailableError while followers are down or unreconciled; TimeoutError if
-        not admitted in time.
+        ``progress`` (chunk → window position reached) is recorded in the ledger.
+        Raises Refused: NOT_JOINED, NOT_READY (followers down or unreconciled),
+        PUSH_IN_FLIGHT, INVALID_ARGUMENT (tokens <= 0, negative base version),
+        LEDGER_CONFLICT (a progress report the ledger refuses), NOT_ADMITTED (not admitted
+        within ``timeout_s`` seconds).
         """
-        if tokens <= 0:
-            raise ValueError(f"push field 'tokens' = {tokens} must be > 0")
-        if base_version < 0:
-            raise ValueError(f"push field 'base_version' = {base_version} must be >= 0")
         with self._cond:
             cluster = self._member(cluster_id)
             if not self.ready:
-                raise UnavailableError("followers not ready (down, missing or reconciling)")
-            mine = self._round.pushes.get(cluster_id) if self._round else None
-            if any(p.cluster_id == cluster_id for p in self._queue) or (
-                    mine is not None and not mine.pulled):  # pulled: queue for the next round
-                raise PreconditionError(f"cluster {cluster_id!r} already has a push in flight")
+                raise Refused(Refusal.NOT_READY, "followers not ready (down, missing or reconciling)")
+            now = self._clock()
+            self._sync_ready(now)
+            push_id = secrets.token_hex(8)
+            state, actions = step(self._state, PushRequested(now, cluster_id, push_id,
+                                                             base_version, tokens), self.policy)
             if self.ledger is not None:
-                self.ledger.report(cluster_id, progress or {})
-            push = Push(cluster_id, secrets.token_hex(8), base_version, tokens)
-            with contextlib.suppress(ValueError):  # λ of §7 (a clock that steps back is ignored)
-                self._window.observe_request(self._clock())
-            self._queue.append(push)
-            self._cond.notify_all()
-            deadline = self._clock() + timeout_s
-            while not (self._round and self._round.pushes.get(cluster_id) is push):
+                try:
+                    self.ledger.report(cluster_id, progress or {})
+                except LedgerError as exc:
+                    raise Refused(Refusal.LEDGER_CONFLICT, str(exc)) from None
+            self._carry(state, actions)
+            deadline = now + timeout_s
+            while True:
+                slot = slot_of(self._state, cluster_id)
+                if slot is None or slot.push_id != push_id:
+                    raise Refused(Refusal.NOT_ADMITTED, f"cluster {cluster_id!r}: push dropped "
+                                                        "before admission (left or removed)")
+                if slot.round is not None:
+                    return Grant(push_id, slot.round, self.version,
+                                 self._schedule(slot.round, cluster.stages))
                 left = deadline - self._clock()
-                if left <= 0 or self._stop.is_set() or push not in self._queue:
-                    if push in self._queue:
-                        self._queue.remove(push)
-                    raise TimeoutError(f"cluster {cluster_id!r}: push not admitted in {timeout_s} s")
+                if left <= 0 or self._stop.is_set():
+                    self._apply(PushWithdrawn(self._clock(), cluster_id, push_id))
+                    raise Refused(Refusal.NOT_ADMITTED, f"cluster {cluster_id!r}: push not "
+                                                        f"admitted in {timeout_s} s")
                 self._cond.wait(min(left, 0.5))
-            return (push, self._round.number, self.version,
-                    self._schedule(self._round.number, cluster.stages))
 
     def _schedule(self, rnd: int, stages: list[list[str]]) -> list[list[tuple[int, str, int]]]:
         """One cluster's §10 schedule ``[[(stage, layer, follower), ...], ...]`` for round
@@ -201,28 +244,27 @@ class Leader(Membership):
         return [[(t.worker, names[t.layer], t.follower) for t in step] for step in steps]
 
     def push_done(self, cluster_id: str, push_id: str, ok: bool, error: str,
-                  timeout_s: float) -> dict[str, Any]:
-        """Report a push delivered (or failed); block until the round is decided.
+                  timeout_s: float) -> VerdictReply:
+        """Report a push delivered (or failed); block until its round is decided.
 
-        Returns the verdict: accepted, score, threshold, version to pull, round, clip factor,
-        ledger holdings. Raises PreconditionError for an unknown push id, TimeoutError if
-        undecided in time.
+        A push already decided gets its verdict again (a client that lost the reply asks
+        again). Raises Refused: UNKNOWN_PUSH (not in the current round and not decided),
+        UNDECIDED (not decided within ``timeout_s`` seconds).
         """
         with self._cond:
-            rnd = self._round
-            push = rnd.pushes.get(cluster_id) if rnd else None
-            if push is None or push.push_id != push_id:
-                raise PreconditionError(f"push id {push_id!r} of cluster {cluster_id!r} is not "
-                                        f"part of the current round")
-            push.done, push.ok, push.error = True, ok, error
-            self._cond.notify_all()
+            self._apply(PushReported(self._clock(), cluster_id, push_id, ok, error))
             deadline = self._clock() + timeout_s
-            while push.verdict is None:
+            while push_id not in self._state.verdicts:
                 left = deadline - self._clock()
                 if left <= 0 or self._stop.is_set():
-                    raise TimeoutError(f"round {rnd.number} undecided after {timeout_s} s")
+                    raise Refused(Refusal.UNDECIDED, f"push {push_id} of cluster {cluster_id!r} "
+                                                     f"undecided after {timeout_s} s")
                 self._cond.wait(min(left, 0.5))
-            return push.verdict
+            verdict = self._state.verdicts[push_id]
+            if verdict.cluster_id != cluster_id:
+                raise Refused(Refusal.UNKNOWN_PUSH, f"push id {push_id!r} is not cluster "
+                                                    f"{cluster_id!r}'s")
+            return VerdictReply(verdict, self._holdings.get(push_id, []))
 
     def pull_done(self, cluster_id: str, version: int) -> None:
         """A cluster of the round pulled ``version`` (-1: it gave up; do not wait for it)."""
@@ -230,31 +272,135 @@ class Leader(Membership):
             c = self._member(cluster_id)
             if version >= 0:
                 c.pulled_version = version
-            if self._round and cluster_id in self._round.pushes:
-                self._round.pushes[cluster_id].pulled = True
-            self._cond.notify_all()
+            self._apply(PullDone(self._clock(), cluster_id))
 
-    # ----- the outer loop (§6) ----------------------------------------------------------
+    # ----- the loop thread: clock, reconciliation, update phase ---------------------------
     def _loop(self) -> None:
         while not self._stop.is_set():
             with self._cond:
-                reconcile = self.needs_reconcile and len(self.followers) == self.cfg.followers \
-                    and all(f.up for f in self.followers.values())
-                if not reconcile and not (self._queue and self.ready):
-                    self._cond.wait(0.5)
+                update, self._update = self._update, None
+                reconcile = (update is None and self.needs_reconcile
+                             and len(self.followers) == self.cfg.followers
+                             and all(f.up for f in self.followers.values()))
+                if update is None and not reconcile:
+                    self._apply(Tick(self._clock()))
+                    update, self._update = self._update, None
+                ended, self._ended = self._ended, []
+                if update is None and not reconcile and not ended:
+                    deadline = next_deadline(self._state, self.policy)
+                    wait = 0.5 if deadline is None else deadline - self._clock()
+                    self._cond.wait(min(0.5, max(wait, 0.0)))
                     continue
+            for rec in ended:
+                self._log_round(rec)
             if reconcile:
                 self._reconcile()
-                continue
-            self._round_once()
+            elif update is not None:
+                self._run_update(update)
+
+    def _run_update(self, update: StartUpdate) -> None:
+        """Carry out the machine's update phase (outside the lock: followers are called)."""
+        followers = [(f.index, f.control) for f in self.follower_list()]
+        with self._cond:
+            version, penalty = self.version, self.penalty
+        slots = {s.cluster_id: s for s in update.slots}
+
+        def decided(new_version: int, accepted: list[str], new_penalty: PenaltyState) -> None:
+            self._decide(new_version, accepted, slots, new_penalty)
+
+        report = run_update(followers, update.number, update.slots, version, penalty,
+                            self.cfg.penalty, self.cfg.outer.max_norm,
+                            self.cfg.outer.uniform_weights, on_decided=decided)
+        with self._cond:
+            if report.failed:
+                self.needs_reconcile = True
+            elif not report.outcome.accepted:
+                self.penalty = report.penalty
+            if report.commit_failed:
+                self.commit_failed(report.commit_failed)
+            self._reports[update.number] = report
+            self._apply(UpdateFinished(self._clock(), update.number, report.outcome))
+        failpoints.hit("pull")
+
+    def _decide(self, new_version: int, accepted: list[str], slots: dict[str, Any],
+                penalty: PenaltyState) -> None:
+        """Record a decided outer step (every follower prepared it) durably, before commits:
+        version, penalty history, counts and the ledger's accepted windows, then
+        ``leader.json``."""
+        with self._cond:
+            self.version, self.penalty = new_version, penalty
+            tokens = sum(slots[c].tokens for c in accepted)
+            self.counts["updates_accepted"] += len(accepted)
+            self.counts["tokens_accepted"] += tokens
+            self.counts["outer_steps"] += 1
+            self._version_stats[new_version] = (len(accepted), tokens)
+            for v in sorted(self._version_stats)[:-64]:
+                del self._version_stats[v]
+            if self.ledger is not None:
+                for c in accepted:
+                    if c in self.clusters:
+                        self.ledger.resolve(c, True, new_version)
+        self.checkpoint()
+
+    def _settle(self, decided: Decided) -> None:
+        """Counts, ledger and last verdicts of a decided round (lock held)."""
+        report = self._reports[decided.number]
+        self.counts["updates_pushed"] += len(decided.verdicts)
+        self.counts["updates_rejected"] += sum(not v.accepted for v in decided.verdicts)
+        self.counts["tokens_pushed"] += sum(report.tokens.values())
+        for v in decided.verdicts:
+            holdings: list[tuple[int, int]] = []
+            if self.ledger is not None and v.cluster_id in self.clusters:
+                if not v.accepted:  # accepted ones were resolved when the step was decided
+                    self.ledger.resolve(v.cluster_id, False)
+                holdings = self.ledger.holdings(v.cluster_id)
+            self._holdings[v.push_id] = holdings
+            if v.cluster_id in self.clusters:
+                self.clusters[v.cluster_id].last_push = "accepted" if v.accepted else "rejected"
+        for pid in [p for p in self._holdings if p not in self._state.verdicts]:
+            del self._holdings[pid]
+
+    def commit_failed(self, failed: list[int]) -> None:
+        """Some follower did not commit: reconcile before the next round."""
+        with self._cond:
+            self.needs_reconcile = True
+            for i in failed:
+                self.followers[i].up = False
+
+    def _log_round(self, ended: RoundEnded) -> None:
+        """Write the round's line of ``outer_steps.jsonl`` and checkpoint."""
+        with self._cond:
+            report = self._reports.pop(ended.number, None)
+        record = report.record(ended.number) if report is not None else {"round": ended.number}
+        record.update(window_s=round(ended.window_s, 4), push_s=round(ended.push_s, 4),
+                      update_s=round(ended.update_s, 4), pull_s=round(ended.pull_s, 4),
+                      grace=dict(ended.grace), time=time.time())
+        self._write(record)
+        self.checkpoint()
 
     def _reconcile(self) -> None:
+        """Bring every follower to one common version (§12); see :mod:`dips.algo.reconcile`.
+
+        The target is the newest version every follower can reach, capped at the leader's last
+        recorded decision; steps above it are lost and their data goes back to the ledger.
+        """
+        followers = self.follower_list()
         try:
-            target, lost = leader_step.reconcile(self)
+            reports = []
+            for f in followers:
+                version, prepared, ckpts = f.control.report()
+                reports.append(FollowerReport(f.index, version, prepared, tuple(ckpts)))
+            with self._cond:
+                decided = self.version
+            target = reconcile_target(reports, cap=decided)
+            for f in followers:
+                f.control.restore(target)
+            abort_everywhere([(f.index, f.control) for f in followers], None)
         except Exception as exc:
             self.event("reconcile_failed", error=str(exc))
             self._stop.wait(1.0)
             return
+        lost = max(0, decided - target)
         with self._cond:
             changed = target != self.version or lost
             self.version = target
@@ -272,127 +418,12 @@ class Leader(Membership):
                     windows_lost = self.ledger.rollback(target)
             self.counts["outer_steps_lost"] += lost
             self.needs_reconcile = False
-            self._cond.notify_all()
+            self._apply(Tick(self._clock()))  # readiness changed: queued requests may go
         self.event("reconciled", version=target, lost=lost, changed=bool(changed),
                    windows_lost=windows_lost)
         if lost:
             self._write({"event": "rollback", "version": target, "lost": lost, "time": time.time()})
         self.checkpoint()
-
-    def decide(self, rnd: Round, new_version: int, accepted: list[str]) -> None:
-        """Record a decided outer step (every follower prepared it) durably, before commits:
-        version, counts and the ledger's accepted windows, then ``leader.json``."""
-        with self._cond:
-            self.version = new_version
-            tokens = sum(rnd.pushes[c].tokens for c in accepted)
-            self.counts["updates_accepted"] += len(accepted)
-            self.counts["tokens_accepted"] += tokens
-            self.counts["outer_steps"] += 1
-            self._version_stats[new_version] = (len(accepted), tokens)
-            for v in sorted(self._version_stats)[:-64]:
-                del self._version_stats[v]
-            if self.ledger is not None:
-                for c in accepted:
-                    if c in self.clusters:
-                        self.ledger.resolve(c, True, new_version)
-        self.checkpoint()
-
-    def commit_failed(self, failed: list[int]) -> None:
-        """Some follower did not commit: reconcile before the next round."""
-        with self._cond:
-            self.needs_reconcile = True
-            for i in failed:
-                self.followers[i].up = False
-
-    def _round_once(self) -> None:
-        with self._cond:
-            now = self._clock()
-            self.rounds += 1
-            rnd = Round(self.rounds, now, self._window.close_time(now))
-            self._round = rnd
-            self.phase = "window"
-            while True:
-                for push in self._queue:
-                    rnd.pushes[push.cluster_id] = push
-                self._queue.clear()
-                self._cond.notify_all()
-                left = rnd.closes_at - self._clock()
-                if left <= 0 or self._stop.is_set():
-                    break
-                self._cond.wait(left)
-            self.phase = "push"
-            failpoints.hit("push")
-            push_deadline = self._clock() + self.cfg.push_timeout_s
-            while not all(p.done for p in rnd.pushes.values()):
-                left = push_deadline - self._clock()
-                if left <= 0 or self._stop.is_set():
-                    break
-                self._cond.wait(min(left, 0.5))
-            self.phase = "update"
-            push_s = self._clock() - rnd.closes_at
-        try:
-            record = leader_step.outer_step(self, rnd)
-        except Exception as exc:  # nothing was applied anywhere
-            log.exception("round %d failed", rnd.number)
-            record = {"round": rnd.number, "error": str(exc), "version": self.version,
-                      "clusters": sorted(rnd.pushes), "accepted": []}
-            with self._cond:
-                self.needs_reconcile = True
-        update_s = self._clock() - rnd.closes_at - push_s
-        self._settle(rnd, record)
-        failpoints.hit("pull")
-        with self._cond:
-            self.phase = "pull"
-            self._cond.notify_all()
-            pull_deadline = self._clock() + self.cfg.pull_timeout_s
-            # With the pull barrier (the seed's §6 round) the next window waits for every pull;
-            # without it the round's clusters pull their version from the followers' snapshots
-            # while the next window already admits pushes, so a slow link delays only its own
-            # cluster.
-            while self.cfg.pull_barrier and not all(p.pulled or not p.ok
-                                                    for p in rnd.pushes.values()):
-                left = pull_deadline - self._clock()
-                if left <= 0 or self._stop.is_set() or self.needs_reconcile:
-                    break  # a follower is down: pulls cannot complete until it is back
-                self._cond.wait(min(left, 0.5))
-            pull_s = self._clock() - rnd.closes_at - push_s - update_s
-            self._round = None
-            self.phase = "idle"
-            self._cond.notify_all()
-        with self._cond:  # C_m of §7: what a request that missed this window waited for
-            self._window.observe_round(max(update_s, 0.0), max(pull_s, 0.0))
-            grace = self._window.stats()
-        record.update(window_s=round(rnd.closes_at - rnd.opened_at, 4), push_s=round(push_s, 4),
-                      update_s=round(update_s, 4), pull_s=round(pull_s, 4), grace=grace,
-                      time=time.time())
-        self._write(record)
-        self.checkpoint()
-
-    def _settle(self, rnd: Round, record: dict[str, Any]) -> None:
-        """Counts, ledger and verdicts of a finished update phase; wakes the round's clusters."""
-        accepted = set(record.get("accepted", []))
-        pushes = rnd.pushes
-        with self._cond:
-            self.counts["updates_pushed"] += len(pushes)
-            self.counts["updates_rejected"] += len(pushes) - len(accepted)
-            self.counts["tokens_pushed"] += sum(p.tokens for p in pushes.values())
-            invalid = record.get("invalid", {})
-            for c, p in pushes.items():
-                ok = c in accepted
-                holdings = []
-                if self.ledger is not None and c in self.clusters:
-                    if not ok:  # accepted ones were resolved when the step was decided
-                        self.ledger.resolve(c, False)
-                    holdings = self.ledger.holdings(c)
-                reason = "accepted" if ok else invalid.get(c, record.get("error") or
-                                                           "penalty: score above threshold")
-                p.verdict = {"accepted": ok, "score": record.get("scores", {}).get(c),
-                             "threshold": record.get("threshold"), "version": self.version,
-                             "round": rnd.number, "clip_factor": record.get("clip_factor") or 0.0,
-                             "reason": reason, "holdings": holdings}
-                if c in self.clusters:
-                    self.clusters[c].last_push = "accepted" if ok else "rejected"
-            self._cond.notify_all()
 
     def _write(self, record: dict[str, Any]) -> None:
         if self._run_dir is not None:
@@ -400,11 +431,12 @@ class Leader(Membership):
                 f.write(json.dumps(record) + "\n")
 
     # ----- status ----------------------------------------------------------------------
-    def status(self) -> dict[str, Any]:
+    def status(self) -> LeaderStatus:
+        """A consistent snapshot of the run (copies; safe to read without the lock)."""
         with self._cond:
             led = self.ledger.summary() if self.ledger else {"epoch": 0, "accepted_windows": 0}
-            return {"version": self.version, "rounds": self.rounds, "phase": self.phase,
-                    **self.counts, "clusters": [vars(c).copy() for c in self.clusters.values()],
-                    "followers": list(self.followers.values()),
-                    "followers_ready": sum(f.up for f in self.followers.values()),
-                    "accepted_windows": led["accepted_windows"], "ledger_epoch": led["epoch"]}
+            return LeaderStatus(self.version, self.rounds, self.phase, dict(self.counts),
+                                [replace(c) for c in self.clusters.values()],
+                                [replace(f) for f in self.followers.values()],
+                                sum(f.up for f in self.followers.values()),
+                                led["accepted_windows"], led["epoch"])

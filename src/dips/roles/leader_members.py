@@ -1,15 +1,17 @@
 """The leader's membership: followers and clusters joining, heartbeating, leaving, being
 removed after missed heartbeats (§12), and data-chunk leases from the ledger.
 
-A mixin of :class:`dips.roles.leader.Leader` (which owns the lock ``self._cond`` and the state);
-split out to keep each module small.
+A mixin of :class:`dips.roles.leader.Leader` (which owns the lock ``self._cond``, the round
+machine and the state); split out to keep each module small. A cluster that leaves or is
+removed is a :class:`dips.algo.round.MemberGone` event of the round machine.
 """
 
 from __future__ import annotations
 
 from dips.algo.ledger import ChunkLedger
+from dips.algo.refusal import Refusal, Refused
+from dips.algo.round import MemberGone
 from dips.roles.leader_types import ClusterEntry, FollowerEntry
-from dips.wire.control import PreconditionError, UnavailableError
 
 
 class Membership:
@@ -35,7 +37,7 @@ class Membership:
             self.followers[entry.index] = entry
             self._layer_owner = {l: f.index for f in self.followers.values() for l in f.layers}
             self.needs_reconcile = True
-            self._cond.notify_all()
+            self._sync_ready(self._clock())
         self.event("follower_up", follower=entry.index, incarnation=entry.incarnation,
                    restarted=old is not None and old.incarnation != entry.incarnation)
 
@@ -54,20 +56,21 @@ class Membership:
 
         A re-joining cluster lost its local state: its chunks return to the ledger. Returns
         the current version and the followers to pull from. Raises ValueError if the stages
-        do not cover every layer exactly once or the id is empty; UnavailableError while
+        do not cover every layer exactly once or the id is empty; Refused(NOT_READY) while
         followers are missing.
         """
         if not cluster_id:
             raise ValueError("join field 'cluster_id' is empty")
         with self._cond:
             if len(self.followers) < self.cfg.followers:
-                raise UnavailableError(f"{len(self.followers)}/{self.cfg.followers} followers registered")
+                raise Refused(Refusal.NOT_READY, f"{len(self.followers)}/{self.cfg.followers} "
+                                                 "followers registered")
             flat = [l for s in stages for l in s]
             if sorted(flat) != sorted(self._layer_owner) or len(flat) != len(set(flat)):
                 raise ValueError(f"cluster {cluster_id!r}: stage layers {flat} do not cover the "
                                  f"model's layers {sorted(self._layer_owner)} exactly once")
             rejoin = cluster_id in self.clusters
-            self._drop_cluster(cluster_id)
+            self._drop_cluster(cluster_id, "cluster re-joined")
             self.clusters[cluster_id] = ClusterEntry(cluster_id, stages, last_seen=self._clock())
             version, followers = self.version, list(self.followers.values())
         self.event("cluster_joined", cluster=cluster_id, rejoin=rejoin, version=version)
@@ -90,39 +93,38 @@ class Membership:
             self.event("cluster_left", cluster=cluster_id)
 
     def _drop_cluster(self, cluster_id: str, reason: str = "cluster left") -> bool:
-        """Remove a cluster (lock held): ledger release, queued request dropped, a push in the
-        current round failed and no longer awaited. Returns whether it was a member."""
+        """Remove a cluster (lock held): ledger release, and for the round machine its queued
+        request dropped, its push in the current round failed and no longer awaited.
+        Returns whether it was a member."""
         known = self.clusters.pop(cluster_id, None) is not None
         if self.ledger is not None:
             self.ledger.release(cluster_id)
-        self._queue = [p for p in self._queue if p.cluster_id != cluster_id]
-        push = self._round.pushes.get(cluster_id) if self._round else None
-        if push is not None:
-            if not push.done:
-                push.done, push.ok, push.error = True, False, reason
-            push.pulled = True
-        self._cond.notify_all()
+        self._apply(MemberGone(self._clock(), cluster_id, reason))
         return known
 
     def lease(self, cluster_id: str, n: int) -> tuple[list[tuple[int, int]], int, int]:
-        """Lease ``n`` more chunks to a member; returns (holdings, windows per chunk, epoch)."""
+        """Lease ``n`` more chunks to a member; returns (holdings, windows per chunk, epoch).
+
+        Raises Refused: NOT_JOINED, NO_LEDGER.
+        """
         with self._cond:
             self._member(cluster_id)
             if self.ledger is None:
-                raise PreconditionError("this run has no data-chunk ledger")
+                raise Refused(Refusal.NO_LEDGER, "this run has no data-chunk ledger")
             if n > 0:
                 self.ledger.lease(cluster_id, n)
             return self.ledger.holdings(cluster_id), self.ledger.windows_per_chunk, self.ledger.epoch
 
     def _member(self, cluster_id: str) -> ClusterEntry:
         if cluster_id not in self.clusters:
-            raise PreconditionError(f"cluster {cluster_id!r} has not joined")
+            raise Refused(Refusal.NOT_JOINED, f"cluster {cluster_id!r} has not joined")
         return self.clusters[cluster_id]
 
     def _monitor(self) -> None:
         """Remove silent clusters; mark silent followers down (§12: 3 missed heartbeats)."""
-        limit = self.cfg.missed_heartbeats * self.cfg.heartbeat_interval_s
-        while not self._stop.wait(min(0.25, self.cfg.heartbeat_interval_s / 2)):
+        members = self.cfg.membership
+        limit = members.missed_heartbeats * members.heartbeat_interval_s
+        while not self._stop.wait(min(0.25, members.heartbeat_interval_s / 2)):
             events = []
             with self._cond:
                 now = self._clock()
@@ -136,5 +138,6 @@ class Membership:
                         self.needs_reconcile = True
                         events.append(("follower_down", {"follower": f.index,
                                                          "silent_s": round(now - f.last_seen, 3)}))
+                self._sync_ready(now)
             for kind, extra in events:
                 self.event(kind, **extra)

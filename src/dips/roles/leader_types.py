@@ -1,45 +1,40 @@
-"""Types shared by the leader's modules: its view of followers and clusters, rounds, config.
+"""Types of the leader's shell: its view of followers and clusters, and the typed replies of
+push admission and verdicts. Its config is :class:`dips.spec.LeaderConfig` (re-exported here).
 
 Split from :mod:`dips.roles.leader` to keep each module small; see it for the protocol.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Any
 
-from dips.algo import PenaltyConfig
+from dips.algo.round import Verdict
+from dips.spec import LeaderConfig
 
-
-class FollowerControl(Protocol):
-    """What the leader needs from a follower (gRPC in production, the shard itself in tests)."""
-
-    def score(self, rnd: int, clusters: list[str]) -> list[tuple[str, bool, float, str]]: ...
-    def aggregate(self, rnd: int, clusters: list[str], weights: list[float]) -> float: ...
-    def apply(self, rnd: int, clip: float, new_version: int, accepted: list[str],
-              weights: list[float]) -> tuple[int, str]: ...
-    def commit(self, new_version: int) -> tuple[int, str]: ...
-    def abort(self, rnd: int) -> None: ...
-    def restore(self, version: int) -> tuple[int, str]: ...
-    def discard(self, rnd: int) -> None: ...
-    def report(self) -> tuple[int, int, list[int]]: ...
+__all__ = ["ClusterEntry", "FollowerEntry", "Grant", "LeaderConfig", "LeaderStatus",
+           "VerdictReply"]
 
 
 @dataclass
 class FollowerEntry:
+    """A registered follower: where it serves (data: ZeroMQ, control: gRPC), what it owns."""
+
     index: int
     data_endpoint: str
     control_endpoint: str
     layers: list[str]
     layer_bytes: list[int]
     incarnation: int = 0
-    control: FollowerControl | None = None
+    control: Any = None  # a dips.roles.outer_step.FollowerControl once registered
     last_seen: float = 0.0
     up: bool = True
 
 
 @dataclass
 class ClusterEntry:
+    """A member cluster as the leader sees it (progress from heartbeats; tokens in tokens)."""
+
     cluster_id: str
     stages: list[list[str]]
     inner_step: int = 0
@@ -50,59 +45,36 @@ class ClusterEntry:
     last_seen: float = 0.0
 
 
-@dataclass
-class Push:
-    """One admitted push request of a round."""
+@dataclass(frozen=True)
+class Grant:
+    """A push admitted into round ``round``: its id, the leader's version at admission and
+    the §10 schedule ``[[(stage, layer, follower), ...], ...]``."""
 
-    cluster_id: str
     push_id: str
-    base_version: int
-    tokens: int
-    done: bool = False
-    ok: bool = False
-    error: str = ""
-    pulled: bool = False
-    verdict: dict[str, Any] | None = None
-
-
-@dataclass
-class Round:
-    number: int
-    opened_at: float
-    closes_at: float
-    pushes: dict[str, Push] = field(default_factory=dict)
+    round: int
+    version: int
+    schedule: list[list[tuple[int, str, int]]]
 
 
 @dataclass(frozen=True)
-class LeaderConfig:
-    """Leader settings. Times in seconds.
+class VerdictReply:
+    """A push's verdict and the ledger positions ``[(chunk, window), ...]`` to continue from."""
 
-    Attributes:
-        grace_window_s: fixed grace window length (§6, §7); with ``grace_mode`` "dynamic"
-            the window until λ and C_m are estimated.
-        grace_mode: "fixed" or "dynamic" (§7: τ* = (1/λ)·ln(C_m·λ), :mod:`dips.algo.grace`).
-        grace_max_s: upper clamp of the dynamic window.
-        push_timeout_s / pull_timeout_s: waits for the round's pushes / pulls.
-        max_norm: global clip threshold c (§8; None disables clipping, an ablation).
-        uniform_weights: ablation: 1/n instead of token weights.
-        heartbeat_interval_s: expected heartbeat period; silence for ``missed_heartbeats``
-            periods removes a cluster or marks a follower down (§12: 3).
-        followers: how many followers the model is sharded over.
-        penalty: §8 settings (α, β, warm-up).
-        pull_barrier: True: the seed's §6 round, the next window opens once every cluster of
-            the round has pulled; False (default): it opens as soon as the update is
-            committed, while the round's clusters still pull their version.
-    """
+    verdict: Verdict
+    holdings: list[tuple[int, int]]
 
-    grace_window_s: float = 1.0
-    grace_mode: str = "fixed"
-    grace_max_s: float = 30.0
-    push_timeout_s: float = 60.0
-    pull_timeout_s: float = 60.0
-    max_norm: float | None = 1.0
-    uniform_weights: bool = False
-    heartbeat_interval_s: float = 1.0
-    missed_heartbeats: int = 3
-    followers: int = 1
-    penalty: PenaltyConfig = field(default_factory=PenaltyConfig)
-    pull_barrier: bool = False
+
+@dataclass(frozen=True)
+class LeaderStatus:
+    """The run as the leader sees it (``GetStatus``): version, rounds, phase, counts (updates,
+    tokens, outer steps, rolled-back steps), members, followers and the ledger's state."""
+
+    version: int
+    rounds: int
+    phase: str
+    counts: dict[str, int]
+    clusters: list[ClusterEntry]
+    followers: list[FollowerEntry]
+    followers_ready: int
+    accepted_windows: int
+    ledger_epoch: int

@@ -22,7 +22,7 @@ from typing import Callable
 import torch
 
 from dips.algo import squared_norm
-from dips.algo.aggregate import _NORM_CHUNK
+from dips.algo.aggregate import NORM_CHUNK
 
 # Relative tolerance when matching the leader's weights to T_j / ΣT (both come from the
 # same integers; only float division rounding differs).
@@ -30,8 +30,8 @@ _WEIGHT_TOL = 1e-12
 
 
 def blocks_of(numel: int) -> list[tuple[int, int]]:
-    """The (start, stop) element ranges of a tensor's blocks (``_NORM_CHUNK`` elements each)."""
-    return [(s, min(s + _NORM_CHUNK, numel)) for s in range(0, numel, _NORM_CHUNK)] or [(0, 0)]
+    """The (start, stop) element ranges of a tensor's blocks (``NORM_CHUNK`` elements each)."""
+    return [(s, min(s + NORM_CHUNK, numel)) for s in range(0, numel, NORM_CHUNK)] or [(0, 0)]
 
 
 class RoundSum:

@@ -14,7 +14,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-__all__ = ["eval_loss", "eval_windows", "inner_step", "make_inner_optimizer"]
+__all__ = ["backward_loss", "check_grad_clip", "eval_loss", "eval_windows", "inner_step",
+           "make_inner_optimizer", "optimizer_step"]
 
 
 def make_inner_optimizer(
@@ -87,6 +88,55 @@ def _next_token_loss(model: torch.nn.Module, batch: torch.Tensor, reduction: str
     )
 
 
+def backward_loss(model: torch.nn.Module, batch: torch.Tensor, divide_by: int = 1) -> float:
+    """Forward, mean next-token cross-entropy (÷ ``divide_by``), backward: gradients ADD up.
+
+    The first half of an inner step, alone so that per-step data parallel can sum several
+    batches' gradients into one step (virtual DP: one backward per cluster with
+    ``divide_by = n``, the mean of the clusters' gradients) or hand them to an all-reduce
+    before the optimizer step.  Puts the model in train mode; does not zero the gradients.
+
+    Args:
+        model: a model from :func:`dips.train.model.build_model`.
+        batch: integer tensor (B, T+1) of token ids, T <= max_seq_len, ids in [0, vocab_size).
+        divide_by: the loss is divided by this before backward (1: not divided at all).
+
+    Returns:
+        The (divided) loss in nats per token (float).
+
+    Raises:
+        ValueError: malformed ``batch``.
+        FloatingPointError: non-finite loss; nothing was added to the gradients.
+    """
+    _check_tokens(model, batch, "batch")
+    model.train()
+    loss = _next_token_loss(model, batch)
+    if divide_by != 1:
+        loss = loss / divide_by
+    value = float(loss.detach())
+    if not math.isfinite(value):
+        raise FloatingPointError(f"inner_step loss is {value}; optimizer step skipped")
+    loss.backward()
+    return value
+
+
+def optimizer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                   grad_clip: float | None) -> None:
+    """The second half of an inner step: clip the global L2 norm to ``grad_clip`` (None: no
+    clip), take the optimizer step, zero the gradients (set to None)."""
+    if grad_clip is not None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), float(grad_clip))
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def check_grad_clip(grad_clip: float | None) -> float | None:
+    """``grad_clip`` if it is a number > 0 or None; else ValueError naming the value."""
+    if grad_clip is not None and (not isinstance(grad_clip, (int, float)) or not grad_clip > 0):
+        raise ValueError(f"grad_clip must be a float > 0 or None, got {grad_clip!r}")
+    return grad_clip
+
+
 def inner_step(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -97,6 +147,8 @@ def inner_step(
 
     Inputs are ``batch[:, :-1]`` and labels ``batch[:, 1:]``; the model is put in train mode.
     Costs ≈ 0.2–0.3 s for batch 8×128 on one thread with the default 1.25 M-parameter model.
+    :meth:`dips.train.trainer.ClusterTrainer.step` is the same step with a batch source,
+    counters and a gradient hook.
 
     Args:
         model: a model from :func:`dips.train.model.build_model`.
@@ -112,20 +164,10 @@ def inner_step(
         ValueError: malformed ``batch`` or ``grad_clip``.
         FloatingPointError: non-finite loss; the parameters are left unchanged.
     """
-    if grad_clip is not None and (not isinstance(grad_clip, (int, float)) or not grad_clip > 0):
-        raise ValueError(f"grad_clip must be a float > 0 or None, got {grad_clip!r}")
-    _check_tokens(model, batch, "batch")
-    model.train()
+    check_grad_clip(grad_clip)
     optimizer.zero_grad(set_to_none=True)
-    loss = _next_token_loss(model, batch)
-    value = float(loss.detach())
-    if not math.isfinite(value):
-        raise FloatingPointError(f"inner_step loss is {value}; optimizer step skipped")
-    loss.backward()
-    if grad_clip is not None:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), float(grad_clip))
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    value = backward_loss(model, batch)
+    optimizer_step(model, optimizer, grad_clip)
     return value
 
 

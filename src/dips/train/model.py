@@ -3,22 +3,18 @@
 Source: §13 of the seed (Real and Emu-S train LLaMA3.2-1B, Emu-L trains Qwen3-14B); here the same
 HF ``transformers`` architectures (``LlamaForCausalLM``, ``Qwen3ForCausalLM``) are built from
 small configs (≈ 1.3 M parameters by default) so that a CPU can run several clusters.  The
-per-layer table is the unit that stage workers own and that the PS shards across followers
-(§5, §10).  No weights are ever downloaded: models are built from a config and a seed.
+per-layer table (:mod:`dips.roles.layers`) is the unit that stage workers own and that the PS
+shards across followers (§5, §10).  No weights are ever downloaded: models are built from a config and a seed.
 """
 
 from __future__ import annotations
 
-import re
-
 import torch
 
-from dips.train.model_config import ModelConfig
+from dips.roles.layers import layer_of, layer_table
+from dips.spec import ModelConfig
 
-__all__ = ["ModelConfig", "build_model", "layer_of", "layer_table", "param_count"]
-
-_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
-
+__all__ = ["build_model", "layer_of", "layer_table", "param_count"]
 
 def _hf_config(cfg: ModelConfig):
     """The ``transformers`` config (``LlamaConfig`` / ``Qwen3Config``) for ``cfg``; FP32, SDPA."""
@@ -85,56 +81,6 @@ def build_model(cfg: ModelConfig, seed: int):
     model = model.to(dtype=torch.float32)
     model.train()
     return model
-
-
-def layer_of(param_name: str) -> str:
-    """Layer key of a parameter (or state-dict) name of a model from :func:`build_model`.
-
-    ``model.embed_tokens.*`` → ``"embed"``; ``model.layers.{i}.*`` → ``"layers.{i}"`` (plain
-    int, no padding); ``model.norm.*`` and ``lm_head.*`` → ``"head"``.
-
-    Raises:
-        ValueError: any other name (the message names ``param_name`` and its value).
-    """
-    if not isinstance(param_name, str):
-        raise ValueError(f"param_name must be a str, got {param_name!r}")
-    if param_name.startswith("model.embed_tokens."):
-        return "embed"
-    match = _LAYER_RE.match(param_name)
-    if match:
-        return f"layers.{int(match.group(1))}"
-    if param_name.startswith(("model.norm.", "lm_head.")):
-        return "head"
-    raise ValueError(f"param_name {param_name!r} belongs to no known layer (embed, layers.i, head)")
-
-
-def _layer_rank(key: str) -> tuple[int, int]:
-    if key == "embed":
-        return (0, 0)
-    if key == "head":
-        return (2, 0)
-    return (1, int(key.split(".", 1)[1]))
-
-
-def layer_table(model: torch.nn.Module) -> list[tuple[str, list[str], int]]:
-    """Per-layer parameter table: ``[(layer key, [param names], FP32 bytes), ...]``.
-
-    Layers come in model order ``embed, layers.0 … layers.{L-1}, head``; names inside a layer
-    keep ``named_parameters()`` order.  Every parameter appears exactly once: tied weights are
-    listed once, under their first name (with tied embeddings the shared matrix is
-    ``model.embed_tokens.weight`` in ``"embed"`` and ``"head"`` holds only ``model.norm.weight``).
-    Bytes are ``4 * numel`` whatever the tensor's current dtype (the PS keeps FP32, §12).
-
-    Raises:
-        ValueError: a parameter name unknown to :func:`layer_of`.
-    """
-    groups: dict[str, list[str]] = {}
-    sizes: dict[str, int] = {}
-    for name, param in model.named_parameters():  # remove_duplicate=True drops tied aliases
-        key = layer_of(name)
-        groups.setdefault(key, []).append(name)
-        sizes[key] = sizes.get(key, 0) + 4 * param.numel()
-    return [(key, groups[key], sizes[key]) for key in sorted(groups, key=_layer_rank)]
 
 
 def param_count(model: torch.nn.Module) -> int:

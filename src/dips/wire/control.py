@@ -16,18 +16,46 @@ from typing import Any, Callable
 
 import grpc
 
+from dips.algo.refusal import Refusal, Refused
+
 log = logging.getLogger(__name__)
 
 TOKEN_KEY = "x-dips-token"
 MAX_MESSAGE_BYTES = 4 << 20
 
 
-class PreconditionError(RuntimeError):
-    """The request is well formed but not valid in the current state (e.g. unknown cluster)."""
+REFUSAL_KEY = "dips-refusal"
+
+#: The gRPC status each refusal travels with (the code itself rides in REFUSAL_KEY).
+_STATUS = {
+    Refusal.UNSPECIFIED: grpc.StatusCode.FAILED_PRECONDITION,
+    Refusal.NOT_JOINED: grpc.StatusCode.FAILED_PRECONDITION,
+    Refusal.PUSH_IN_FLIGHT: grpc.StatusCode.FAILED_PRECONDITION,
+    Refusal.NOT_READY: grpc.StatusCode.UNAVAILABLE,
+    Refusal.UNKNOWN_PUSH: grpc.StatusCode.FAILED_PRECONDITION,
+    Refusal.VERSION_GONE: grpc.StatusCode.FAILED_PRECONDITION,
+    Refusal.NOT_ADMITTED: grpc.StatusCode.DEADLINE_EXCEEDED,
+    Refusal.UNDECIDED: grpc.StatusCode.DEADLINE_EXCEEDED,
+    Refusal.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
+    Refusal.NO_LEDGER: grpc.StatusCode.FAILED_PRECONDITION,
+    Refusal.LEDGER_CONFLICT: grpc.StatusCode.INVALID_ARGUMENT,
+}
 
 
-class UnavailableError(RuntimeError):
-    """The service cannot serve the request right now (e.g. followers down); retry later."""
+def refusal_of(exc: grpc.RpcError) -> Refusal | None:
+    """The :class:`Refusal` a failed call carries, or None (a transport failure: the peer was
+    unreachable, the deadline passed in flight, or it crashed)."""
+    try:
+        meta = exc.trailing_metadata() or ()
+    except Exception:  # not a call error (e.g. a channel that never connected)
+        return None
+    for key, value in meta:
+        if key == REFUSAL_KEY:
+            try:
+                return Refusal(int(value))
+            except ValueError:
+                return Refusal.UNSPECIFIED
+    return None
 
 
 class _AuthInterceptor(grpc.ServerInterceptor):
@@ -64,26 +92,27 @@ def make_server(token: str, max_workers: int = 32) -> grpc.Server:
     )
 
 
+def _refuse(context: grpc.ServicerContext, code: Refusal, message: str) -> None:
+    context.set_trailing_metadata(((REFUSAL_KEY, str(int(code))),))
+    context.abort(_STATUS[code], message)
+
+
 def grpc_errors(method: Callable) -> Callable:
     """Decorate a servicer method: map domain errors to gRPC status codes.
 
-    ``ValueError`` -> INVALID_ARGUMENT, ``PreconditionError``/``KeyError`` ->
-    FAILED_PRECONDITION, ``UnavailableError`` -> UNAVAILABLE, ``TimeoutError`` ->
-    DEADLINE_EXCEEDED, anything else -> INTERNAL.
+    :class:`Refused` -> its code's status (``_STATUS``) with the code in the ``dips-refusal``
+    trailing metadata; ``ValueError`` -> INVALID_ARGUMENT (refusal INVALID_ARGUMENT);
+    anything else -> INTERNAL (a bug; logged).
     """
 
     @functools.wraps(method)
     def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
         try:
             return method(self, request, context)
+        except Refused as exc:
+            _refuse(context, exc.code, exc.message)
         except ValueError as exc:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except (PreconditionError, KeyError) as exc:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-        except UnavailableError as exc:
-            context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        except TimeoutError as exc:
-            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(exc))
+            _refuse(context, Refusal.INVALID_ARGUMENT, str(exc))
         except Exception as exc:
             log.exception("%s failed", method.__name__)
             context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")

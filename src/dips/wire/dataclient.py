@@ -24,6 +24,7 @@ from typing import Any, Callable, Sequence
 import torch
 import zmq
 
+from dips.algo.refusal import Refusal
 from dips.wire.frames import FrameError, Message, decode, encode, tensor_bytes
 from dips.wire.stream import (BEGIN, CHUNK, DEFAULT_CHUNK_BYTES, END, StreamReader, StreamWriter,
                               TensorSpec)
@@ -32,7 +33,24 @@ MSG, PULL = b"M", b"R"
 
 
 class DataPlaneError(RuntimeError):
-    """The peer answered a data-plane request with an error (its text is the message)."""
+    """The peer answered a data-plane request with an error.
+
+    ``code``: the :class:`dips.algo.refusal.Refusal` the peer gave (control flow decides on
+    it); the message is for people.
+    """
+
+    def __init__(self, message: str, code: Refusal = Refusal.UNSPECIFIED) -> None:
+        super().__init__(message)
+        self.code = code
+
+    @classmethod
+    def of(cls, endpoint: str, header: dict[str, Any]) -> "DataPlaneError":
+        """The error of an ``{"op": "error"}`` reply header from ``endpoint``."""
+        try:
+            code = Refusal(header.get("code", 0))
+        except (TypeError, ValueError):
+            code = Refusal.UNSPECIFIED
+        return cls(f"{endpoint}: {header.get('error')}", code)
 
 
 def xfer_id(value: Any) -> bytes:
@@ -108,7 +126,7 @@ class DataClient:
                 self._early[got] = msg  # the reply to another stream still in flight
                 msg = None
         if msg.header.get("op") == "error":
-            raise DataPlaneError(f"{self.endpoint}: {msg.header.get('error')}")
+            raise DataPlaneError.of(self.endpoint, msg.header)
         return msg
 
     def request(self, header: dict[str, Any],
@@ -218,7 +236,7 @@ class DataClient:
     def _check_error(self, parts: list[bytes]) -> dict[str, Any]:
         msg = decode(self._key, parts[1:])
         if msg.header.get("op") == "error":
-            raise DataPlaneError(f"{self.endpoint}: {msg.header.get('error')}")
+            raise DataPlaneError.of(self.endpoint, msg.header)
         return msg.header
 
     def close(self) -> None:

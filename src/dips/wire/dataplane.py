@@ -37,6 +37,7 @@ from typing import Any, Callable, Protocol, Sequence
 import torch
 import zmq
 
+from dips.algo.refusal import Refusal, Refused
 from dips.wire.dataclient import MSG, PULL, DataClient, DataPlaneError, xfer_id as _xfer_id
 from dips.wire.frames import FrameError, Message, decode, encode
 from dips.wire.stream import (BEGIN, CHUNK, END, MAX_CHUNK_BYTES, StreamReader, StreamWriter,
@@ -79,8 +80,15 @@ def _streams_of(handler: Any) -> StreamHandler | None:
     return None
 
 
+#: What a handler raises to refuse a request (the reply names it); anything else is a bug.
+REFUSED = (ValueError, KeyError, Refused)
+
+
 def _error(key: bytes, ident: bytes, exc: BaseException, xfer: bytes | None = None) -> list:
-    head = {"op": "error", "error": str(exc)}
+    """An error reply; ``code`` is the :class:`Refusal` the client decides on."""
+    code = exc.code if isinstance(exc, Refused) else (
+        Refusal.INVALID_ARGUMENT if isinstance(exc, (ValueError, KeyError)) else Refusal.UNSPECIFIED)
+    head = {"op": "error", "error": str(exc), "code": int(code)}
     if xfer is not None:
         head["xfer"] = xfer.hex()
     return [ident, MSG, *encode(key, head)]
@@ -257,7 +265,7 @@ class DataServer:
         try:
             msg = decode(self._key, frames)
             header, tensors = self._handler(msg)
-        except (ValueError, KeyError) as exc:
+        except REFUSED as exc:
             log.warning("data-plane request refused: %s", exc)
             return _error(self._key, ident, exc)
         except Exception as exc:  # keep serving other peers; report the failure
@@ -280,7 +288,7 @@ class DataServer:
                 raise ValueError("this data server does not accept streams")
             reader = StreamReader(self._key, bytes(frames[0]), bytes(frames[1]))
             sink = self._streams.open_push(reader.header, reader.specs)
-        except (ValueError, KeyError) as exc:
+        except REFUSED as exc:
             log.warning("data-plane push refused: %s", exc)
             out.send_multipart(_error(self._key, ident, exc, reader and reader.xfer), copy=False)
             return
@@ -302,7 +310,7 @@ class DataServer:
                 view = frame.buffer
                 index, offset = x.reader.verify(meta, tag, view)
                 x.sink.write(index, offset, view)  # verified bytes, straight from the frame
-            except (ValueError, KeyError) as exc:
+            except REFUSED as exc:
                 self._fail(out, ident, x, exc)
         finally:
             self._credits.put(None)
@@ -317,7 +325,7 @@ class DataServer:
                 raise FrameError(f"end message has {len(frames)} frames, expected 2")
             x.reader.end(meta, bytes(frames[1]))
             reply = x.sink.commit()
-        except (ValueError, KeyError) as exc:
+        except REFUSED as exc:
             self._fail(out, ident, x, exc)
             return
         out.send_multipart([ident, MSG, *encode(self._key, {**reply, "xfer": x.reader.xfer.hex()})],
@@ -362,7 +370,7 @@ class DataServer:
                     out.send_multipart([ident, *parts], copy=False)
             src.finish()
             out.send_multipart([ident, *writer.end()])
-        except (ValueError, KeyError) as exc:
+        except REFUSED as exc:
             log.warning("data-plane pull refused: %s", exc)
             out.send_multipart(_error(self._key, ident, exc, xfer), copy=False)
         except Exception as exc:

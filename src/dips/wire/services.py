@@ -51,32 +51,32 @@ class LeaderServicer(pbg.LeaderServicer):
         version, followers = self.leader.join_cluster(
             request.cluster_id, [list(s.layers) for s in request.stages])
         return pb.JoinReply(version=version, followers=[follower_info(f) for f in followers],
-                            heartbeat_interval_s=self.leader.cfg.heartbeat_interval_s)
+                            heartbeat_interval_s=self.leader.cfg.membership.heartbeat_interval_s)
 
     @grpc_errors
     def RequestPush(self, request: pb.PushRequest, context: Any) -> pb.PushGrant:
         progress = {int(c.chunk): int(c.position) for c in request.progress}
         if len(progress) != len(request.progress):
             raise ValueError("push field 'progress' lists a chunk twice")
-        push, rnd, version, schedule = self.leader.request_push(
-            request.cluster_id, request.base_version, request.tokens, _time_left(context),
-            progress)
+        grant = self.leader.request_push(request.cluster_id, request.base_version, request.tokens,
+                                         _time_left(context), progress)
         steps = [pb.Step(transfers=[pb.Transfer(stage=s, layer=l, follower=f) for s, l, f in step])
-                 for step in schedule]
-        return pb.PushGrant(push_id=push.push_id, round=rnd, server_version=version, schedule=steps)
+                 for step in grant.schedule]
+        return pb.PushGrant(push_id=grant.push_id, round=grant.round,
+                            server_version=grant.version, schedule=steps)
 
     @grpc_errors
     def PushDone(self, request: pb.PushDoneRequest, context: Any) -> pb.PushVerdict:
-        v = self.leader.push_done(request.cluster_id, request.push_id, request.ok, request.error,
-                                  _time_left(context))
-        score = v.get("score")
-        return pb.PushVerdict(accepted=v["accepted"], has_score=score is not None,
-                              score=score if score is not None else math.nan,
-                              threshold=v.get("threshold") or math.nan, version=v["version"],
-                              round=v["round"], clip_factor=v.get("clip_factor") or 0.0,
-                              reason=v.get("reason", ""),
+        reply = self.leader.push_done(request.cluster_id, request.push_id, request.ok,
+                                      request.error, _time_left(context))
+        v = reply.verdict
+        return pb.PushVerdict(accepted=v.accepted, has_score=v.score is not None,
+                              score=v.score if v.score is not None else math.nan,
+                              threshold=v.threshold if v.threshold is not None else math.nan,
+                              version=v.version, round=v.round,
+                              clip_factor=v.clip_factor or 0.0, reason=v.reason,
                               holdings=[pb.ChunkPos(chunk=c, position=p)
-                                        for c, p in v.get("holdings", [])])
+                                        for c, p in reply.holdings])
 
     @grpc_errors
     def PullDone(self, request: pb.PullDoneRequest, context: Any) -> pb.Ack:
@@ -97,21 +97,22 @@ class LeaderServicer(pbg.LeaderServicer):
     @grpc_errors
     def GetStatus(self, request: pb.StatusRequest, context: Any) -> pb.StatusReply:
         s = self.leader.status()
-        clusters = [pb.ClusterStatus(cluster_id=c["cluster_id"], inner_step=c["inner_step"],
-                                     tokens=c["tokens"], last_loss=c["last_loss"],
-                                     last_push=c["last_push"], pulled_version=c["pulled_version"])
-                    for c in s["clusters"]]
-        return pb.StatusReply(version=s["version"], rounds=s["rounds"],
-                              updates_pushed=s["updates_pushed"],
-                              updates_accepted=s["updates_accepted"],
-                              updates_rejected=s["updates_rejected"],
-                              tokens_pushed=s["tokens_pushed"], tokens_accepted=s["tokens_accepted"],
-                              outer_steps=s["outer_steps"], phase=s["phase"], clusters=clusters,
-                              followers=[follower_info(f) for f in s["followers"]],
-                              followers_ready=s["followers_ready"],
-                              accepted_windows=s["accepted_windows"],
-                              ledger_epoch=s["ledger_epoch"],
-                              outer_steps_lost=s["outer_steps_lost"])
+        clusters = [pb.ClusterStatus(cluster_id=c.cluster_id, inner_step=c.inner_step,
+                                     tokens=c.tokens, last_loss=c.last_loss,
+                                     last_push=c.last_push, pulled_version=c.pulled_version)
+                    for c in s.clusters]
+        n = s.counts
+        return pb.StatusReply(version=s.version, rounds=s.rounds,
+                              updates_pushed=n["updates_pushed"],
+                              updates_accepted=n["updates_accepted"],
+                              updates_rejected=n["updates_rejected"],
+                              tokens_pushed=n["tokens_pushed"], tokens_accepted=n["tokens_accepted"],
+                              outer_steps=n["outer_steps"], phase=s.phase, clusters=clusters,
+                              followers=[follower_info(f) for f in s.followers],
+                              followers_ready=s.followers_ready,
+                              accepted_windows=s.accepted_windows,
+                              ledger_epoch=s.ledger_epoch,
+                              outer_steps_lost=n["outer_steps_lost"])
 
     @grpc_errors
     def Lease(self, request: pb.LeaseRequest, context: Any) -> pb.LeaseReply:
@@ -153,7 +154,7 @@ class FollowerServicer(pbg.FollowerServicer):
 
     @grpc_errors
     def Abort(self, request: pb.DiscardRequest, context: Any) -> pb.Ack:
-        self.shard.abort(request.round)
+        self.shard.abort(None if request.all_rounds else request.round)
         return pb.Ack(ok=True)
 
     @grpc_errors
@@ -198,8 +199,9 @@ class FollowerControlClient:
         r = self._c.Commit(pb.CommitRequest(new_version=new_version))
         return r.version, r.checksum
 
-    def abort(self, rnd: int) -> None:
-        self._c.Abort(pb.DiscardRequest(round=rnd))
+    def abort(self, rnd: int | None) -> None:
+        """Drop the prepared step and what was staged up to round ``rnd`` (None: all)."""
+        self._c.Abort(pb.DiscardRequest(round=rnd or 0, all_rounds=rnd is None))
 
     def restore(self, version: int) -> tuple[int, str]:
         r = self._c.Restore(pb.RestoreRequest(version=version))

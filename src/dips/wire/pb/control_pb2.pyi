@@ -1,10 +1,36 @@
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class Refusal(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    REFUSAL_UNSPECIFIED: _ClassVar[Refusal]
+    NOT_JOINED: _ClassVar[Refusal]
+    PUSH_IN_FLIGHT: _ClassVar[Refusal]
+    NOT_READY: _ClassVar[Refusal]
+    UNKNOWN_PUSH: _ClassVar[Refusal]
+    VERSION_GONE: _ClassVar[Refusal]
+    NOT_ADMITTED: _ClassVar[Refusal]
+    UNDECIDED: _ClassVar[Refusal]
+    INVALID_ARGUMENT: _ClassVar[Refusal]
+    NO_LEDGER: _ClassVar[Refusal]
+    LEDGER_CONFLICT: _ClassVar[Refusal]
+REFUSAL_UNSPECIFIED: Refusal
+NOT_JOINED: Refusal
+PUSH_IN_FLIGHT: Refusal
+NOT_READY: Refusal
+UNKNOWN_PUSH: Refusal
+VERSION_GONE: Refusal
+NOT_ADMITTED: Refusal
+UNDECIDED: Refusal
+INVALID_ARGUMENT: Refusal
+NO_LEDGER: Refusal
+LEDGER_CONFLICT: Refusal
 
 class Ack(_message.Message):
     __slots__ = ("ok", "error")
@@ -331,10 +357,12 @@ class RestoreRequest(_message.Message):
     def __init__(self, version: _Optional[int] = ...) -> None: ...
 
 class DiscardRequest(_message.Message):
-    __slots__ = ("round",)
+    __slots__ = ("round", "all_rounds")
     ROUND_FIELD_NUMBER: _ClassVar[int]
+    ALL_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     round: int
-    def __init__(self, round: _Optional[int] = ...) -> None: ...
+    all_rounds: bool
+    def __init__(self, round: _Optional[int] = ..., all_rounds: _Optional[bool] = ...) -> None: ...
 
 class FollowerStateRequest(_message.Message):
     __slots__ = ()

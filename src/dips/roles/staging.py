@@ -22,7 +22,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from dips.algo import pseudo_gradient, squared_norm
-from dips.algo.aggregate import _NORM_CHUNK  # block size of squared_norm: equal sums bit for bit
+from dips.algo.aggregate import NORM_CHUNK  # block size of squared_norm: equal sums bit for bit
 from dips.wire.frames import DTYPES
 from dips.wire.pool import VersionedSnapshots
 from dips.wire.stream import TensorSpec
@@ -82,10 +82,10 @@ class DeltaSink:
 
     def _norm(self, index: int, end: int) -> None:
         # ‖Δ‖² of every block completed by this chunk, while it is still in cache. Blocks of
-        # _NORM_CHUNK elements, summed in order from 0.0, repeat squared_norm([Δ]) exactly.
+        # NORM_CHUNK elements, summed in order from 0.0, repeat squared_norm([Δ]) exactly.
         d, done, n = self._delta[index], self._normed[index], self._delta[index].numel()
-        while done + _NORM_CHUNK <= end or (end == n and done < n):
-            stop = min(done + _NORM_CHUNK, n)
+        while done + NORM_CHUNK <= end or (end == n and done < n):
+            stop = min(done + NORM_CHUNK, n)
             part = squared_norm([d[done:stop]])
             if not math.isfinite(part):
                 raise ValueError(f"tensor {self.specs[index].name!r} contains NaN or Inf")

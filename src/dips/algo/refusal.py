@@ -1,0 +1,58 @@
+"""Typed refusals: why a role turned a request down, as a code that control flow can test.
+
+Every refusal a role raises is a :class:`Refused` carrying a :class:`Refusal` code and a
+message for people. Control flow decides on the code, never on the message's text. The codes
+mirror the ``dips.v1.Refusal`` enum of ``proto/dips/v1/control.proto`` (same names, same
+numbers; a test keeps them equal): the control plane carries the number in the
+``dips-refusal`` trailing metadata of a failed call, the data plane in the ``code`` field of
+an error header (as hivemind and Flower carry typed error codes).
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class Refusal(enum.IntEnum):
+    """Why a request was refused (the proto's ``dips.v1.Refusal``)."""
+
+    UNSPECIFIED = 0
+    #: The cluster is not a member (never joined, removed after missed heartbeats, or the
+    #: leader restarted without it): re-join.
+    NOT_JOINED = 1
+    #: The cluster already has a push queued or in the current round.
+    PUSH_IN_FLIGHT = 2
+    #: Followers are missing, down or being reconciled: retry later.
+    NOT_READY = 3
+    #: The push id is not part of the current round and has no recorded verdict.
+    UNKNOWN_PUSH = 4
+    #: A follower no longer serves the requested version (a newer one was committed and the
+    #: old snapshot recycled): re-join or pull the newer version.
+    VERSION_GONE = 5
+    #: The push was not admitted into a grace window before the caller's deadline.
+    NOT_ADMITTED = 6
+    #: The round was not decided before the caller's deadline; ask again by push id.
+    UNDECIDED = 7
+    #: A field of the request is malformed or out of range.
+    INVALID_ARGUMENT = 8
+    #: The run has no data-chunk ledger.
+    NO_LEDGER = 9
+    #: The request contradicts the data-chunk ledger (e.g. a position behind the accepted one).
+    LEDGER_CONFLICT = 10
+
+
+class Refused(Exception):
+    """A request refused for a reason named by ``code`` (:class:`Refusal`).
+
+    Args:
+        code: the refusal code.
+        message: what happened, naming the field and value (for people and logs only).
+    """
+
+    def __init__(self, code: Refusal, message: str) -> None:
+        super().__init__(message)
+        self.code = Refusal(code)
+        self.message = message
+
+    def __reduce__(self) -> tuple:
+        return (type(self), (self.code, self.message))

@@ -1,0 +1,262 @@
+"""The leader's round as a pure state machine (§6, §7, §12 of the seed).
+
+One outer step goes through the phases ``idle → window → push → update → pull``:
+
+* **idle**: no round; push requests queue. When a request is queued and the followers are
+  ready (all registered, up and reconciled), a round opens (§6: the server never updates
+  with nothing to do).
+* **window**: the first request opened the grace window (:mod:`dips.algo.grace`, fixed τ or
+  the §7 τ*); every request arriving while it is open is admitted into the round.
+* **push**: the window has closed (a :class:`Tick` at or after its close time); the admitted
+  clusters' stage workers send their layers. The phase ends when every admitted push was
+  reported (delivered or failed) or the push timeout passed (a late push fails).
+* **update**: the caller scores, decides, aggregates and applies the round
+  (:class:`StartUpdate`); its :class:`UpdateFinished` carries the outcome, from which every
+  admitted push gets its :class:`Verdict`.
+* **pull**: the round's clusters pull the new version. Without the pull barrier the round
+  ends at once and the next window may open while they pull (a slow link delays only its own
+  cluster); with ``grace.pull_barrier`` (the seed's §6 round) it ends when every cluster
+  whose push was delivered has pulled, the pull timeout passed, or the followers stopped being
+  ready. Requests during push, update and pull wait for the next round.
+
+:func:`step` is the whole decision: ``step(state, event, policy) -> (state, actions)``, in
+the style of torchft's ``quorum_compute(now, state, opt)``. Time is the ``now`` of each event
+(seconds on the caller's clock: monotonic in the real leader, virtual in
+:mod:`dips.emu.virtual`); the window and the timeouts end only on a :class:`Tick`, which the
+caller sends at :func:`next_deadline`. States, events and actions are immutable; a refused
+event raises :class:`dips.algo.refusal.Refused` and changes nothing. The real leader
+(:mod:`dips.roles.leader`) feeds gRPC calls, heartbeats and its clock in and carries the
+actions out; the virtual-time engine drives the very same function with its virtual clock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from dips.algo import grace as grace_rules
+from dips.algo.refusal import Refusal, Refused
+from dips.algo.round_types import (
+    Phase, RoundPolicy, Slot, Round, Verdict, UpdateOutcome, RoundState, PushRequested,
+    PushWithdrawn, PushReported, UpdateFinished, PullDone, MemberGone, ReadyChanged, Tick,
+    Event, RoundOpened, Admitted, WindowClosed, StartUpdate, Decided, RoundEnded, Action)
+
+__all__ = [
+    "step", "next_deadline", "slot_of", "Phase", "RoundPolicy", "Slot", "Round", "Verdict",
+    "UpdateOutcome", "RoundState", "PushRequested", "PushWithdrawn", "PushReported",
+    "UpdateFinished", "PullDone", "MemberGone", "ReadyChanged", "Tick", "Event",
+    "RoundOpened", "Admitted", "WindowClosed", "StartUpdate", "Decided", "RoundEnded",
+    "Action"]
+
+
+# ----- queries ---------------------------------------------------------------------------
+def next_deadline(state: RoundState, policy: RoundPolicy) -> float | None:
+    """When the caller must send the next :class:`Tick` (seconds), or None: only events."""
+    rnd = state.current
+    if rnd is None:
+        return None
+    if state.phase is Phase.WINDOW:
+        return rnd.closes_at
+    if state.phase is Phase.PUSH:
+        return rnd.push_deadline
+    if state.phase is Phase.PULL and policy.grace.pull_barrier:
+        return rnd.pull_deadline
+    return None
+
+
+def slot_of(state: RoundState, cluster_id: str) -> Slot | None:
+    """The cluster's request: queued, or in the current round; None if it has none."""
+    for s in state.queue:
+        if s.cluster_id == cluster_id:
+            return s
+    return state.current.slots.get(cluster_id) if state.current else None
+
+
+# ----- transitions -----------------------------------------------------------------------
+def step(state: RoundState, event: Event, policy: RoundPolicy) -> tuple[RoundState, list[Action]]:
+    """Apply ``event`` to ``state``; returns the new state and the actions to carry out.
+
+    Raises:
+        Refused: PUSH_IN_FLIGHT (a second request while one is queued or not yet pulled),
+            INVALID_ARGUMENT (tokens <= 0, negative base version), UNKNOWN_PUSH (a report
+            for a push that is not in the current round); the state is then unchanged.
+        ValueError: an :class:`UpdateFinished` for a round that is not being updated.
+        TypeError: an unknown event.
+    """
+    actions: list[Action] = []
+    handler = _HANDLERS.get(type(event))
+    if handler is None:
+        raise TypeError(f"unknown round event {event!r}")
+    state = handler(state, event, policy, actions)
+    return _advance(state, event, policy, actions), actions
+
+
+def _on_request(state: RoundState, ev: PushRequested, policy: RoundPolicy,
+                actions: list[Action]) -> RoundState:
+    if ev.tokens <= 0:
+        raise Refused(Refusal.INVALID_ARGUMENT, f"push field 'tokens' = {ev.tokens} must be > 0")
+    if ev.base_version < 0:
+        raise Refused(Refusal.INVALID_ARGUMENT,
+                      f"push field 'base_version' = {ev.base_version} must be >= 0")
+    mine = slot_of(state, ev.cluster_id)
+    if mine is not None and (mine.round is None or not mine.pulled):
+        # A cluster that pulled (pull barrier) or left may queue for the next round.
+        raise Refused(Refusal.PUSH_IN_FLIGHT, f"cluster {ev.cluster_id!r} already has a push "
+                                              f"in flight (push id {mine.push_id})")
+    arrivals = state.grace
+    if not arrivals.arrivals or ev.now >= arrivals.arrivals[-1]:  # λ of §7; a clock step back is ignored
+        arrivals = grace_rules.observe_request(arrivals, ev.now)
+    slot = Slot(ev.cluster_id, ev.push_id, ev.base_version, ev.tokens, ev.now)
+    state = replace(state, grace=arrivals)
+    if state.phase is Phase.WINDOW and mine is None:  # one push per cluster and round
+        return _admit(state, [slot], actions)
+    return replace(state, queue=(*state.queue, slot))
+
+
+def _on_withdrawn(state: RoundState, ev: PushWithdrawn, policy: RoundPolicy,
+                  actions: list[Action]) -> RoundState:
+    return replace(state, queue=tuple(s for s in state.queue if s.push_id != ev.push_id))
+
+
+def _on_reported(state: RoundState, ev: PushReported, policy: RoundPolicy,
+                 actions: list[Action]) -> RoundState:
+    rnd = state.current
+    slot = rnd.slots.get(ev.cluster_id) if rnd else None
+    if slot is None or slot.push_id != ev.push_id:
+        if ev.push_id in state.verdicts:  # already decided: the verdict is re-served
+            return state
+        raise Refused(Refusal.UNKNOWN_PUSH, f"push id {ev.push_id!r} of cluster "
+                                            f"{ev.cluster_id!r} is not part of the current round")
+    if slot.done or state.phase not in (Phase.WINDOW, Phase.PUSH):
+        return state  # its fate is sealed (timed out, or the round is being decided)
+    return _with_slot(state, replace(slot, done=True, ok=ev.ok, error=ev.error))
+
+
+def _on_update_finished(state: RoundState, ev: UpdateFinished, policy: RoundPolicy,
+                        actions: list[Action]) -> RoundState:
+    rnd = state.current
+    if state.phase is not Phase.UPDATE or rnd is None or rnd.number != ev.round:
+        raise ValueError(f"update of round {ev.round} finished, but the machine is in phase "
+                         f"{state.phase.value} of round {rnd.number if rnd else None}")
+    out = ev.outcome
+    accepted = set(out.accepted)
+    verdicts = []
+    for c in sorted(rnd.slots):
+        s = rnd.slots[c]
+        ok = c in accepted
+        reason = "accepted" if ok else out.invalid.get(c, out.error or "penalty: score above threshold")
+        verdicts.append(Verdict(s.push_id, c, rnd.number, ok, out.version, reason,
+                                out.scores.get(c), out.threshold, out.clip_factor))
+    kept = dict(state.verdicts)
+    for v in verdicts:
+        kept[v.push_id] = v
+    while len(kept) > policy.verdicts_kept:
+        del kept[next(iter(kept))]
+    actions.append(Decided(rnd.number, tuple(verdicts)))
+    rnd = replace(rnd, update_done=ev.now, pull_deadline=ev.now + policy.pull_timeout_s)
+    return replace(state, phase=Phase.PULL, current=rnd, verdicts=kept)
+
+
+def _on_pull_done(state: RoundState, ev: PullDone, policy: RoundPolicy,
+                  actions: list[Action]) -> RoundState:
+    slot = state.current.slots.get(ev.cluster_id) if state.current else None
+    if slot is None or slot.pulled or state.phase is not Phase.PULL:
+        return state  # only a pull of the decided version counts
+    return _with_slot(state, replace(slot, pulled=True))
+
+
+def _on_gone(state: RoundState, ev: MemberGone, policy: RoundPolicy,
+             actions: list[Action]) -> RoundState:
+    state = replace(state, queue=tuple(s for s in state.queue if s.cluster_id != ev.cluster_id))
+    slot = state.current.slots.get(ev.cluster_id) if state.current else None
+    if slot is None:
+        return state
+    if not slot.done:
+        slot = replace(slot, done=True, ok=False, error=ev.reason)
+    return _with_slot(state, replace(slot, pulled=True))
+
+
+def _on_ready(state: RoundState, ev: ReadyChanged, policy: RoundPolicy,
+              actions: list[Action]) -> RoundState:
+    return replace(state, ready=ev.ready)
+
+
+def _on_tick(state: RoundState, ev: Tick, policy: RoundPolicy,
+             actions: list[Action]) -> RoundState:
+    rnd = state.current
+    if rnd is None:
+        return state
+    if state.phase is Phase.WINDOW and ev.now >= rnd.closes_at:
+        actions.append(WindowClosed(rnd.number, ev.now))
+        rnd = replace(rnd, push_deadline=ev.now + policy.push_timeout_s)
+        return replace(state, phase=Phase.PUSH, current=rnd)
+    if state.phase is Phase.PUSH and ev.now >= rnd.push_deadline:
+        late = {c: replace(s, done=True, ok=False, error="push not delivered in time")
+                for c, s in rnd.slots.items() if not s.done}
+        return replace(state, current=replace(rnd, slots={**rnd.slots, **late}))
+    return state
+
+
+_HANDLERS: dict[type, Any] = {
+    PushRequested: _on_request, PushWithdrawn: _on_withdrawn, PushReported: _on_reported,
+    UpdateFinished: _on_update_finished, PullDone: _on_pull_done, MemberGone: _on_gone,
+    ReadyChanged: _on_ready, Tick: _on_tick,
+}
+
+
+def _with_slot(state: RoundState, slot: Slot) -> RoundState:
+    rnd = state.current
+    return replace(state, current=replace(rnd, slots={**rnd.slots, slot.cluster_id: slot}))
+
+
+def _admit(state: RoundState, slots: list[Slot], actions: list[Action]) -> RoundState:
+    rnd = state.current
+    admitted = {}
+    for s in slots:
+        s = replace(s, round=rnd.number)
+        admitted[s.cluster_id] = s
+        actions.append(Admitted(s))
+    return replace(state, current=replace(rnd, slots={**rnd.slots, **admitted}))
+
+
+def _advance(state: RoundState, ev: Event, policy: RoundPolicy,
+             actions: list[Action]) -> RoundState:
+    """Transitions that follow from the state alone (no time passes here)."""
+    now = ev.now
+    while True:
+        rnd = state.current
+        if state.phase is Phase.IDLE:
+            if not (state.queue and state.ready):
+                return state
+            number = state.rounds + 1
+            closes = now + grace_rules.window_s(state.grace, policy.grace)
+            actions.append(RoundOpened(number, now, closes))
+            queued, state = state.queue, replace(state, phase=Phase.WINDOW, rounds=number, queue=(),
+                                                 current=Round(number, now, closes))
+            state = _admit(state, list(queued), actions)
+        elif state.phase is Phase.PUSH and all(s.done for s in rnd.slots.values()):
+            actions.append(StartUpdate(rnd.number, tuple(rnd.slots[c] for c in sorted(rnd.slots))))
+            state = replace(state, phase=Phase.UPDATE, current=replace(rnd, update_started=now))
+        elif state.phase is Phase.PULL and _pulls_over(state, policy, now):
+            state = _end_round(state, now, policy, actions)
+        else:
+            return state
+
+
+def _pulls_over(state: RoundState, policy: RoundPolicy, now: float) -> bool:
+    rnd = state.current
+    if not policy.grace.pull_barrier or not state.ready or now >= rnd.pull_deadline:
+        return True
+    return all(s.pulled or not s.ok for s in rnd.slots.values())
+
+
+def _end_round(state: RoundState, now: float, policy: RoundPolicy,
+               actions: list[Action]) -> RoundState:
+    rnd = state.current
+    push_s = rnd.update_started - rnd.closes_at
+    update_s = rnd.update_done - rnd.update_started
+    pull_s = now - rnd.update_done
+    grace = grace_rules.observe_round(state.grace, max(update_s, 0.0), max(pull_s, 0.0))
+    actions.append(RoundEnded(rnd.number, rnd.closes_at - rnd.opened_at, push_s, update_s,
+                              pull_s, grace_rules.stats(grace, policy.grace)))
+    return replace(state, phase=Phase.IDLE, current=None, grace=grace)

@@ -1,0 +1,265 @@
+"""States, events and actions of the leader's round machine (:mod:`dips.algo.round`, §6).
+
+All immutable; times are seconds on the caller's clock (monotonic or virtual).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Union
+
+from dips.algo.grace import GraceState
+
+
+class Phase(str, enum.Enum):
+    """Phase of the leader's round (the value is what logs and ``GetStatus`` show)."""
+
+    IDLE = "idle"
+    WINDOW = "window"
+    PUSH = "push"
+    UPDATE = "update"
+    PULL = "pull"
+
+
+@dataclass(frozen=True)
+class RoundPolicy:
+    """What the round machine needs to know of the run's settings.
+
+    Attributes:
+        grace: a :class:`dips.spec.GraceConfig` (``mode``, ``window_s``, ``max_s`` seconds,
+            ``pull_barrier``).
+        push_timeout_s: seconds after the window closes that pushes may still arrive.
+        pull_timeout_s: seconds the pull barrier waits for the round's pulls.
+        verdicts_kept: verdicts remembered by push id (re-served to a client that asks again).
+    """
+
+    grace: Any
+    push_timeout_s: float = 60.0
+    pull_timeout_s: float = 60.0
+    verdicts_kept: int = 1024
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One push request: queued (``round`` None) or admitted into round ``round``.
+
+    ``tokens``: T_j, the push's aggregation weight (tokens). ``requested_at``: seconds.
+    ``done``/``ok``/``error``: the push was reported delivered (ok) or failed (error).
+    ``pulled``: the cluster pulled the round's version (or gave up, or left).
+    """
+
+    cluster_id: str
+    push_id: str
+    base_version: int
+    tokens: int
+    requested_at: float
+    round: int | None = None
+    done: bool = False
+    ok: bool = False
+    error: str = ""
+    pulled: bool = False
+
+
+@dataclass(frozen=True)
+class Round:
+    """One outer step in progress; times in seconds on the caller's clock."""
+
+    number: int
+    opened_at: float
+    closes_at: float
+    slots: Mapping[str, Slot] = field(default_factory=dict)
+    push_deadline: float | None = None
+    update_started: float | None = None
+    update_done: float | None = None
+    pull_deadline: float | None = None
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The decision on one push (§8): accepted or not, why, and the version to pull.
+
+    ``score``/``threshold``: E_j and β·max(E) of §8 (None in the penalty's warm-up or for a
+    push that was never scored). ``clip_factor``: min(1, c/‖δ‖) of the round (None when
+    nothing was accepted).
+    """
+
+    push_id: str
+    cluster_id: str
+    round: int
+    accepted: bool
+    version: int
+    reason: str
+    score: float | None = None
+    threshold: float | None = None
+    clip_factor: float | None = None
+
+
+@dataclass(frozen=True)
+class UpdateOutcome:
+    """What the update phase decided (the caller's outer step, :mod:`dips.roles.outer_step`).
+
+    ``version``: the global version after the round (unchanged if nothing was applied).
+    ``invalid``: cluster -> why its push could not be scored (not delivered, refused by a
+    follower). ``error``: set when the round failed and nothing was applied anywhere.
+    """
+
+    version: int
+    accepted: tuple[str, ...] = ()
+    scores: Mapping[str, float | None] = field(default_factory=dict)
+    threshold: float | None = None
+    clip_factor: float | None = None
+    invalid: Mapping[str, str] = field(default_factory=dict)
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class RoundState:
+    """Everything the round machine decides from (immutable; :func:`step` returns a new one).
+
+    ``rounds``: rounds opened so far (the last round's number). ``ready``: the followers are
+    all registered, up and reconciled (reported by the caller). ``verdicts``: push id ->
+    verdict, the most recent ``policy.verdicts_kept``.
+    """
+
+    phase: Phase = Phase.IDLE
+    rounds: int = 0
+    ready: bool = True
+    queue: tuple[Slot, ...] = ()
+    current: Round | None = None
+    grace: GraceState = GraceState()
+    verdicts: Mapping[str, Verdict] = field(default_factory=dict)
+
+
+# ----- events ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PushRequested:
+    """A member asks to push (§6 step 1): T_j = ``tokens``, trained from ``base_version``."""
+
+    now: float
+    cluster_id: str
+    push_id: str
+    base_version: int
+    tokens: int
+
+
+@dataclass(frozen=True)
+class PushWithdrawn:
+    """The requester stopped waiting for admission (its deadline passed)."""
+
+    now: float
+    cluster_id: str
+    push_id: str
+
+
+@dataclass(frozen=True)
+class PushReported:
+    """A member's stage workers finished sending (``ok``) or failed (``error``)."""
+
+    now: float
+    cluster_id: str
+    push_id: str
+    ok: bool
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class UpdateFinished:
+    """The update phase of round ``round`` ended with ``outcome``."""
+
+    now: float
+    round: int
+    outcome: UpdateOutcome
+
+
+@dataclass(frozen=True)
+class PullDone:
+    """A cluster of the current round pulled its version (or gave up: it is not waited for)."""
+
+    now: float
+    cluster_id: str
+
+
+@dataclass(frozen=True)
+class MemberGone:
+    """A cluster left or was removed (missed heartbeats): its queued request is dropped, its
+    push in the current round fails with ``reason`` and is not waited for."""
+
+    now: float
+    cluster_id: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class ReadyChanged:
+    """The followers became ready (all up and reconciled) or stopped being ready."""
+
+    now: float
+    ready: bool
+
+
+@dataclass(frozen=True)
+class Tick:
+    """Time passed: windows close and timeouts expire at or after their deadline."""
+
+    now: float
+
+
+Event = Union[PushRequested, PushWithdrawn, PushReported, UpdateFinished, PullDone, MemberGone,
+              ReadyChanged, Tick]
+
+
+# ----- actions ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RoundOpened:
+    """Round ``number`` opened at ``opened_at``; its window closes at ``closes_at`` (seconds)."""
+
+    number: int
+    opened_at: float
+    closes_at: float
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """``slot`` joined round ``slot.round``: its stage workers may send now."""
+
+    slot: Slot
+
+
+@dataclass(frozen=True)
+class WindowClosed:
+    """Round ``number``'s window closed at ``at``: later requests wait for the next round."""
+
+    number: int
+    at: float
+
+
+@dataclass(frozen=True)
+class StartUpdate:
+    """Run the update of round ``number`` over ``slots`` (delivered ones have ``ok``)."""
+
+    number: int
+    slots: tuple[Slot, ...]
+
+
+@dataclass(frozen=True)
+class Decided:
+    """Round ``number`` was decided: one verdict per admitted push."""
+
+    number: int
+    verdicts: tuple[Verdict, ...]
+
+
+@dataclass(frozen=True)
+class RoundEnded:
+    """Round ``number`` ended; durations of its phases in seconds and the §7 estimates."""
+
+    number: int
+    window_s: float
+    push_s: float
+    update_s: float
+    pull_s: float
+    grace: Mapping[str, Any]
+
+
+Action = Union[RoundOpened, Admitted, WindowClosed, StartUpdate, Decided, RoundEnded]

@@ -1,0 +1,185 @@
+"""The update phase of one round across the followers: score, decide, aggregate, clip and a
+two-phase apply (§6, §8, §12 of the seed).
+
+:func:`run_update` is the one copy of this sequence. The real leader calls it with gRPC
+clients of its followers (:class:`dips.wire.services.FollowerControlClient`); the
+virtual-time engine (:mod:`dips.emu.virtual`) with the followers' shards in process. The
+decisions themselves are the pure functions of :mod:`dips.algo` (``decide``,
+``token_weights``, ``clip_factor``); this module only moves their inputs and outputs between
+followers. Tensors never pass through here.
+
+Two-phase apply: every follower prepares θ' aside (``apply``); only when all prepared is the
+step decided (``on_decided``, where the leader records it durably), then every follower
+commits. A failure before the decision aborts the prepared step everywhere: nothing was
+applied anywhere. A commit that fails after the decision is reported (``commit_failed``) and
+the leader reconciles that follower to the decided version.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol, Sequence
+
+from dips.algo import clip_factor, decide, token_weights
+from dips.algo.penalty import PenaltyState
+from dips.algo.round import Slot, UpdateOutcome
+from dips.roles import failpoints
+
+log = logging.getLogger(__name__)
+
+__all__ = ["FollowerControl", "UpdateReport", "abort_everywhere", "run_update"]
+
+
+class FollowerControl(Protocol):
+    """What the leader needs from a follower (gRPC in production, the shard itself in process)."""
+
+    def score(self, rnd: int, clusters: list[str]) -> list[tuple[str, bool, float, str]]: ...
+    def aggregate(self, rnd: int, clusters: list[str], weights: list[float]) -> float: ...
+    def apply(self, rnd: int, clip: float, new_version: int, accepted: list[str],
+              weights: list[float]) -> tuple[int, str]: ...
+    def commit(self, new_version: int) -> tuple[int, str]: ...
+    def abort(self, rnd: int | None) -> None: ...
+    def restore(self, version: int) -> tuple[int, str]: ...
+    def discard(self, rnd: int) -> None: ...
+    def report(self) -> tuple[int, int, list[int]]: ...
+
+
+@dataclass
+class UpdateReport:
+    """Everything one update phase decided and measured (one line of ``outer_steps.jsonl``).
+
+    ``outcome``: what the round machine needs (:class:`dips.algo.round.UpdateOutcome`).
+    ``penalty``: the §8 history after this round (the caller keeps it unless ``failed``).
+    ``sq_norms``: G_j = Σ_i ‖Δ^(i,j)‖² per delivered cluster; ``weights``: normalised token
+    weights of the accepted set; ``delta_sq_norm``: ‖δ‖² (units of θ²); ``checksums``:
+    follower index -> XXH3 of its shard after the commit; ``commit_failed``: followers whose
+    commit failed; ``failed``: the round failed before its decision (nothing applied).
+    """
+
+    outcome: UpdateOutcome
+    penalty: PenaltyState
+    clusters: list[str]
+    tokens: dict[str, int]
+    base_versions: dict[str, int]
+    sq_norms: dict[str, float | None] = field(default_factory=dict)
+    scored: list[str] = field(default_factory=list)
+    weights: dict[str, float] = field(default_factory=dict)
+    delta_sq_norm: float | None = None
+    checksums: dict[int, str] = field(default_factory=dict)
+    commit_failed: list[int] = field(default_factory=list)
+    failed: bool = False
+
+    def record(self, number: int) -> dict[str, Any]:
+        """The JSON-able line of ``outer_steps.jsonl`` for round ``number``."""
+        out = self.outcome
+        accepted = list(out.accepted)
+        rec = {"round": number, "version": out.version, "clusters": self.clusters,
+               "accepted": accepted,
+               "rejected": {c: {"score": out.scores.get(c),
+                                "reason": out.invalid.get(c, out.error or "penalty")}
+                            for c in self.clusters if c not in accepted},
+               "scores": dict(out.scores), "threshold": out.threshold,
+               "sq_norms": self.sq_norms, "tokens": self.tokens,
+               "base_versions": self.base_versions, "weights": self.weights,
+               "delta_sq_norm": self.delta_sq_norm, "clip_factor": out.clip_factor,
+               "checksums": {str(k): v for k, v in self.checksums.items()},
+               "commit_failed": self.commit_failed, "invalid": dict(out.invalid),
+               "scored": self.scored}
+        if out.error:
+            rec["error"] = out.error
+        return rec
+
+
+def run_update(followers: Sequence[tuple[int, FollowerControl]], number: int,
+               slots: Sequence[Slot], version: int, penalty: PenaltyState, penalty_cfg: Any,
+               max_norm: float | None, uniform_weights: bool = False,
+               on_decided: Callable[[int, list[str], PenaltyState], None] | None = None
+               ) -> UpdateReport:
+    """Score, decide, aggregate, clip and apply round ``number`` on every follower.
+
+    Args:
+        followers: ``(index, control)`` of every follower, in index order.
+        number: the round; slots: its admitted pushes (``ok``: delivered).
+        version: the global version before the round.
+        penalty / penalty_cfg: the §8 history and settings (:class:`dips.spec.PenaltyConfig`).
+        max_norm: global clip threshold c of §8 (None: no clipping, an ablation).
+        uniform_weights: 1/n weights instead of T_j (an ablation).
+        on_decided: called with (new version, accepted ids, new penalty) once every follower
+            prepared the step and before any commits (the leader records it durably there).
+
+    Returns the :class:`UpdateReport`; never raises for a follower's failure (the report
+    says ``failed`` or lists ``commit_failed``).
+    """
+    clusters = sorted(s.cluster_id for s in slots)
+    by_id = {s.cluster_id: s for s in slots}
+    report = UpdateReport(UpdateOutcome(version), penalty, clusters,
+                          {c: by_id[c].tokens for c in clusters},
+                          {c: by_id[c].base_version for c in clusters})
+    delivered = [c for c in clusters if by_id[c].ok]
+    invalid = {c: (by_id[c].error or "push not delivered in time")
+               for c in clusters if c not in delivered}
+    try:
+        norms = {c: 0.0 for c in delivered}
+        if delivered:
+            for index, control in followers:
+                for c, valid, sq, err in control.score(number, delivered):
+                    if not valid:
+                        invalid.setdefault(c, f"follower {index}: {err}")
+                    norms[c] += sq
+        scored = {c: g for c, g in norms.items() if c not in invalid}
+        report.sq_norms = {c: norms.get(c) for c in clusters}
+        report.scored = sorted(scored)
+        accepted: list[str] = []
+        scores: dict[str, float | None] = {}
+        threshold = None
+        new_penalty = penalty
+        if scored:
+            verdict, new_penalty = decide(penalty, scored, penalty_cfg)
+            accepted, scores, threshold = list(verdict.accepted), dict(verdict.scores), verdict.threshold
+        report.penalty = new_penalty
+        if not accepted:
+            for _, control in followers:
+                control.discard(number)
+            report.outcome = UpdateOutcome(version, (), scores, threshold, None, invalid)
+            return report
+        weights = token_weights({c: by_id[c].tokens for c in accepted}, accepted,
+                                uniform=uniform_weights)
+        w = [weights[c] for c in accepted]
+        sq_norm = sum(control.aggregate(number, accepted, w) for _, control in followers)
+        clip = clip_factor(sq_norm, max_norm if max_norm else float("inf"))
+        report.weights, report.delta_sq_norm = weights, sq_norm
+        new_version = version + 1
+        for _, control in followers:
+            control.apply(number, clip, new_version, accepted, w)
+    except Exception as exc:  # nothing was applied anywhere
+        log.exception("round %d failed before its decision", number)
+        abort_everywhere(followers, number)
+        report.failed = True
+        report.penalty = penalty
+        report.outcome = UpdateOutcome(version, (), {}, None, None, invalid,
+                                       error=f"round failed: {type(exc).__name__}: {exc}")
+        return report
+    # Every follower prepared: the step is decided. The caller records it durably before any
+    # commit, so a restarted leader never loses or repeats it.
+    if on_decided is not None:
+        on_decided(new_version, accepted, new_penalty)
+    failpoints.hit("update")
+    for index, control in followers:
+        try:
+            report.checksums[index] = control.commit(new_version)[1]
+        except Exception as exc:
+            report.commit_failed.append(index)
+            log.warning("commit of version %d on follower %d failed: %s", new_version, index, exc)
+    report.outcome = UpdateOutcome(new_version, tuple(accepted), scores, threshold, clip, invalid)
+    return report
+
+
+def abort_everywhere(followers: Sequence[tuple[int, FollowerControl]], rnd: int | None) -> None:
+    """Drop a prepared step (and what was staged up to round ``rnd``; None: every round) on
+    every reachable follower (best effort; failures are logged)."""
+    for index, control in followers:
+        try:
+            control.abort(rnd)
+        except Exception as exc:
+            log.warning("abort of round %s on follower %d failed: %s", rnd, index, exc)

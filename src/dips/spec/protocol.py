@@ -1,0 +1,61 @@
+"""Settings of the outer-step protocol: grace window, membership, timeouts (§6, §7, §12).
+
+All times are seconds.  The leader reads them through :class:`dips.spec.run.LeaderConfig`,
+the cluster and follower processes through :class:`dips.spec.run.RunConfig`, the comparison
+scenarios through :class:`dips.spec.scenario.Scenario` (virtual time: ``grace.window_s``).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from dips.spec.base import Strict
+
+__all__ = ["GraceConfig", "MembershipConfig", "Timeouts"]
+
+
+class GraceConfig(Strict):
+    """The grace window of an outer step (§6, §7) and when the next one may open.
+
+    The first push request of a round opens the window; requests arriving before it closes
+    join the same outer step.  ``mode: fixed`` keeps it ``window_s`` long; ``mode: dynamic``
+    uses the ski-rental τ* = (1/λ)·ln(C_m·λ) of §7 (:mod:`dips.algo.grace`), clamped to
+    [0, ``max_s``], and ``window_s`` until λ and C_m are measured.  The default window, 8 s,
+    is the seed's §11 example.
+    """
+
+    mode: Literal["fixed", "dynamic"] = Field(
+        "fixed", description="fixed: window_s; dynamic: τ* = ln(C_m·λ)/λ of §7")
+    window_s: float = Field(8.0, ge=0, allow_inf_nan=False,
+                            description="grace window, seconds (dynamic mode: until estimated)")
+    max_s: float = Field(30.0, ge=0, allow_inf_nan=False,
+                         description="upper clamp of the dynamic window, seconds")
+    pull_barrier: bool = Field(
+        False, description="True: the seed's §6 round, no new window until every cluster of "
+                           "the round has pulled; False: the next window opens once the update "
+                           "is committed (a slow pull delays only its own cluster)")
+
+
+class MembershipConfig(Strict):
+    """Heartbeats and failure detection (§12: a cluster silent for 3 intervals is removed)."""
+
+    heartbeat_interval_s: float = Field(1.0, gt=0, allow_inf_nan=False,
+                                        description="heartbeat period of clusters and followers, "
+                                                    "seconds")
+    missed_heartbeats: int = Field(3, ge=1, description="silent intervals after which a cluster "
+                                                        "is removed or a follower marked down")
+
+
+class Timeouts(Strict):
+    """Seconds for each blocking phase (every wait in dips has a timeout)."""
+
+    rpc_s: float = Field(120.0, gt=0, description="one control-plane call, seconds")
+    admit_s: float = Field(30.0, gt=0, description="a cluster's wait to be admitted to a round, "
+                                                   "seconds")
+    push_s: float = Field(60.0, gt=0, description="the leader's wait for a round's pushes; a "
+                                                  "cluster's wait for its verdict, seconds")
+    pull_s: float = Field(60.0, gt=0, description="the leader's wait for a round's pulls, seconds")
+    startup_s: float = Field(180.0, gt=0, description="process start-up and registration, seconds")
+    shutdown_s: float = Field(30.0, gt=0, description="SIGTERM to SIGKILL at the end, seconds")

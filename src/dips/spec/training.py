@@ -1,0 +1,157 @@
+"""What every method trains with: the model, data, inner AdamW, outer Nesterov, the §8 penalty.
+
+One model per concept, shared by ``dips launch`` (:class:`dips.spec.run.RunConfig`), the
+comparison scenarios (:class:`dips.spec.scenario.Scenario`), the real-time baselines
+(:class:`dips.spec.worker.WorkerSpec`) and the pure decisions of :mod:`dips.algo`
+(:func:`dips.algo.penalty.decide` takes a :class:`PenaltyConfig`).
+
+:class:`ModelConfig` is kept free of torch and transformers so that processes which only read
+configuration (the leader, the launcher's CLI parsing) start fast;
+:func:`dips.train.model.build_model` builds the model from it.
+
+Defaults follow the seed (§8: α = 0.02, β = 3; §13: outer lr 0.7, momentum 0.8, clip 1,
+H = 64) except where a 1–2M-parameter model on 2 CPU cores needs otherwise (inner lr, batch,
+sequence length); the shipped YAML files set those.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import ConfigDict, Field, model_validator
+
+from dips.spec.base import Strict
+
+__all__ = ["DataConfig", "InnerConfig", "ModelConfig", "OuterConfig", "PenaltyConfig",
+           "check_training"]
+
+
+class ModelConfig(Strict):
+    """Size of a decoder-only LM (§13 architectures, scaled down); validated, extra keys forbidden.
+
+    Defaults give 1,250,432 parameters (LLaMA) / 1,250,688 (Qwen3) at vocab 4096.
+    Raises ``pydantic.ValidationError`` (a ValueError) naming the field and value on bad input,
+    also on assignment.
+    """
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    arch: Literal["llama", "qwen3"] = Field(
+        "llama", description="llama: HF LlamaForCausalLM; qwen3: Qwen3ForCausalLM (adds per-head "
+                             "q/k RMSNorm)")
+    hidden_size: int = Field(128, gt=0, description="model width (features)")
+    intermediate_size: int = Field(344, gt=0, description="SwiGLU MLP width (features)")
+    num_layers: int = Field(4, gt=0, description="decoder layers")
+    num_heads: int = Field(4, gt=0, description="query heads (a multiple of num_kv_heads)")
+    num_kv_heads: int = Field(2, gt=0, description="key/value heads (grouped-query attention)")
+    head_dim: int | None = Field(None, gt=0, description="per-head width (features); None: "
+                                                         "hidden_size // num_heads")
+    vocab_size: int = Field(4096, ge=2, description="token ids (tokens); equals data.vocab_size")
+    max_seq_len: int = Field(256, gt=0, description="longest sequence (tokens), used as "
+                                                    "max_position_embeddings")
+    tie_embeddings: bool = Field(True, description="share the input embedding and the LM head")
+    rope_theta: float = Field(10000.0, gt=0, description="RoPE base (dimensionless)")
+
+    @model_validator(mode="after")
+    def _check_heads(self) -> "ModelConfig":
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}"
+            )
+        if self.head_dim is None and self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"hidden_size={self.hidden_size} must be divisible by num_heads={self.num_heads} "
+                "when head_dim is None"
+            )
+        if self.resolved_head_dim % 2:
+            raise ValueError(f"head_dim={self.resolved_head_dim} must be even for RoPE")
+        return self
+
+    @property
+    def resolved_head_dim(self) -> int:
+        """Per-head width actually used: ``head_dim`` or ``hidden_size // num_heads``."""
+        return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_heads
+
+
+class DataConfig(Strict):
+    """Tokenizer, token stream and data chunks (§12: many more chunks than clusters)."""
+
+    vocab_size: int = Field(4096, ge=256, le=65535,
+                            description="BPE vocabulary of the tokenizer (token ids)")
+    num_chunks: int = Field(64, ge=1, description="chunks the training stream is cut into; "
+                                                  "each is leased to one cluster at a time")
+    val_fraction: float = Field(0.02, gt=0, lt=0.5,
+                                description="held-out fraction of every document (validation)")
+    max_train_tokens: int | None = Field(None, ge=1024, description="cap on training tokens "
+                                                                    "(tokens); None: all")
+    cache_dir: Path = Field(Path(".cache/dips"), description="tokenizer and encoded-corpus cache")
+    lease_ahead: int = Field(2, ge=1, description="unfinished chunks a cluster holds at a time "
+                                                  "(the leader's data ledger, dips launch)")
+
+
+class InnerConfig(Strict):
+    """Inner loop: fused AdamW for H steps between pushes (§3)."""
+
+    H: int = Field(64, ge=1, description="inner steps between two pushes")
+    batch_size: int = Field(8, ge=1, description="sequences per inner step")
+    seq_len: int = Field(128, ge=8, description="tokens per sequence (a window is seq_len + 1)")
+    lr: float = Field(1e-3, gt=0, description="AdamW learning rate")
+    weight_decay: float = Field(0.1, ge=0, description="AdamW weight decay")
+    grad_clip: float | None = Field(1.0, description="gradient-norm clip of each inner step; "
+                                                     "None: no clip")
+
+
+class OuterConfig(Strict):
+    """The outer Nesterov step and the aggregation (§6, §8, §13 of the seed).
+
+    ``max_norm`` None (or ``math.inf``) disables the global clip (an ablation).  Used by the
+    followers (lr, momentum), the leader (max_norm, uniform_weights) and every baseline's
+    replicated outer optimizer.  Errors name the field (pydantic ValidationError, a ValueError).
+    """
+
+    lr: float = Field(0.7, gt=0, allow_inf_nan=False, description="outer learning rate")
+    momentum: float = Field(0.8, ge=0, lt=1, allow_inf_nan=False,
+                            description="Nesterov momentum, in [0, 1)")
+    max_norm: float | None = Field(1.0, gt=0, description="global clip norm c of δ (§8: "
+                                                          "factor min(1, c/‖δ‖₂)); None: no clip")
+    uniform_weights: bool = Field(False, description="ablation: weights 1/n instead of the "
+                                                     "token weights T_j/ΣT (§8)")
+
+
+class PenaltyConfig(Strict):
+    """Parameters of the anomaly test on ‖Δ‖² (§8 of the seed; :func:`dips.algo.penalty.decide`).
+
+    Semantics of each field are in :mod:`dips.algo.penalty`'s docstring.  Errors name the field
+    (pydantic ValidationError, a ValueError).
+    """
+
+    enabled: bool = Field(True, strict=True, description="False (ablation): accept every "
+                                                          "cluster, still computing the scores")
+    alpha: float = Field(0.02, gt=0, le=1, allow_inf_nan=False,
+                         description="EMA rate of μ and σ, in (0, 1]")
+    beta: float = Field(3.0, gt=0, allow_inf_nan=False,
+                        description="threshold multiplier: reject if E_j > β·max(recent E)")
+    warmup: int = Field(3, ge=1, strict=True,
+                        description="G values observed before scoring starts (all accepted)")
+    recent: int = Field(16, ge=1, strict=True,
+                        description="length of the accepted-score history")
+    score_floor: float = Field(1.0, gt=0, allow_inf_nan=False,
+                               description="lower bound of max(recent E) in the threshold")
+    sigma_floor_rel: float = Field(0.05, ge=0, allow_inf_nan=False,
+                                   description="σ is kept >= sigma_floor_rel · μ")
+
+
+def check_training(model: ModelConfig, data: DataConfig, inner: InnerConfig, followers: int) -> None:
+    """The cross-field rules every run and scenario shares. Raises ValueError naming the fields:
+    the model's vocabulary must be the tokenizer's, a training sequence must fit the model's
+    context, and the model must have at least one layer per follower to shard (§5)."""
+    if model.vocab_size != data.vocab_size:
+        raise ValueError(f"model.vocab_size = {model.vocab_size} differs from "
+                         f"data.vocab_size = {data.vocab_size}")
+    if inner.seq_len > model.max_seq_len:
+        raise ValueError(f"inner.seq_len = {inner.seq_len} exceeds model.max_seq_len = "
+                         f"{model.max_seq_len}")
+    if followers > model.num_layers + 2:
+        raise ValueError(f"followers = {followers} exceeds the {model.num_layers + 2} layers "
+                         "to shard")

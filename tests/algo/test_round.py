@@ -1,0 +1,284 @@
+"""The leader's round machine (dips.algo.round) against hand-worked event sequences (§6, §7)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dips.algo import grace as grace_rules
+from dips.algo.refusal import Refusal, Refused
+from dips.algo.round import (Admitted, Decided, MemberGone, Phase, PullDone, PushReported,
+                             PushRequested, PushWithdrawn, ReadyChanged, RoundEnded, RoundOpened,
+                             RoundPolicy, RoundState, StartUpdate, Tick, UpdateFinished,
+                             UpdateOutcome, WindowClosed, next_deadline, slot_of, step)
+from dips.spec.protocol import GraceConfig
+
+
+def policy(window_s=8.0, mode="fixed", barrier=False, push_timeout_s=60.0, pull_timeout_s=60.0,
+           max_s=30.0):
+    return RoundPolicy(GraceConfig(mode=mode, window_s=window_s, max_s=max_s, pull_barrier=barrier),
+                       push_timeout_s=push_timeout_s, pull_timeout_s=pull_timeout_s)
+
+
+def req(now, c, tokens=100, base=0):
+    return PushRequested(now, c, f"p-{c}-{now}", base, tokens)
+
+
+def run(events, pol, state=None):
+    """Apply events in order; returns (state, all actions)."""
+    state = state or RoundState()
+    out = []
+    for ev in events:
+        state, acts = step(state, ev, pol)
+        out += acts
+    return state, out
+
+
+def kinds(actions):
+    return [type(a).__name__ for a in actions]
+
+
+def test_seed_11_four_clusters_three_share_the_step_d_waits():
+    """§11: A at 100 s opens an 8 s window; B (103 s) and C (106 s) join; D (180 s) does not."""
+    pol = policy(window_s=8.0)
+    s, acts = run([req(100.0, "A")], pol)
+    assert kinds(acts) == ["RoundOpened", "Admitted"]
+    assert acts[0] == RoundOpened(1, 100.0, 108.0)
+    assert s.phase is Phase.WINDOW and next_deadline(s, pol) == 108.0
+    s, acts = run([req(103.0, "B"), req(106.0, "C"), Tick(107.9)], pol, s)
+    assert kinds(acts) == ["Admitted", "Admitted"] and s.phase is Phase.WINDOW
+    s, acts = run([Tick(108.0)], pol, s)
+    assert acts == [WindowClosed(1, 108.0)] and s.phase is Phase.PUSH
+    assert next_deadline(s, pol) == 168.0  # push timeout counts from the close
+    s, acts = run([PushReported(109.0, "A", s.current.slots["A"].push_id, True),
+                   PushReported(110.0, "B", s.current.slots["B"].push_id, True)], pol, s)
+    assert acts == []
+    s, acts = run([PushReported(111.0, "C", s.current.slots["C"].push_id, True)], pol, s)
+    assert kinds(acts) == ["StartUpdate"] and s.phase is Phase.UPDATE
+    assert [x.cluster_id for x in acts[0].slots] == ["A", "B", "C"]
+    out = UpdateOutcome(version=1, accepted=("A", "B"), scores={"A": -0.5, "B": 0.5, "C": 76.5},
+                        threshold=6.0, clip_factor=1.0)
+    s, acts = run([UpdateFinished(112.0, 1, out)], pol, s)
+    assert kinds(acts) == ["Decided", "RoundEnded"] and s.phase is Phase.IDLE
+    v = {x.cluster_id: x for x in acts[0].verdicts}
+    assert v["A"].accepted and v["B"].accepted and not v["C"].accepted
+    assert v["C"].reason == "penalty: score above threshold" and v["C"].score == 76.5
+    assert {x.version for x in v.values()} == {1}
+    ended = acts[1]
+    assert (ended.window_s, ended.push_s, ended.update_s, ended.pull_s) == (8.0, 3.0, 1.0, 0.0)
+    s, acts = run([req(180.0, "D")], pol, s)
+    assert acts[0] == RoundOpened(2, 180.0, 188.0)
+
+
+def test_requests_during_push_and_update_queue_for_the_next_round():
+    pol = policy(window_s=1.0)
+    s, _ = run([req(0.0, "a"), Tick(1.0), req(1.5, "b")], pol)
+    assert s.phase is Phase.PUSH and [q.cluster_id for q in s.queue] == ["b"]
+    s, acts = run([PushReported(2.0, "a", s.current.slots["a"].push_id, True)], pol, s)
+    s, acts = run([req(2.5, "c"), UpdateFinished(3.0, 1, UpdateOutcome(1, ("a",)))], pol, s)
+    # The round ends at the update and the queue opens the next one at the same instant.
+    assert kinds(acts) == ["Decided", "RoundEnded", "RoundOpened", "Admitted", "Admitted"]
+    assert s.current.number == 2 and set(s.current.slots) == {"b", "c"}
+    assert s.current.opened_at == 3.0
+
+
+def test_push_timeout_fails_late_pushes_only():
+    pol = policy(window_s=0.0, push_timeout_s=5.0)
+    s, _ = run([req(0.0, "a")], pol)
+    s, acts = run([req(0.0, "b"), Tick(0.0)], pol, s)
+    s, _ = run([PushReported(1.0, "a", s.current.slots["a"].push_id, True), Tick(4.9)], pol, s)
+    assert s.phase is Phase.PUSH
+    s, acts = run([Tick(5.0)], pol, s)
+    assert kinds(acts) == ["StartUpdate"]
+    slots = {x.cluster_id: x for x in acts[0].slots}
+    assert slots["a"].ok and not slots["b"].ok
+    assert slots["b"].error == "push not delivered in time"
+    # A report arriving after the timeout changes nothing.
+    s2, acts = run([PushReported(6.0, "b", slots["b"].push_id, True)], pol, s)
+    assert acts == [] and s2 == s
+
+
+def test_pull_barrier_waits_for_delivered_pushes_only():
+    pol = policy(window_s=0.0, barrier=True, pull_timeout_s=30.0)
+    s, _ = run([req(0.0, "a"), req(0.0, "b"), Tick(0.0)], pol)
+    s, _ = run([PushReported(1.0, "a", s.current.slots["a"].push_id, True),
+                PushReported(1.0, "b", s.current.slots["b"].push_id, False, "refused")], pol, s)
+    s, acts = run([UpdateFinished(2.0, 1, UpdateOutcome(1, ("a",), invalid={"b": "refused"}))],
+                  pol, s)
+    assert kinds(acts) == ["Decided"] and s.phase is Phase.PULL
+    assert next_deadline(s, pol) == 32.0
+    assert {v.cluster_id: v.reason for v in acts[0].verdicts}["b"] == "refused"
+    # a pulled and requests again: it queues (it is no longer in flight)
+    s, acts = run([PullDone(3.0, "a")], pol, s)
+    assert kinds(acts) == ["RoundEnded"] and acts[0].pull_s == 1.0  # b's push failed: not waited for
+
+
+def test_pull_barrier_ends_at_timeout_or_when_followers_stop_being_ready():
+    pol = policy(window_s=0.0, barrier=True, pull_timeout_s=10.0)
+    base, _ = run([req(0.0, "a"), Tick(0.0)], pol)
+    base, _ = run([PushReported(1.0, "a", base.current.slots["a"].push_id, True),
+                   UpdateFinished(2.0, 1, UpdateOutcome(1, ("a",)))], pol, base)
+    s, acts = run([Tick(11.9)], pol, base)
+    assert acts == [] and s.phase is Phase.PULL
+    s, acts = run([Tick(12.0)], pol, base)
+    assert kinds(acts) == ["RoundEnded"]
+    s, acts = run([ReadyChanged(5.0, False)], pol, base)
+    assert kinds(acts) == ["RoundEnded"] and s.phase is Phase.IDLE
+    # While not ready, requests queue and no round opens; readiness opens it.
+    s, acts = run([req(6.0, "a")], pol, s)
+    assert acts == [] and s.phase is Phase.IDLE
+    s, acts = run([ReadyChanged(7.0, True)], pol, s)
+    assert kinds(acts) == ["RoundOpened", "Admitted"]
+
+
+def test_refusals_leave_the_state_unchanged():
+    pol = policy(window_s=1.0, barrier=True)
+    s, _ = run([req(0.0, "a")], pol)
+    for bad, code in [(req(0.5, "a"), Refusal.PUSH_IN_FLIGHT),
+                      (req(0.5, "b", tokens=0), Refusal.INVALID_ARGUMENT),
+                      (req(0.5, "b", base=-1), Refusal.INVALID_ARGUMENT),
+                      (PushReported(0.5, "a", "other-id", True), Refusal.UNKNOWN_PUSH),
+                      (PushReported(0.5, "zz", "x", True), Refusal.UNKNOWN_PUSH)]:
+        with pytest.raises(Refused) as info:
+            step(s, bad, pol)
+        assert info.value.code is code
+    with pytest.raises(ValueError, match="not being updated|phase"):
+        step(s, UpdateFinished(1.0, 1, UpdateOutcome(1)), pol)
+
+
+def test_a_pulled_cluster_may_queue_for_the_next_round_under_the_barrier():
+    pol = policy(window_s=0.0, barrier=True)
+    s, _ = run([req(0.0, "a"), req(0.0, "b"), Tick(0.0)], pol)
+    s, _ = run([PushReported(1.0, c, s.current.slots[c].push_id, True) for c in "ab"], pol, s)
+    s, _ = run([UpdateFinished(2.0, 1, UpdateOutcome(1, ("a", "b"))), PullDone(3.0, "a")], pol, s)
+    with pytest.raises(Refused):
+        step(s, req(3.5, "b"), pol)  # b has not pulled yet
+    s, acts = run([req(3.5, "a")], pol, s)
+    assert acts == [] and slot_of(s, "a").round is None
+    s, acts = run([PullDone(4.0, "b")], pol, s)
+    assert kinds(acts) == ["RoundEnded", "RoundOpened", "Admitted"]
+
+
+def test_member_gone_fails_its_push_and_drops_its_request():
+    pol = policy(window_s=0.0)
+    s, _ = run([req(0.0, "a"), req(0.0, "b"), Tick(0.0), req(0.5, "c")], pol)
+    s, _ = run([PushReported(1.0, "a", s.current.slots["a"].push_id, True)], pol, s)
+    s, acts = run([MemberGone(2.0, "b", "heartbeat timeout"), MemberGone(2.0, "c", "left")],
+                  pol, s)
+    assert kinds(acts) == ["StartUpdate"] and s.queue == ()
+    assert {x.cluster_id: x.error for x in acts[0].slots}["b"] == "heartbeat timeout"
+
+
+def test_withdrawn_request_leaves_the_queue():
+    pol = policy(window_s=0.0)
+    s, _ = run([req(0.0, "a"), Tick(0.0), req(1.0, "b")], pol)
+    pid = s.queue[0].push_id
+    s, _ = run([PushWithdrawn(2.0, "b", pid)], pol, s)
+    assert s.queue == () and slot_of(s, "b") is None
+
+
+def test_decided_verdicts_are_reserved_by_push_id():
+    pol = replace(policy(window_s=0.0), verdicts_kept=2)
+    s = RoundState()
+    ids = []
+    for k, c in enumerate("abc"):
+        s, acts = run([req(10.0 * k, c), Tick(10.0 * k)], pol, s)
+        ids.append(s.current.slots[c].push_id)
+        s, _ = run([PushReported(10.0 * k + 1, c, ids[-1], True),
+                    UpdateFinished(10.0 * k + 2, k + 1, UpdateOutcome(k + 1, (c,)))], pol, s)
+    assert list(s.verdicts) == ids[1:]  # the oldest was dropped
+    s2, acts = run([PushReported(99.0, "c", ids[2], True)], pol, s)  # asking again is fine
+    assert acts == [] and s2.verdicts[ids[2]].accepted
+
+
+def test_dynamic_grace_uses_tau_star_once_estimated():
+    pol = policy(window_s=2.0, mode="dynamic", max_s=30.0)
+    s = RoundState()
+    # Requests every 0.25 s (λ = 4/s) and update + pull = 1 s (C_m = 1): τ* = ln(4)/4.
+    s, acts = run([req(0.0, "a"), req(0.25, "b"), req(0.5, "c")], pol, s)
+    assert acts[0].closes_at == 2.0  # no C_m yet: the fixed window
+    s, _ = run([Tick(2.0)], pol, s)
+    s, _ = run([PushReported(2.0, c, s.current.slots[c].push_id, True) for c in "abc"], pol, s)
+    s, _ = run([UpdateFinished(3.0, 1, UpdateOutcome(1, ("a", "b", "c")))], pol, s)
+    assert s.grace.miss_cost_s == 1.0
+    s, acts = run([req(0.75, "d")], pol, s)  # arrivals 0, .25, .5, .75 -> λ = 3 / 0.75 s
+    lam = 3 / 0.75
+    assert acts[0].closes_at == pytest.approx(0.75 + math.log(1.0 * lam) / lam)
+    assert grace_rules.window_s(s.grace, pol.grace) == pytest.approx(math.log(4) / 4)
+
+
+def test_step_never_mutates_its_input():
+    pol = policy(window_s=1.0)
+    s0 = RoundState()
+    s1, _ = step(s0, req(0.0, "a"), pol)
+    assert s0 == RoundState() and s1 is not s0
+    snapshot = s1
+    step(s1, Tick(1.0), pol)
+    assert s1 == snapshot and s1.phase is Phase.WINDOW
+
+
+EVENTS = st.lists(st.tuples(st.sampled_from(["req", "report", "fail", "update", "pull", "gone",
+                                             "tick", "ready", "unready"]),
+                            st.sampled_from("abcd"), st.floats(0.0, 3.0)), max_size=60)
+
+
+@settings(max_examples=200, deadline=None)
+@given(EVENTS, st.booleans(), st.floats(0.0, 2.0))
+def test_random_histories_keep_the_invariants(events, barrier, window):
+    """Every admitted push gets exactly one verdict; round numbers are consecutive; a cluster
+    never has two requests in flight; phases follow the cycle."""
+    pol = policy(window_s=window, barrier=barrier, push_timeout_s=5.0, pull_timeout_s=5.0)
+    s, now, version, n = RoundState(), 0.0, 0, 0
+    admitted, decided, opened = [], [], []
+    for kind, c, dt in events:
+        now += dt
+        n += 1
+        rnd = s.current
+        try:
+            if kind == "req":
+                ev = PushRequested(now, c, f"{c}{n}", 0, 10)
+            elif kind in ("report", "fail") and rnd and c in rnd.slots:
+                ev = PushReported(now, c, rnd.slots[c].push_id, kind == "report")
+            elif kind == "update" and s.phase is Phase.UPDATE:
+                ok = tuple(x for x, sl in sorted(rnd.slots.items()) if sl.ok)
+                version += bool(ok)
+                ev = UpdateFinished(now, rnd.number, UpdateOutcome(version, ok))
+            elif kind == "pull":
+                ev = PullDone(now, c)
+            elif kind == "gone":
+                ev = MemberGone(now, c, "left")
+            elif kind in ("ready", "unready"):
+                ev = ReadyChanged(now, kind == "ready")
+            else:
+                ev = Tick(now)
+            s, acts = step(s, ev, pol)
+        except Refused as exc:
+            assert exc.code in (Refusal.PUSH_IN_FLIGHT, Refusal.UNKNOWN_PUSH)
+            continue
+        for a in acts:
+            if isinstance(a, Admitted):
+                admitted.append(a.slot.push_id)
+            elif isinstance(a, Decided):
+                decided += [v.push_id for v in a.verdicts]
+            elif isinstance(a, RoundOpened):
+                opened.append(a.number)
+        busy = [q.cluster_id for q in s.queue]
+        assert len(busy) == len(set(busy))
+        assert (s.current is None) == (s.phase is Phase.IDLE)
+    assert opened == list(range(1, len(opened) + 1))
+    assert len(decided) == len(set(decided)) and set(decided) <= set(admitted)
+    pending = set(s.current.slots[c].push_id for c in s.current.slots) if s.current else set()
+    assert set(admitted) - set(decided) <= pending
+
+
+def test_a_member_that_left_may_request_again_while_its_old_push_is_decided():
+    pol = policy(window_s=0.0)
+    s, _ = run([req(0.0, "a"), req(0.0, "b"), Tick(0.0)], pol)
+    with pytest.raises(Refused):  # a pull outside the pull phase does not release a push
+        run([PullDone(0.5, "a"), req(0.6, "a")], pol, s)
+    s, _ = run([MemberGone(1.0, "a", "left"), req(1.5, "a")], pol, s)
+    assert slot_of(s, "a").round is None  # queued for the next round
