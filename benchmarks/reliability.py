@@ -48,7 +48,7 @@ def jsonl(path: Path) -> list[dict]:
 def measure(run_dir: Path, role: str, cid: str) -> dict:
     events = jsonl(run_dir / "events.jsonl")
     lead = jsonl(run_dir / "leader_events.jsonl")
-    steps = [r for r in jsonl(run_dir / "outer_steps.jsonl") if "round" in r]
+    steps = [r for r in jsonl(run_dir / "outer_steps.jsonl") if "round" in r and "event" not in r]
     fault = next(e for e in events if e["event"] == "fault")
     t0 = fault.get("fired_at", fault["time"])
     name = fault["process"]

@@ -114,7 +114,8 @@ def summarize(run_dir: Path) -> dict:
         per[cid] = {"wall_s": t1 - t0, "syncs": len(syncs), "idle_s": idle,
                     "idle_share": idle / max(t1 - t0, 1e-9),
                     "wait_s_mean": statistics.mean([r["wait_s"] for r in syncs]) if syncs else None}
-    steps = [json.loads(l) for l in (run_dir / "outer_steps.jsonl").read_text().splitlines()]
+    steps = [r for r in map(json.loads, (run_dir / "outer_steps.jsonl").read_text().splitlines())
+             if "event" not in r]  # one decision line per round
     applied = [s for s in steps if s.get("accepted")]
     stale = [s["version"] - 1 - s["base_versions"][c] for s in applied for c in s["accepted"]]
     taus = [s["window_s"] for s in steps if "window_s" in s]  # the window each round used

@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 from dips.algo import grace as grace_rules
 from dips.algo.refusal import Refusal, Refused
 from dips.algo.round import (Admitted, Decided, MemberGone, Phase, PullDone, PushReported,
-                             PushRequested, PushWithdrawn, ReadyChanged, RoundEnded, RoundOpened,
-                             RoundPolicy, RoundState, StartUpdate, Tick, UpdateFinished,
+                             PushRequested, PushWithdrawn, ReadyChanged, RoundOpened,
+                             RoundPolicy, RoundState, Tick, UpdateFinished,
                              UpdateOutcome, WindowClosed, next_deadline, slot_of, step)
 from dips.spec.protocol import GraceConfig
 
@@ -282,3 +282,64 @@ def test_a_member_that_left_may_request_again_while_its_old_push_is_decided():
         run([PullDone(0.5, "a"), req(0.6, "a")], pol, s)
     s, _ = run([MemberGone(1.0, "a", "left"), req(1.5, "a")], pol, s)
     assert slot_of(s, "a").round is None  # queued for the next round
+
+
+def test_a_follower_lost_in_window_or_push_ends_the_round_at_once():
+    pol = policy(window_s=5.0, push_timeout_s=60.0)
+    for lose_at, phase in ((1.0, Phase.WINDOW), (6.0, Phase.PUSH)):
+        s, _ = run([req(0.0, "a"), req(0.5, "b")], pol)
+        s, _ = run([PushReported(0.9, "a", s.current.slots["a"].push_id, True)], pol, s)
+        if phase is Phase.PUSH:
+            s, _ = run([Tick(5.0)], pol, s)
+        assert s.phase is phase
+        s, acts = run([ReadyChanged(lose_at, False, "follower 1 down")], pol, s)
+        assert kinds(acts)[-1] == "StartUpdate" and s.phase is Phase.UPDATE
+        assert {x.cluster_id: (x.ok, x.error) for x in acts[-1].slots} == {
+            "a": (False, "follower 1 down"), "b": (False, "follower 1 down")}
+        assert s.current.update_started == lose_at  # not the 60 s push timeout
+
+
+def test_push_deadline_follows_measured_push_times():
+    pol = policy(window_s=1.0, push_timeout_s=60.0)  # floor 2 s, slack 4
+    s, _ = run([req(0.0, "a", tokens=5), Tick(1.0)], pol)
+    assert s.current.push_deadline == 61.0  # nothing measured: the timeout
+    s, _ = run([PushReported(0.5, "a", s.current.slots["a"].push_id, True)], pol, s)
+    assert s.push_s == {"a": 0.5}
+    s, _ = run([UpdateFinished(1.2, 1, UpdateOutcome(1, ("a",))), req(10.0, "a")], pol, s)
+    assert s.current.slots["a"].expected_s == 0.5
+    s, acts = run([Tick(11.0)], pol, s)
+    assert s.current.push_deadline == 10.0 + 2.0 + 4 * 0.5  # admitted at 10
+    s, acts = run([PushReported(11.5, "a", s.current.slots["a"].push_id, True)], pol, s)
+    assert s.push_s["a"] == pytest.approx(0.5 * 1.5 + 0.5 * 0.5)  # EMA, alpha 0.5
+    # A member's own prediction serves only until the leader measured it.
+    s2, _ = run([PushRequested(0.0, "z", "pz", 0, 5, expected_s=3.0), Tick(1.0)], pol)
+    assert s2.current.push_deadline == 0.0 + 2.0 + 4 * 3.0
+    # A member without any prediction keeps the round at the timeout.
+    s3, _ = run([PushRequested(0.0, "z", "pz", 0, 5, expected_s=3.0), req(0.5, "y"),
+                 Tick(1.0)], pol)
+    assert s3.current.push_deadline == 61.0
+
+
+def test_push_deadline_never_exceeds_the_timeout_and_is_off_with_infinite_slack():
+    s, _ = run([PushRequested(0.0, "z", "pz", 0, 5, expected_s=100.0), Tick(1.0)],
+               policy(window_s=1.0, push_timeout_s=30.0))
+    assert s.current.push_deadline == 31.0
+    pol = replace(policy(window_s=1.0, push_timeout_s=math.inf), push_slack=math.inf)
+    s, _ = run([PushRequested(0.0, "z", "pz", 0, 5, expected_s=0.1), Tick(1.0)], pol)
+    assert s.current.push_deadline == math.inf
+
+
+def test_a_member_gone_before_the_update_is_dropped_even_if_delivered():
+    pol = policy(window_s=0.0)
+    s, _ = run([req(0.0, "a"), req(0.0, "b"), Tick(0.0)], pol)
+    s, _ = run([PushReported(0.5, "a", s.current.slots["a"].push_id, True)], pol, s)
+    s, acts = run([MemberGone(0.6, "a", "left"), PushReported(0.7, "b", s.current.slots["b"].push_id, True)],
+                  pol, s)
+    slots = {x.cluster_id: x for x in acts[-1].slots}
+    assert not slots["a"].ok and slots["a"].error == "left" and slots["b"].ok
+    # In the update phase it is too late: the slot stays as delivered (the caller credits it).
+    s2, _ = run([req(1.0, "c"), Tick(1.0)], pol, RoundState())
+    s2, _ = run([PushReported(1.1, "c", s2.current.slots["c"].push_id, True)], pol, s2)
+    assert s2.phase is Phase.UPDATE
+    s2, _ = run([MemberGone(1.2, "c", "left")], pol, s2)
+    assert s2.current.slots["c"].ok and s2.current.slots["c"].pulled

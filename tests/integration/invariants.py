@@ -67,5 +67,11 @@ def check_run(run_dir: Path, followers: int = 2, seq_len: int = 64) -> dict:
     accepted_tokens = sum(lead[v]["tokens"][c] for v in versions for c in lead[v]["accepted"])
     assert accepted_tokens == state["counts"]["tokens_accepted"], \
         f"{accepted_tokens} tokens behind applied versions != {state['counts']['tokens_accepted']}"
+    counts = state["counts"]
+    assert counts["updates_accepted"] <= counts["updates_pushed"], counts
+    assert counts["tokens_accepted"] <= counts["tokens_pushed"], counts
+    # Every decision line carries the ledger's T_j: windows x tokens per window.
+    for v in versions:
+        assert all(t % seq_len == 0 and t > 0 for t in lead[v]["tokens"].values()), lead[v]
     assert summary["eval_loss_final"] < summary["eval_loss_initial"] - 0.3
     return {"summary": summary, "final_version": final, "state": state}

@@ -79,14 +79,20 @@ def test_followers_agree_on_every_outer_step(run_dir):
 
 def test_outer_step_log_has_phases_and_weights(run_dir):
     recs = _jsonl(run_dir / "outer_steps.jsonl")
-    assert recs
-    for r in recs:
-        for key in ("version", "clusters", "accepted", "rejected", "weights", "clip_factor",
-                    "push_s", "update_s", "pull_s"):
+    decisions = [r for r in recs if "event" not in r]
+    ends = {r["round"]: r for r in recs if r.get("event") == "round_end"}
+    assert decisions
+    for r in decisions:  # written when decided, before any follower commits
+        for key in ("round", "version", "clusters", "accepted", "rejected", "weights",
+                    "clip_factor", "tokens", "window_s", "push_s", "update_s"):
             assert key in r, key
         if r["accepted"]:
             assert abs(sum(r["weights"].values()) - 1.0) < 1e-9
             assert 0 < r["clip_factor"] <= 1.0
+    for n, end in ends.items():  # every ended round was decided first
+        assert any(r["round"] == n for r in decisions)
+        for key in ("version", "commit_failed", "update_s", "pull_s", "grace"):
+            assert key in end, key
 
 
 def test_clusters_logged_steps_pushes_and_stage_workers(run_dir):

@@ -18,8 +18,7 @@ import pytest
 from pydantic import ValidationError
 
 from dips.spec import (ClusterConfig, GraceConfig, LeaderConfig, LinkConfig, RateChange, RunConfig,
-                       RunSpec, Scenario, SpecError, Transient, load_config, load_scenario,
-                       load_yaml)
+                       RunSpec, Scenario, SpecError, Transient, load_config, load_scenario)
 
 pytestmark = pytest.mark.timeout(60)
 ROOT = Path(__file__).resolve().parents[2]

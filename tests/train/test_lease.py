@@ -48,3 +48,14 @@ def test_no_data_and_wanted():
     assert s.positions() == {3: 23}                  # nothing consumed
     with pytest.raises(ValueError, match="chunk=9"):
         s.set_holdings([(9, 0)])
+
+
+def test_draining_trains_the_last_windows_in_a_short_batch():
+    s = _sampler()
+    s.set_holdings([(3, 23)])                        # 2 windows left, a batch needs 4
+    s.drain = True
+    b = s.next_batch()
+    assert tuple(b.shape) == (2, 10) and s.positions() == {3: 25} and not s.drain
+    with pytest.raises(NoData):                      # nothing left: draining gives nothing
+        s.drain = True
+        s.next_batch()

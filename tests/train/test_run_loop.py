@@ -209,6 +209,7 @@ class _Client:
 
     def __init__(self, results: list) -> None:
         self.results, self.calls, self.maintained = results, [], 0
+        self.flushed, self.flush_result = 0, None
 
     def step_done(self, tokens, loss):
         self.calls.append((tokens, loss))
@@ -217,6 +218,10 @@ class _Client:
     def maintain(self):
         self.maintained += 1
         return True
+
+    def flush(self):
+        self.flushed += 1
+        return self.flush_result
 
 
 def test_dips_sync_reports_pushes_and_leases_when_starved(tiny_cfg, tokens, tmp_path):
@@ -240,9 +245,12 @@ def test_dips_sync_reports_pushes_and_leases_when_starved(tiny_cfg, tokens, tmp_
                                "tokens": 3 * TPB, "score": 0.5, "reason": "ok", "push_s": 0.1235,
                                "wait_s": 0.2, "pull_s": 0.3}
     assert [t for t, _ in client.calls] == [TPB] * 3
-    # Starved: lease more; with still nothing held, wait (cut short here by stop).
+    # Starved: push what was trained (fewer than H steps), lease more; with still nothing
+    # held, wait (cut short here by stop).
     trainer.batches = LeaseSampler(tokens, make_chunks(tokens.size, 8), T, B, seed=0)
     stop.set()
-    DiPSSync(client).starved(trainer, stop)  # type: ignore[arg-type]
-    assert client.maintained == 1
+    assert DiPSSync(client).starved(trainer, stop) == {}  # type: ignore[arg-type]
+    assert client.maintained == 1 and client.flushed == 1
+    client.flush_result = res
+    assert DiPSSync(client).starved(trainer, stop)["push"]["version"] == 4  # type: ignore[arg-type]
     assert not DiPSSync(client).before_step(trainer, stop)  # type: ignore[arg-type]

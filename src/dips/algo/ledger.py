@@ -102,12 +102,15 @@ class ChunkLedger:
             out.append((i, self.chunks[i].accepted))
         return out
 
-    def report(self, cluster: str, progress: dict[int, int]) -> None:
-        """Record that ``cluster``'s push trained chunk → window position ``progress``.
+    def windows_in(self, cluster: str, progress: dict[int, int]) -> int:
+        """Windows that ``progress`` (chunk → window position reached) trained beyond the
+        accepted positions: what a push with this report carries (§6: T_j = these windows ×
+        tokens per window). Changes nothing.
 
         Raises LedgerError if a chunk is not held by ``cluster``, or a position is before the
-        accepted one or past the chunk's end. Replaces an earlier unresolved report.
+        accepted one or past the chunk's end.
         """
+        total = 0
         for chunk, upto in progress.items():
             if not 0 <= chunk < self.num_chunks:
                 raise LedgerError(f"report field 'chunk' = {chunk} not in [0, {self.num_chunks})")
@@ -117,7 +120,18 @@ class ChunkLedger:
             if not c.accepted <= upto <= self.windows_per_chunk:
                 raise LedgerError(f"report: chunk {chunk} position {upto} not in "
                                   f"[{c.accepted}, {self.windows_per_chunk}]")
+            total += upto - c.accepted
+        return total
+
+    def report(self, cluster: str, progress: dict[int, int]) -> int:
+        """Record that ``cluster``'s push trained chunk → window position ``progress``; returns
+        the windows it carries (:meth:`windows_in`). Replaces an earlier unresolved report.
+
+        Raises LedgerError as :meth:`windows_in` (nothing is recorded then).
+        """
+        windows = self.windows_in(cluster, progress)
         self.pending[cluster] = dict(progress)
+        return windows
 
     def resolve(self, cluster: str, accepted: bool, version: int | None = None) -> int:
         """Settle ``cluster``'s pending report; returns the windows newly accepted (0 if none).

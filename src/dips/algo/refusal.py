@@ -39,6 +39,8 @@ class Refusal(enum.IntEnum):
     NO_LEDGER = 9
     #: The request contradicts the data-chunk ledger (e.g. a position behind the accepted one).
     LEDGER_CONFLICT = 10
+    #: A push with no window trained since the cluster's last accepted push (T_j would be 0).
+    NOTHING_TRAINED = 11
 
 
 class Refused(Exception):

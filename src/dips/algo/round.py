@@ -42,7 +42,7 @@ from dips.algo.round_types import (
     Event, RoundOpened, Admitted, WindowClosed, StartUpdate, Decided, RoundEnded, Action)
 
 __all__ = [
-    "step", "next_deadline", "slot_of", "Phase", "RoundPolicy", "Slot", "Round", "Verdict",
+    "step", "next_deadline", "slot_of", "push_deadline", "verdicts_of", "Phase", "RoundPolicy", "Slot", "Round", "Verdict",
     "UpdateOutcome", "RoundState", "PushRequested", "PushWithdrawn", "PushReported",
     "UpdateFinished", "PullDone", "MemberGone", "ReadyChanged", "Tick", "Event",
     "RoundOpened", "Admitted", "WindowClosed", "StartUpdate", "Decided", "RoundEnded",
@@ -106,10 +106,13 @@ def _on_request(state: RoundState, ev: PushRequested, policy: RoundPolicy,
     arrivals = state.grace
     if not arrivals.arrivals or ev.now >= arrivals.arrivals[-1]:  # λ of §7; a clock step back is ignored
         arrivals = grace_rules.observe_request(arrivals, ev.now)
-    slot = Slot(ev.cluster_id, ev.push_id, ev.base_version, ev.tokens, ev.now)
+    # What the leader measured wins over the member's own prediction (which only serves a
+    # member without history and can never extend a round beyond push_timeout_s).
+    expected = state.push_s.get(ev.cluster_id, ev.expected_s)
+    slot = Slot(ev.cluster_id, ev.push_id, ev.base_version, ev.tokens, ev.now, expected)
     state = replace(state, grace=arrivals)
     if state.phase is Phase.WINDOW and mine is None:  # one push per cluster and round
-        return _admit(state, [slot], actions)
+        return _admit(state, [slot], actions, ev.now)
     return replace(state, queue=(*state.queue, slot))
 
 
@@ -129,6 +132,12 @@ def _on_reported(state: RoundState, ev: PushReported, policy: RoundPolicy,
                                             f"{ev.cluster_id!r} is not part of the current round")
     if slot.done or state.phase not in (Phase.WINDOW, Phase.PUSH):
         return state  # its fate is sealed (timed out, or the round is being decided)
+    if ev.ok and slot.admitted_at is not None:  # how long this member's pushes take
+        took = max(ev.now - slot.admitted_at, 0.0)
+        old = state.push_s.get(ev.cluster_id)
+        a = policy.estimate_alpha
+        state = replace(state, push_s={**state.push_s, ev.cluster_id:
+                                       took if old is None else a * took + (1 - a) * old})
     return _with_slot(state, replace(slot, done=True, ok=ev.ok, error=ev.error))
 
 
@@ -138,22 +147,14 @@ def _on_update_finished(state: RoundState, ev: UpdateFinished, policy: RoundPoli
     if state.phase is not Phase.UPDATE or rnd is None or rnd.number != ev.round:
         raise ValueError(f"update of round {ev.round} finished, but the machine is in phase "
                          f"{state.phase.value} of round {rnd.number if rnd else None}")
-    out = ev.outcome
-    accepted = set(out.accepted)
-    verdicts = []
-    for c in sorted(rnd.slots):
-        s = rnd.slots[c]
-        ok = c in accepted
-        reason = "accepted" if ok else out.invalid.get(c, out.error or "penalty: score above threshold")
-        verdicts.append(Verdict(s.push_id, c, rnd.number, ok, out.version, reason,
-                                out.scores.get(c), out.threshold, out.clip_factor))
+    verdicts = verdicts_of(rnd, ev.outcome)
     kept = dict(state.verdicts)
     for v in verdicts:
         kept[v.push_id] = v
     while len(kept) > policy.verdicts_kept:
         del kept[next(iter(kept))]
-    actions.append(Decided(rnd.number, tuple(verdicts)))
     rnd = replace(rnd, update_done=ev.now, pull_deadline=ev.now + policy.pull_timeout_s)
+    actions.append(Decided(rnd.number, tuple(verdicts), rnd))
     return replace(state, phase=Phase.PULL, current=rnd, verdicts=kept)
 
 
@@ -171,14 +172,28 @@ def _on_gone(state: RoundState, ev: MemberGone, policy: RoundPolicy,
     slot = state.current.slots.get(ev.cluster_id) if state.current else None
     if slot is None:
         return state
-    if not slot.done:
+    if not slot.done or state.phase in (Phase.WINDOW, Phase.PUSH):
+        # Dropped from the round even if delivered: its data chunks go back to the ledger
+        # now, so its push must not be applied too (issue 10). In the update phase it is too
+        # late to drop it: the caller credits it instead (its chunks wait for the verdict).
         slot = replace(slot, done=True, ok=False, error=ev.reason)
     return _with_slot(state, replace(slot, pulled=True))
 
 
 def _on_ready(state: RoundState, ev: ReadyChanged, policy: RoundPolicy,
               actions: list[Action]) -> RoundState:
-    return replace(state, ready=ev.ready)
+    state = replace(state, ready=ev.ready)
+    rnd = state.current
+    if ev.ready or rnd is None or state.phase not in (Phase.WINDOW, Phase.PUSH):
+        return state
+    # A follower down or restarted: no push of this round can complete on every shard, so the
+    # round ends now instead of at its deadline (§12: a fault stays a local event).
+    if state.phase is Phase.WINDOW:
+        actions.append(WindowClosed(rnd.number, ev.now))
+    failed = {c: replace(s, done=True, ok=False, error=ev.reason)
+              for c, s in rnd.slots.items() if not s.done or s.ok}
+    return replace(state, phase=Phase.PUSH,
+                   current=replace(rnd, slots={**rnd.slots, **failed}, push_deadline=ev.now))
 
 
 def _on_tick(state: RoundState, ev: Tick, policy: RoundPolicy,
@@ -188,7 +203,7 @@ def _on_tick(state: RoundState, ev: Tick, policy: RoundPolicy,
         return state
     if state.phase is Phase.WINDOW and ev.now >= rnd.closes_at:
         actions.append(WindowClosed(rnd.number, ev.now))
-        rnd = replace(rnd, push_deadline=ev.now + policy.push_timeout_s)
+        rnd = replace(rnd, push_deadline=push_deadline(rnd, ev.now, policy))
         return replace(state, phase=Phase.PUSH, current=rnd)
     if state.phase is Phase.PUSH and ev.now >= rnd.push_deadline:
         late = {c: replace(s, done=True, ok=False, error="push not delivered in time")
@@ -209,11 +224,37 @@ def _with_slot(state: RoundState, slot: Slot) -> RoundState:
     return replace(state, current=replace(rnd, slots={**rnd.slots, slot.cluster_id: slot}))
 
 
-def _admit(state: RoundState, slots: list[Slot], actions: list[Action]) -> RoundState:
+def push_deadline(rnd: Round, closed_at: float, policy: RoundPolicy) -> float:
+    """When round ``rnd``'s push phase gives up on missing pushes (seconds): every member gets
+    ``push_floor_s + push_slack ×`` its predicted push time from its admission, the round at
+    most ``push_timeout_s`` after the close; without predictions, the timeout."""
+    bound = closed_at + policy.push_timeout_s
+    known = [s for s in rnd.slots.values() if s.expected_s is not None and s.admitted_at is not None]
+    if not known or len(known) < len(rnd.slots) or policy.push_slack == float("inf"):
+        return bound
+    due = max(s.admitted_at + policy.push_floor_s + policy.push_slack * s.expected_s for s in known)
+    return min(bound, max(closed_at, due))
+
+
+def verdicts_of(rnd: Round, outcome: UpdateOutcome) -> tuple[Verdict, ...]:
+    """One verdict per admitted push of ``rnd`` from its update's ``outcome`` (cluster order)."""
+    accepted = set(outcome.accepted)
+    out = []
+    for c in sorted(rnd.slots):
+        s = rnd.slots[c]
+        ok = c in accepted
+        reason = "accepted" if ok else outcome.invalid.get(
+            c, outcome.error or "penalty: score above threshold")
+        out.append(Verdict(s.push_id, c, rnd.number, ok, outcome.version, reason,
+                           outcome.scores.get(c), outcome.threshold, outcome.clip_factor))
+    return tuple(out)
+
+
+def _admit(state: RoundState, slots: list[Slot], actions: list[Action], now: float) -> RoundState:
     rnd = state.current
     admitted = {}
     for s in slots:
-        s = replace(s, round=rnd.number)
+        s = replace(s, round=rnd.number, admitted_at=now)
         admitted[s.cluster_id] = s
         actions.append(Admitted(s))
     return replace(state, current=replace(rnd, slots={**rnd.slots, **admitted}))
@@ -233,7 +274,7 @@ def _advance(state: RoundState, ev: Event, policy: RoundPolicy,
             actions.append(RoundOpened(number, now, closes))
             queued, state = state.queue, replace(state, phase=Phase.WINDOW, rounds=number, queue=(),
                                                  current=Round(number, now, closes))
-            state = _admit(state, list(queued), actions)
+            state = _admit(state, list(queued), actions, now)
         elif state.phase is Phase.PUSH and all(s.done for s in rnd.slots.values()):
             actions.append(StartUpdate(rnd.number, tuple(rnd.slots[c] for c in sorted(rnd.slots))))
             state = replace(state, phase=Phase.UPDATE, current=replace(rnd, update_started=now))

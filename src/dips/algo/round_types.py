@@ -29,14 +29,23 @@ class RoundPolicy:
     Attributes:
         grace: a :class:`dips.spec.GraceConfig` (``mode``, ``window_s``, ``max_s`` seconds,
             ``pull_barrier``).
-        push_timeout_s: seconds after the window closes that pushes may still arrive.
+        push_timeout_s: the longest a round waits for its pushes after the window closes,
+            seconds (the bound while nothing is measured).
         pull_timeout_s: seconds the pull barrier waits for the round's pulls.
+        push_slack / push_floor_s: once push times are measured, a round waits
+            ``push_floor_s + push_slack × (longest predicted push of its members)`` after the
+            window closes (never more than ``push_timeout_s``): a dead or stalled push fails in
+            seconds, not at a fixed timeout. ``push_slack`` inf: no deadline but the timeout.
+        estimate_alpha: weight of the newest measured push time in a member's estimate.
         verdicts_kept: verdicts remembered by push id (re-served to a client that asks again).
     """
 
     grace: Any
     push_timeout_s: float = 60.0
     pull_timeout_s: float = 60.0
+    push_slack: float = 4.0
+    push_floor_s: float = 2.0
+    estimate_alpha: float = 0.5
     verdicts_kept: int = 1024
 
 
@@ -45,6 +54,7 @@ class Slot:
     """One push request: queued (``round`` None) or admitted into round ``round``.
 
     ``tokens``: T_j, the push's aggregation weight (tokens). ``requested_at``: seconds.
+    ``expected_s``: predicted push seconds (None: unknown). ``admitted_at``: seconds.
     ``done``/``ok``/``error``: the push was reported delivered (ok) or failed (error).
     ``pulled``: the cluster pulled the round's version (or gave up, or left).
     """
@@ -54,7 +64,9 @@ class Slot:
     base_version: int
     tokens: int
     requested_at: float
+    expected_s: float | None = None
     round: int | None = None
+    admitted_at: float | None = None
     done: bool = False
     ok: bool = False
     error: str = ""
@@ -119,7 +131,8 @@ class RoundState:
 
     ``rounds``: rounds opened so far (the last round's number). ``ready``: the followers are
     all registered, up and reconciled (reported by the caller). ``verdicts``: push id ->
-    verdict, the most recent ``policy.verdicts_kept``.
+    verdict, the most recent ``policy.verdicts_kept``. ``push_s``: cluster -> moving average
+    of its measured push seconds (admission to report).
     """
 
     phase: Phase = Phase.IDLE
@@ -129,18 +142,21 @@ class RoundState:
     current: Round | None = None
     grace: GraceState = GraceState()
     verdicts: Mapping[str, Verdict] = field(default_factory=dict)
+    push_s: Mapping[str, float] = field(default_factory=dict)
 
 
 # ----- events ----------------------------------------------------------------------------
 @dataclass(frozen=True)
 class PushRequested:
-    """A member asks to push (§6 step 1): T_j = ``tokens``, trained from ``base_version``."""
+    """A member asks to push (§6 step 1): T_j = ``tokens``, trained from ``base_version``;
+    ``expected_s``: the push time the member predicts from its own link (None: unknown)."""
 
     now: float
     cluster_id: str
     push_id: str
     base_version: int
     tokens: int
+    expected_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -192,10 +208,12 @@ class MemberGone:
 
 @dataclass(frozen=True)
 class ReadyChanged:
-    """The followers became ready (all up and reconciled) or stopped being ready."""
+    """The followers became ready (all up and reconciled) or stopped being ready (``reason``:
+    e.g. a follower down or restarted; the round in flight then ends at once)."""
 
     now: float
     ready: bool
+    reason: str = "followers not ready"
 
 
 @dataclass(frozen=True)
@@ -244,10 +262,12 @@ class StartUpdate:
 
 @dataclass(frozen=True)
 class Decided:
-    """Round ``number`` was decided: one verdict per admitted push."""
+    """Round ``number`` was decided: one verdict per admitted push; ``rnd`` the round as it
+    was decided (its phase times)."""
 
     number: int
     verdicts: tuple[Verdict, ...]
+    rnd: Round | None = None
 
 
 @dataclass(frozen=True)

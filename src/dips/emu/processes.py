@@ -50,7 +50,7 @@ def run_leader(run_dir: Path) -> None:
     ledger = ChunkLedger(cfg.data.num_chunks, spec.windows_per_chunk)
     leader = Leader(LeaderConfig.from_run(cfg), lambda e: FollowerControlClient(e.control_endpoint, secret,
                                                           cfg.timeouts.rpc_s),
-                    run_dir, ledger=ledger)
+                    run_dir, ledger=ledger, tokens_per_window=cfg.inner.seq_len)
 
     def entry(info: Any) -> FollowerEntry:
         return FollowerEntry(info.index, info.data_endpoint, info.control_endpoint,

@@ -114,8 +114,9 @@ def run_dips(scenario: Scenario, out_dir: Path, method: str = "di-ps") -> Method
     grace, pcfg, outer = variant_settings(s, method)
     world = World(s, out_dir, method)
     ps = InProcessPS(world, s.followers, outer.lr, outer.momentum)
-    # Pushes and pulls in virtual time always arrive: no timeouts.
-    policy = RoundPolicy(grace, push_timeout_s=math.inf, pull_timeout_s=math.inf)
+    # Pushes and pulls in virtual time always arrive: no timeouts, no push deadlines.
+    policy = RoundPolicy(grace, push_timeout_s=math.inf, pull_timeout_s=math.inf,
+                         push_slack=math.inf)
     lat, nbytes, H = s.timing.latency_s, world.transfer_bytes, s.inner.H
     by_id = {c.spec.id: c for c in world.clusters}
     base_version = {cid: 0 for cid in by_id}

@@ -35,7 +35,6 @@ import logging
 import math
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
 import grpc
@@ -44,12 +43,12 @@ import torch
 from dips.algo import partition_contiguous
 from dips.algo.refusal import Refusal
 from dips.roles import failpoints
+from dips.roles.client_sync import (REASK_S, PendingVerdict, PullFailed, SyncMixin, TransferTimes)
 from dips.roles.cluster import StageWorker, SyncResult
 from dips.roles.layers import group_layers
 from dips.roles.layers import layer_of as default_layer_of
 from dips.wire.pb import control_pb2 as pb
 from dips.wire.control import refusal_of
-from dips.wire.dataplane import DataPlaneError
 from dips.wire.services import leader_client
 
 log = logging.getLogger(__name__)
@@ -64,7 +63,7 @@ class LedgerData(Protocol):
     def wanted(self) -> int: ...
 
 
-class ClusterClient:
+class ClusterClient(SyncMixin):
     """One cluster's connection to the Di-PS leader and followers.
 
     Args:
@@ -116,6 +115,10 @@ class ClusterClient:
         self._hb_thread: threading.Thread | None = None
         self._rejoin = threading.Event()
         self._pending_pull: int | None = None
+        self._pending_verdict: PendingVerdict | None = None
+        self._resolved: SyncResult | None = None  # a pending verdict that arrived in maintain
+        self._xfer = TransferTimes()
+        self._leader_push_timeout_s = 0.0
         self._verdict_holdings: list[tuple[int, int]] = []
         self._retry_at = 0.0
         self._backoff_s = 0.5
@@ -145,6 +148,7 @@ class ClusterClient:
                 cluster_id=self.cluster_id,
                 stages=[pb.StageLayers(layers=s) for s in self.stage_layers]))
             self._connect(reply.followers)
+            self._leader_push_timeout_s = reply.push_timeout_s
             if self._hb_interval is None:
                 self._hb_interval = reply.heartbeat_interval_s or 1.0
             try:
@@ -155,7 +159,7 @@ class ClusterClient:
                 continue
             self.joins += 1
             self._rejoin.clear()
-            self._pending_pull = None
+            self._pending_pull = self._pending_verdict = None
             self._last_sync_step = self.inner_step
             if self.data is not None:
                 self.data.set_holdings([])
@@ -206,20 +210,34 @@ class ClusterClient:
         self.tokens_since_pull += tokens
         if loss is not None:
             self.last_loss = float(loss)
-        if not self.maintain():
+        ready = self.maintain()
+        if self._resolved is not None:  # a verdict asked again has arrived: report it
+            res, self._resolved = self._resolved, None
+            return res
+        if not ready:
             return None
         if self.inner_step - self._last_sync_step >= self.H and time.monotonic() >= self._retry_at:
             return self.sync()
         return None
 
-    def maintain(self) -> bool:
-        """Re-join if the leader forgot this cluster, lease chunks the data source wants.
+    def flush(self) -> SyncResult | None:
+        """Push what was trained since the last sync now, even if fewer than H inner steps
+        (the data ran out: the chunks can only finish, and a new epoch begin, once these
+        windows are accepted). Returns the result, or None if there is nothing to push."""
+        if (self.inner_step == self._last_sync_step or self._pending_verdict is not None
+                or not self.maintain() or time.monotonic() < self._retry_at):
+            return None
+        return self.sync()
 
-        Returns False while a re-join is pending (then no push is attempted). Never blocks
-        longer than one short RPC; failures are retried with backoff.
+    def maintain(self) -> bool:
+        """Re-join if the leader forgot this cluster, ask again for a pending verdict, retry a
+        pending pull, lease chunks the data source wants.
+
+        Returns False while a re-join or a verdict is pending (then no push is attempted).
+        Never blocks longer than one short RPC; failures are retried with backoff.
         """
         if time.monotonic() < self._retry_at:
-            return not self._rejoin.is_set()
+            return not self._rejoin.is_set() and self._pending_verdict is None
         if self._rejoin.is_set():
             if failpoints.link_down():
                 self._fail("link down")
@@ -230,6 +248,12 @@ class ClusterClient:
             except (grpc.RpcError, RuntimeError) as exc:
                 self._fail(f"re-join failed: {exc}")
                 return False
+        if self._pending_verdict is not None:
+            res = self.resolve(self._pending_verdict, REASK_S)
+            if self._pending_verdict is not None or self._rejoin.is_set():
+                return False
+            self._resolved = res
+            return True
         if self._pending_pull is not None:
             try:
                 self._pull(self._pending_pull)
@@ -254,122 +278,6 @@ class ClusterClient:
         self._retry_at = time.monotonic() + self._backoff_s
         self._backoff_s = min(10.0, self._backoff_s * 2)
         log.info("cluster %s: %s; retrying in %.1f s", self.cluster_id, reason, self._backoff_s)
-
-    def sync(self) -> SyncResult:
-        """Push the local θ, wait for the outer step's verdict, pull the new global θ.
-
-        Never raises for transport failures: returns ``SyncResult(ok=False, reason=...)``,
-        keeps the local model and schedules a retry with backoff, so training goes on.
-        """
-        t0 = time.monotonic()
-        tokens = self.tokens_since_pull
-        if failpoints.link_down():
-            self._fail("link down")
-            return SyncResult(False, self.version, -1, tokens, ok=False, reason="link down")
-        progress = [pb.ChunkPos(chunk=c, position=p) for c, p in
-                    sorted(self.data.positions().items())] if self.data is not None else []
-        try:
-            grant = self._leader.RequestPush(pb.PushRequest(
-                cluster_id=self.cluster_id, base_version=max(self.version, 0),
-                tokens=max(tokens, 1), inner_steps=self.inner_step, progress=progress),
-                timeout=self.admit_timeout_s)
-        except grpc.RpcError as exc:
-            if refusal_of(exc) is Refusal.NOT_JOINED:
-                self._rejoin.set()
-            reason = f"push request failed: {exc.code().name}: {exc.details()}"
-            self._fail(reason)
-            return SyncResult(False, self.version, -1, tokens, ok=False, reason=reason)
-        failpoints.hit("push")
-        error = self._run_stages(grant, max(tokens, 1))
-        failpoints.hit("update")
-        t1 = time.monotonic()
-        try:
-            v = self._leader.PushDone(pb.PushDoneRequest(
-                cluster_id=self.cluster_id, push_id=grant.push_id, ok=error is None,
-                error=error or ""), timeout=self.timeout_s)
-        except grpc.RpcError as exc:
-            reason = f"verdict failed: {exc.code().name}: {exc.details()}"
-            self._fail(reason)
-            return SyncResult(False, self.version, grant.round, tokens, ok=False,
-                              push_s=t1 - t0, reason=reason)
-        t2 = time.monotonic()
-        result = SyncResult(v.accepted, v.version, v.round, tokens,
-                            score=v.score if v.has_score else None,
-                            threshold=None if math.isnan(v.threshold) else v.threshold,
-                            clip_factor=v.clip_factor if v.accepted else None, reason=v.reason,
-                            push_s=t1 - t0, wait_s=t2 - t1)
-        if self.data is not None:
-            self._verdict_holdings = [(h.chunk, h.position) for h in v.holdings]
-            self.data.set_holdings(self._verdict_holdings)
-        # From the verdict on, T_j counts only what the ledger will count (windows after the
-        # accepted positions), even if the pull below has to be retried.
-        self.tokens_since_pull = 0
-        self._last_sync_step = self.inner_step
-        failpoints.hit("pull")
-        try:
-            self._pull(v.version)
-            self._leader.PullDone(pb.PullDoneRequest(cluster_id=self.cluster_id,
-                                                     version=v.version))
-            self._backoff_s = 0.5
-        except (ValueError, TimeoutError, RuntimeError, grpc.RpcError) as exc:
-            result.ok = False
-            result.reason += f"; pull failed: {exc}"
-            self._pending_pull = v.version
-            self._fail("pull failed")
-            try:  # tell the leader not to wait for this pull (version -1: gave up)
-                self._leader.PullDone(pb.PullDoneRequest(cluster_id=self.cluster_id, version=-1),
-                                      timeout=2.0)
-            except grpc.RpcError:
-                pass
-        result.pull_s = time.monotonic() - t2
-        return result
-
-    def _run_stages(self, grant: pb.PushGrant, tokens: int) -> str | None:
-        """Push through every stage worker; returns None, or what failed (for the leader)."""
-        plans: list[list[tuple[str, int]]] = [[] for _ in self._stages]
-        for step in grant.schedule:
-            for t in step.transfers:
-                plans[t.stage].append((t.layer, t.follower))
-        failures = self._guard(_in_threads(
-            [lambda s=s, p=p: s.push(self.cluster_id, grant.round, grant.push_id, p, tokens)
-             for s, p in zip(self._stages, plans)], self.timeout_s))
-        return None if failures is None else str(failures)
-
-    def _guard(self, failures: StageFailures | None) -> StageFailures | None:
-        """After a stage worker overran its deadline, replace every stage worker: a ZeroMQ
-        socket must never be used by two threads, and the stuck thread still owns its own."""
-        if failures is not None and failures.overran:
-            followers = [pb.FollowerInfo(index=i, data_endpoint=ep)
-                         for i, ep in self._endpoints.items()]
-            self._stages = []
-            self._connect(followers, keep_owner=True)
-        return failures
-
-    def _pull(self, version: int) -> None:
-        results: list[dict[str, torch.Tensor]] = [{} for _ in self._stages]
-
-        def fetch(i: int, stage: StageWorker) -> None:
-            results[i] = stage.pull(version, self._owner)
-
-        failures = self._guard(_in_threads([lambda i=i, s=s: fetch(i, s)
-                                            for i, s in enumerate(self._stages)], self.timeout_s))
-        if failures is not None:
-            raise PullFailed(version, failures)
-
-        def load(stage: StageWorker, tensors: dict[str, torch.Tensor]) -> None:
-            with torch.no_grad():
-                for params in stage.layers.values():
-                    for n, p in params:
-                        p.copy_(tensors[n])
-
-        # Every stage's tensors arrived and were verified: now widen BF16 into the FP32
-        # parameters, one thread per stage (torch releases the GIL: the copies run in parallel).
-        failures = _in_threads([lambda s=s, t=t: load(s, t) for s, t in zip(self._stages, results)],
-                               self.timeout_s)
-        if failures is not None:  # only a timeout or a bug can get here; the model may be partly loaded
-            raise PullFailed(version, failures, loading=True)
-        self.version = version
-        self.tokens_since_pull = 0
 
     def _start_heartbeat(self) -> None:
         if self._hb_thread is not None:
@@ -411,58 +319,3 @@ class ClusterClient:
         for s in self._stages:
             s.close()
         self._leader.close()
-
-
-@dataclass
-class StageFailures:
-    """What went wrong in a parallel run of the stage workers.
-
-    ``errors``: (stage index, exception) of each stage that raised; ``overran``: some stage
-    worker was still running at the deadline (its sockets must not be reused).
-    """
-
-    errors: list[tuple[int, BaseException]] = field(default_factory=list)
-    overran: bool = False
-    timeout_s: float = 0.0
-
-    def refusals(self) -> set[Refusal]:
-        """The refusal codes the followers answered with."""
-        return {e.code for _, e in self.errors if isinstance(e, DataPlaneError)}
-
-    def __str__(self) -> str:
-        parts = [f"stage {i}: {e}" for i, e in self.errors]
-        if self.overran:
-            parts.append(f"stage workers still running after {self.timeout_s} s")
-        return "; ".join(parts)
-
-
-class PullFailed(RuntimeError):
-    """A pull did not complete; ``failures`` says why (the model was not modified, except
-    when ``loading`` is True: the widening into the parameters itself failed)."""
-
-    def __init__(self, version: int, failures: StageFailures, loading: bool = False) -> None:
-        super().__init__(f"{'loading' if loading else 'pull of'} version {version} failed: {failures}")
-        self.version, self.failures, self.loading = version, failures, loading
-
-
-def _in_threads(jobs: list[Callable[[], None]], timeout_s: float) -> StageFailures | None:
-    """Run jobs in parallel threads; returns their failures, or None if all succeeded."""
-    failures = StageFailures(timeout_s=timeout_s)
-    lock = threading.Lock()
-
-    def run(i: int, job: Callable[[], None]) -> None:
-        try:
-            job()
-        except Exception as exc:
-            with lock:
-                failures.errors.append((i, exc))
-
-    threads = [threading.Thread(target=run, args=(i, j), daemon=True) for i, j in enumerate(jobs)]
-    for t in threads:
-        t.start()
-    deadline = time.monotonic() + timeout_s
-    for t in threads:
-        t.join(max(0.0, deadline - time.monotonic()))
-    failures.overran = any(t.is_alive() for t in threads)
-    with lock:
-        return failures if failures.errors or failures.overran else None

@@ -111,6 +111,12 @@ class StageWorker:
         self._clients = {f: DataClient(key, ep, timeout_s, limiter) for f, ep in endpoints.items()}
         self._bf16: dict[str, torch.Tensor] = {}
 
+    def set_timeout(self, timeout_s: float) -> None:
+        """Wait at most ``timeout_s`` seconds for each reply (and a busy link) from now on."""
+        self.timeout_s = timeout_s
+        for c in self._clients.values():
+            c.set_timeout(timeout_s)
+
     def _buffer(self, name: str, p: torch.Tensor) -> torch.Tensor:
         buf = self._bf16.get(name)
         if buf is None:  # touched once, then reused by every push and pull

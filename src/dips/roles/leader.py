@@ -19,7 +19,6 @@ decision and round and resumes from it after a restart.
 
 from __future__ import annotations
 
-import json
 import logging
 import secrets
 import threading
@@ -29,7 +28,6 @@ from pathlib import Path
 from typing import Any, Callable
 
 from dips.algo import ScheduleBook
-from dips.algo import grace as grace_rules
 from dips.algo.ledger import ChunkLedger, LedgerError
 from dips.algo.penalty import PenaltyState
 from dips.algo.reconcile import FollowerReport, reconcile_target
@@ -38,8 +36,8 @@ from dips.algo.round import (Decided, PullDone, PushReported, PushRequested, Pus
                              ReadyChanged, RoundEnded, RoundPolicy, RoundState, StartUpdate, Tick,
                              UpdateFinished, WindowClosed, next_deadline, slot_of, step)
 from dips.roles import failpoints
-from dips.roles.leader_checkpoint import load_state, save_state
 from dips.roles.leader_members import Membership
+from dips.roles.leader_records import Records
 from dips.roles.leader_types import (ClusterEntry, FollowerEntry, Grant, LeaderConfig,
                                      LeaderStatus, VerdictReply)
 from dips.roles.outer_step import FollowerControl, UpdateReport, abort_everywhere, run_update
@@ -50,7 +48,7 @@ __all__ = ["ClusterEntry", "FollowerControl", "FollowerEntry", "Grant", "Leader"
            "VerdictReply"]
 
 
-class Leader(Membership):
+class Leader(Membership, Records):
     """The leader's shell around the round machine; gRPC handlers call its public methods
     from many threads.
 
@@ -60,14 +58,18 @@ class Leader(Membership):
         connect: ``FollowerEntry -> FollowerControl``, how to reach a registered follower.
         run_dir: where ``outer_steps.jsonl``, ``leader_events.jsonl`` and the metadata
             checkpoint ``leader.json`` go (None: nothing written, no resume).
-        ledger: the data-chunk ledger (None: no chunk accounting).
+        ledger: the data-chunk ledger (None: no chunk accounting; T_j is then the client's).
         clock: monotonic clock in seconds (injectable for tests).
+        tokens_per_window: tokens a ledger window trains (the sequence length); with a ledger,
+            each push's T_j is its windows since the last accepted push × this (§6, §12).
     """
 
     def __init__(self, cfg: LeaderConfig, connect: Callable[[FollowerEntry], FollowerControl],
                  run_dir: Path | None = None, ledger: ChunkLedger | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 tokens_per_window: int | None = None) -> None:
         self.cfg = cfg
+        self.tokens_per_window = tokens_per_window
         self.policy = RoundPolicy(cfg.grace, cfg.timeouts.push_s, cfg.timeouts.pull_s)
         self._connect = connect
         self._clock = clock
@@ -78,6 +80,8 @@ class Leader(Membership):
         self._ended: list[RoundEnded] = []           # rounds whose record the loop must write
         self._reports: dict[int, UpdateReport] = {}  # round -> its update, until it is logged
         self._holdings: dict[str, list[tuple[int, int]]] = {}  # push id -> ledger positions
+        self._decided = 0                            # the last round recorded by _decide
+        self._leaving: set[str] = set()              # removed; ledger release after the verdicts
         self.followers: dict[int, FollowerEntry] = {}
         self.clusters: dict[str, ClusterEntry] = {}
         self.version = 0
@@ -120,48 +124,6 @@ class Leader(Membership):
             if t.is_alive():
                 t.join(timeout_s)
 
-    def _resume(self, path: Path) -> None:
-        state = load_state(path)
-        if state is None:
-            return
-        self.version = state["version"]
-        self._state = RoundState(rounds=state["rounds"], ready=False,
-                                 grace=grace_rules.from_dict(state.get("grace", {})))
-        self.counts.update(state["counts"])
-        self.counts["restarts"] += 1
-        self.penalty = PenaltyState.from_dict(state["penalty"])
-        self._version_stats = {int(v): (int(x[0]), int(x[1]))
-                               for v, x in state.get("version_stats", {}).items()}
-        # Members get a few extra intervals to find the restarted leader before removal.
-        members = self.cfg.membership
-        grace = self._clock() + 2 * members.missed_heartbeats * members.heartbeat_interval_s
-        self.clusters = {c: ClusterEntry(c, stages, last_seen=grace)
-                         for c, stages in state["clusters"].items()}
-        if self.ledger is not None and state.get("ledger"):
-            self.ledger = ChunkLedger.from_dict(state["ledger"])
-            self.ledger.pending.clear()  # pushes in flight at the crash are lost
-        self.event("leader_resumed", version=self.version, rounds=self.rounds)
-
-    def checkpoint(self) -> None:
-        """Write ``leader.json`` (metadata only; a few KB) atomically."""
-        if self._run_dir is None:
-            return
-        with self._cond:
-            state = {"version": self.version, "rounds": self.rounds, "counts": dict(self.counts),
-                     "penalty": self.penalty.to_dict(),
-                     "clusters": {c.cluster_id: c.stages for c in self.clusters.values()},
-                     "ledger": self.ledger.to_dict() if self.ledger else None,
-                     "version_stats": {str(v): list(x) for v, x in self._version_stats.items()},
-                     "grace": grace_rules.to_dict(self._state.grace)}
-        save_state(self._run_dir / "leader.json", state)
-
-    def event(self, kind: str, **extra: Any) -> None:
-        """Append a timestamped event to ``leader_events.jsonl`` (and the log)."""
-        log.info("%s %s", kind, extra)
-        if self._run_dir is not None:
-            with open(self._run_dir / "leader_events.jsonl", "a") as f:
-                f.write(json.dumps({"time": time.time(), "event": kind, **extra}) + "\n")
-
     # ----- the round machine -------------------------------------------------------------
     def _apply(self, event: Any) -> None:
         """Feed one event to the round machine and carry out its actions (lock held).
@@ -173,8 +135,12 @@ class Leader(Membership):
 
     def _sync_ready(self, now: float) -> None:
         """Tell the machine when the followers' readiness changed (lock held)."""
-        if self._state.ready != self.ready:
-            self._carry(*step(self._state, ReadyChanged(now, self.ready), self.policy))
+        ready = self.ready
+        if self._state.ready != ready:
+            down = sorted(f.index for f in self.followers.values() if not f.up)
+            reason = (f"follower {', '.join(map(str, down))} down" if down else
+                      "followers missing or being reconciled")
+            self._carry(*step(self._state, ReadyChanged(now, ready, reason), self.policy))
 
     def _carry(self, state: RoundState, actions: list) -> None:
         self._state = state
@@ -191,14 +157,18 @@ class Leader(Membership):
 
     # ----- push / pull (called by cluster stage workers' client) ------------------------
     def request_push(self, cluster_id: str, base_version: int, tokens: int, timeout_s: float,
-                     progress: dict[int, int] | None = None) -> Grant:
+                     progress: dict[int, int] | None = None,
+                     expected_s: float | None = None) -> Grant:
         """Block until admitted into a grace window; returns the :class:`Grant`.
 
-        ``progress`` (chunk → window position reached) is recorded in the ledger.
+        With a ledger, T_j is the ledger's: the windows ``progress`` (chunk → window position
+        reached) trained beyond the accepted positions × ``tokens_per_window``; ``tokens``,
+        the client's own count, is only compared with it. ``expected_s``: the push time the
+        cluster predicts (seconds; serves until the leader measured its pushes).
         Raises Refused: NOT_JOINED, NOT_READY (followers down or unreconciled),
-        PUSH_IN_FLIGHT, INVALID_ARGUMENT (tokens <= 0, negative base version),
-        LEDGER_CONFLICT (a progress report the ledger refuses), NOT_ADMITTED (not admitted
-        within ``timeout_s`` seconds).
+        PUSH_IN_FLIGHT, INVALID_ARGUMENT (negative base version), LEDGER_CONFLICT (a progress
+        report the ledger refuses), NOTHING_TRAINED (no window since the last accepted push),
+        NOT_ADMITTED (not admitted within ``timeout_s`` seconds).
         """
         with self._cond:
             cluster = self._member(cluster_id)
@@ -206,14 +176,25 @@ class Leader(Membership):
                 raise Refused(Refusal.NOT_READY, "followers not ready (down, missing or reconciling)")
             now = self._clock()
             self._sync_ready(now)
-            push_id = secrets.token_hex(8)
-            state, actions = step(self._state, PushRequested(now, cluster_id, push_id,
-                                                             base_version, tokens), self.policy)
             if self.ledger is not None:
                 try:
-                    self.ledger.report(cluster_id, progress or {})
+                    windows = self.ledger.windows_in(cluster_id, progress or {})
                 except LedgerError as exc:
                     raise Refused(Refusal.LEDGER_CONFLICT, str(exc)) from None
+                if windows == 0:
+                    raise Refused(Refusal.NOTHING_TRAINED, f"cluster {cluster_id!r}: no window "
+                                                           "trained since its last accepted push")
+                derived = windows * (self.tokens_per_window or 1)
+                if derived != tokens:
+                    log.info("cluster %s claimed T_j = %d, the ledger says %d", cluster_id,
+                             tokens, derived)
+                tokens = derived
+            push_id = secrets.token_hex(8)
+            state, actions = step(self._state, PushRequested(
+                now, cluster_id, push_id, base_version, tokens,
+                expected_s if expected_s and expected_s > 0 else None), self.policy)
+            if self.ledger is not None:
+                self.ledger.report(cluster_id, progress or {})
             self._carry(state, actions)
             deadline = now + timeout_s
             while True:
@@ -227,6 +208,8 @@ class Leader(Membership):
                 left = deadline - self._clock()
                 if left <= 0 or self._stop.is_set():
                     self._apply(PushWithdrawn(self._clock(), cluster_id, push_id))
+                    if self.ledger is not None:
+                        self.ledger.resolve(cluster_id, False)  # the report goes with it
                     raise Refused(Refusal.NOT_ADMITTED, f"cluster {cluster_id!r}: push not "
                                                         f"admitted in {timeout_s} s")
                 self._cond.wait(min(left, 0.5))
@@ -303,14 +286,10 @@ class Leader(Membership):
         followers = [(f.index, f.control) for f in self.follower_list()]
         with self._cond:
             version, penalty = self.version, self.penalty
-        slots = {s.cluster_id: s for s in update.slots}
-
-        def decided(new_version: int, accepted: list[str], new_penalty: PenaltyState) -> None:
-            self._decide(new_version, accepted, slots, new_penalty)
-
         report = run_update(followers, update.number, update.slots, version, penalty,
                             self.cfg.penalty, self.cfg.outer.max_norm,
-                            self.cfg.outer.uniform_weights, on_decided=decided)
+                            self.cfg.outer.uniform_weights,
+                            on_decided=lambda r: self._decide(update.number, r))
         with self._cond:
             if report.failed:
                 self.needs_reconcile = True
@@ -322,61 +301,12 @@ class Leader(Membership):
             self._apply(UpdateFinished(self._clock(), update.number, report.outcome))
         failpoints.hit("pull")
 
-    def _decide(self, new_version: int, accepted: list[str], slots: dict[str, Any],
-                penalty: PenaltyState) -> None:
-        """Record a decided outer step (every follower prepared it) durably, before commits:
-        version, penalty history, counts and the ledger's accepted windows, then
-        ``leader.json``."""
-        with self._cond:
-            self.version, self.penalty = new_version, penalty
-            tokens = sum(slots[c].tokens for c in accepted)
-            self.counts["updates_accepted"] += len(accepted)
-            self.counts["tokens_accepted"] += tokens
-            self.counts["outer_steps"] += 1
-            self._version_stats[new_version] = (len(accepted), tokens)
-            for v in sorted(self._version_stats)[:-64]:
-                del self._version_stats[v]
-            if self.ledger is not None:
-                for c in accepted:
-                    if c in self.clusters:
-                        self.ledger.resolve(c, True, new_version)
-        self.checkpoint()
-
-    def _settle(self, decided: Decided) -> None:
-        """Counts, ledger and last verdicts of a decided round (lock held)."""
-        report = self._reports[decided.number]
-        self.counts["updates_pushed"] += len(decided.verdicts)
-        self.counts["updates_rejected"] += sum(not v.accepted for v in decided.verdicts)
-        self.counts["tokens_pushed"] += sum(report.tokens.values())
-        for v in decided.verdicts:
-            holdings: list[tuple[int, int]] = []
-            if self.ledger is not None and v.cluster_id in self.clusters:
-                if not v.accepted:  # accepted ones were resolved when the step was decided
-                    self.ledger.resolve(v.cluster_id, False)
-                holdings = self.ledger.holdings(v.cluster_id)
-            self._holdings[v.push_id] = holdings
-            if v.cluster_id in self.clusters:
-                self.clusters[v.cluster_id].last_push = "accepted" if v.accepted else "rejected"
-        for pid in [p for p in self._holdings if p not in self._state.verdicts]:
-            del self._holdings[pid]
-
     def commit_failed(self, failed: list[int]) -> None:
         """Some follower did not commit: reconcile before the next round."""
         with self._cond:
             self.needs_reconcile = True
             for i in failed:
                 self.followers[i].up = False
-
-    def _log_round(self, ended: RoundEnded) -> None:
-        """Write the round's line of ``outer_steps.jsonl`` and checkpoint."""
-        with self._cond:
-            report = self._reports.pop(ended.number, None)
-        record = report.record(ended.number) if report is not None else {"round": ended.number}
-        record.update(window_s=round(ended.window_s, 4), push_s=round(ended.push_s, 4),
-                      update_s=round(ended.update_s, 4), pull_s=round(ended.pull_s, 4),
-                      grace=dict(ended.grace), time=time.time())
-        self._write(record)
-        self.checkpoint()
 
     def _reconcile(self) -> None:
         """Bring every follower to one common version (§12); see :mod:`dips.algo.reconcile`.
@@ -424,11 +354,6 @@ class Leader(Membership):
         if lost:
             self._write({"event": "rollback", "version": target, "lost": lost, "time": time.time()})
         self.checkpoint()
-
-    def _write(self, record: dict[str, Any]) -> None:
-        if self._run_dir is not None:
-            with open(self._run_dir / "outer_steps.jsonl", "a") as f:
-                f.write(json.dumps(record) + "\n")
 
     # ----- status ----------------------------------------------------------------------
     def status(self) -> LeaderStatus:

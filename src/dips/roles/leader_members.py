@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dips.algo.ledger import ChunkLedger
 from dips.algo.refusal import Refusal, Refused
-from dips.algo.round import MemberGone
+from dips.algo.round import MemberGone, Phase
 from dips.roles.leader_types import ClusterEntry, FollowerEntry
 
 
@@ -93,11 +93,20 @@ class Membership:
             self.event("cluster_left", cluster=cluster_id)
 
     def _drop_cluster(self, cluster_id: str, reason: str = "cluster left") -> bool:
-        """Remove a cluster (lock held): ledger release, and for the round machine its queued
-        request dropped, its push in the current round failed and no longer awaited.
+        """Remove a cluster (lock held): for the round machine its queued request dropped, its
+        push in the current round failed and no longer awaited; its data chunks go back to
+        the ledger. A push already in the update phase cannot be taken back from followers
+        that may have prepared it: its chunks are released only once the round's verdicts are
+        out, so its windows are either credited or handed out again, never both.
         Returns whether it was a member."""
         known = self.clusters.pop(cluster_id, None) is not None
-        if self.ledger is not None:
+        rnd = self._state.current
+        slot = rnd.slots.get(cluster_id) if rnd is not None else None
+        in_update = (slot is not None and slot.ok and self._state.phase is Phase.UPDATE
+                     and self._decided != rnd.number)
+        if in_update:
+            self._leaving.add(cluster_id)
+        elif self.ledger is not None:
             self.ledger.release(cluster_id)
         self._apply(MemberGone(self._clock(), cluster_id, reason))
         return known

@@ -53,8 +53,9 @@ class UpdateReport:
     ``penalty``: the §8 history after this round (the caller keeps it unless ``failed``).
     ``sq_norms``: G_j = Σ_i ‖Δ^(i,j)‖² per delivered cluster; ``weights``: normalised token
     weights of the accepted set; ``delta_sq_norm``: ‖δ‖² (units of θ²); ``checksums``:
-    follower index -> XXH3 of its shard after the commit; ``commit_failed``: followers whose
-    commit failed; ``failed``: the round failed before its decision (nothing applied).
+    follower index -> XXH3 of its shard at the new version (reported when it prepared the
+    step); ``commit_failed``: followers whose commit failed; ``failed``: the round failed
+    before its decision (nothing applied).
     """
 
     outcome: UpdateOutcome
@@ -84,8 +85,7 @@ class UpdateReport:
                "base_versions": self.base_versions, "weights": self.weights,
                "delta_sq_norm": self.delta_sq_norm, "clip_factor": out.clip_factor,
                "checksums": {str(k): v for k, v in self.checksums.items()},
-               "commit_failed": self.commit_failed, "invalid": dict(out.invalid),
-               "scored": self.scored}
+               "invalid": dict(out.invalid), "scored": self.scored}
         if out.error:
             rec["error"] = out.error
         return rec
@@ -94,7 +94,7 @@ class UpdateReport:
 def run_update(followers: Sequence[tuple[int, FollowerControl]], number: int,
                slots: Sequence[Slot], version: int, penalty: PenaltyState, penalty_cfg: Any,
                max_norm: float | None, uniform_weights: bool = False,
-               on_decided: Callable[[int, list[str], PenaltyState], None] | None = None
+               on_decided: Callable[[UpdateReport], None] | None = None
                ) -> UpdateReport:
     """Score, decide, aggregate, clip and apply round ``number`` on every follower.
 
@@ -105,8 +105,9 @@ def run_update(followers: Sequence[tuple[int, FollowerControl]], number: int,
         penalty / penalty_cfg: the §8 history and settings (:class:`dips.spec.PenaltyConfig`).
         max_norm: global clip threshold c of §8 (None: no clipping, an ablation).
         uniform_weights: 1/n weights instead of T_j (an ablation).
-        on_decided: called with (new version, accepted ids, new penalty) once every follower
-            prepared the step and before any commits (the leader records it durably there).
+        on_decided: called with the report (its ``outcome`` the decided step, ``penalty`` the
+            new history, ``checksums`` those of the prepared shards) once every follower
+            prepared the step and before any commit: the leader records it durably there.
 
     Returns the :class:`UpdateReport`; never raises for a follower's failure (the report
     says ``failed`` or lists ``commit_failed``).
@@ -139,9 +140,12 @@ def run_update(followers: Sequence[tuple[int, FollowerControl]], number: int,
             accepted, scores, threshold = list(verdict.accepted), dict(verdict.scores), verdict.threshold
         report.penalty = new_penalty
         if not accepted:
-            for _, control in followers:
-                control.discard(number)
             report.outcome = UpdateOutcome(version, (), scores, threshold, None, invalid)
+            for index, control in followers:  # best effort: a reconcile drops leftovers anyway
+                try:
+                    control.discard(number)
+                except Exception as exc:
+                    log.warning("discard of round %d on follower %d failed: %s", number, index, exc)
             return report
         weights = token_weights({c: by_id[c].tokens for c in accepted}, accepted,
                                 uniform=uniform_weights)
@@ -150,8 +154,8 @@ def run_update(followers: Sequence[tuple[int, FollowerControl]], number: int,
         clip = clip_factor(sq_norm, max_norm if max_norm else float("inf"))
         report.weights, report.delta_sq_norm = weights, sq_norm
         new_version = version + 1
-        for _, control in followers:
-            control.apply(number, clip, new_version, accepted, w)
+        for index, control in followers:
+            report.checksums[index] = control.apply(number, clip, new_version, accepted, w)[1]
     except Exception as exc:  # nothing was applied anywhere
         log.exception("round %d failed before its decision", number)
         abort_everywhere(followers, number)
@@ -162,16 +166,16 @@ def run_update(followers: Sequence[tuple[int, FollowerControl]], number: int,
         return report
     # Every follower prepared: the step is decided. The caller records it durably before any
     # commit, so a restarted leader never loses or repeats it.
+    report.outcome = UpdateOutcome(new_version, tuple(accepted), scores, threshold, clip, invalid)
     if on_decided is not None:
-        on_decided(new_version, accepted, new_penalty)
+        on_decided(report)
     failpoints.hit("update")
     for index, control in followers:
         try:
-            report.checksums[index] = control.commit(new_version)[1]
+            control.commit(new_version)
         except Exception as exc:
             report.commit_failed.append(index)
             log.warning("commit of version %d on follower %d failed: %s", new_version, index, exc)
-    report.outcome = UpdateOutcome(new_version, tuple(accepted), scores, threshold, clip, invalid)
     return report
 
 

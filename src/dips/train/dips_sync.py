@@ -72,9 +72,18 @@ class DiPSSync:
         res = self.client.step_done(result.tokens, result.loss)
         return {} if res is None else {"push": push_record(res)}
 
-    def starved(self, trainer: ClusterTrainer, stop: threading.Event) -> None:
-        """Every leased window is trained: lease more; wait 0.5 s if the leader gave none."""
+    def starved(self, trainer: ClusterTrainer, stop: threading.Event) -> dict[str, Any]:
+        """Every leased window is trained: push what was trained since the last sync even if
+        fewer than H steps (the chunks finish, and a new epoch begins, only once their windows
+        are accepted; §12), then lease more; wait 0.5 s if the leader gave none. Returns
+        ``{"push": ...}`` when it pushed, else nothing."""
+        res = self.client.flush()
         self.client.maintain()
         batches = trainer.batches
         if batches.available() < batches.batch_size:  # type: ignore[attr-defined]
-            stop.wait(0.5)
+            # Nothing more to lease now: train the windows left even if fewer than a batch
+            # (their chunks finish only then); with none left, wait for the others.
+            batches.drain = True  # type: ignore[attr-defined]
+            if batches.available() == 0:  # type: ignore[attr-defined]
+                stop.wait(0.5)
+        return {} if res is None else {"push": push_record(res)}

@@ -51,6 +51,9 @@ class LeaseSampler:
         self.ahead = ahead
         self._held: dict[int, int] = {}
         self._perms: dict[int, np.ndarray] = {}
+        #: Train the windows left even if fewer than a batch (set when no chunk can be leased:
+        #: the held chunks can only finish, and a new epoch begin, once those are trained).
+        self.drain = False
 
     @property
     def tokens_per_batch(self) -> int:
@@ -93,12 +96,17 @@ class LeaseSampler:
         return self.tokens[start:start + self.seq_len + 1]
 
     def next_batch(self) -> torch.Tensor:
-        """(batch_size, T+1) int64 windows, from the lowest held chunk with windows left.
+        """(batch_size, T+1) int64 windows, from the lowest held chunk with windows left; with
+        :attr:`drain` set, the last windows even if fewer than a batch (then ``drain`` resets).
 
-        Raises NoData (and consumes nothing) if fewer than batch_size windows are left.
+        Raises NoData (and consumes nothing) if fewer than batch_size windows are left (none
+        at all when draining).
         """
-        if self.available() < self.batch_size:
-            raise NoData(f"{self.available()} windows left, a batch needs {self.batch_size}")
+        left = self.available()
+        if left < self.batch_size and not (self.drain and left > 0):
+            raise NoData(f"{left} windows left, a batch needs {self.batch_size}")
+        if left < self.batch_size:
+            self.drain = False
         rows = []
         for chunk in sorted(self._held):
             while self._held[chunk] < self.windows_per_chunk and len(rows) < self.batch_size:

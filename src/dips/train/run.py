@@ -71,8 +71,9 @@ class Sync(Protocol):
         """Fields to add to this step's ``train.jsonl`` record (may be empty)."""
         ...
 
-    def starved(self, trainer: ClusterTrainer, stop: threading.Event) -> None:
-        """The batch source has no batch left (NoData): lease more, or wait briefly."""
+    def starved(self, trainer: ClusterTrainer, stop: threading.Event) -> dict[str, Any] | None:
+        """The batch source has no batch left (NoData): lease more, or wait briefly. May
+        synchronise (e.g. push fewer than H steps); returns fields for an event record."""
         ...
 
 
@@ -164,7 +165,9 @@ def run_loop(trainer: ClusterTrainer, sync: Sync, stop: threading.Event, pacer: 
         try:
             result = trainer.step(hook)
         except NoData:
-            sync.starved(trainer, stop)
+            fields = sync.starved(trainer, stop)
+            if fields:  # e.g. a push of fewer than H steps (the data ran out)
+                log.write({"event": "starved", "tokens": trainer.tokens, **fields})
             continue
         if hook is None:
             delay_s = pace(result.compute_s)

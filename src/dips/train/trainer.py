@@ -105,6 +105,7 @@ class ClusterTrainer:
         self.n_params = sum(p.numel() for p in self.params)
         self.steps = 0
         self.tokens = 0
+        self.last_tokens = 0
 
     @property
     def tokens_per_batch(self) -> int:
@@ -128,7 +129,8 @@ class ClusterTrainer:
         except FloatingPointError as exc:
             raise FloatingPointError(f"cluster {self.cluster_id}: step {self.steps + 1}: {exc}") from None
         self.steps += 1
-        self.tokens += self.batches.tokens_per_batch
+        self.last_tokens = int(batch.shape[0]) * (int(batch.shape[1]) - 1)  # a last batch may be short
+        self.tokens += self.last_tokens
         return value
 
     def apply(self) -> None:
@@ -150,7 +152,7 @@ class ClusterTrainer:
             grad_hook(self.params)
             hook_s = time.monotonic() - t
         self.apply()
-        return StepResult(loss, self.batches.tokens_per_batch, time.monotonic() - t0 - hook_s)
+        return StepResult(loss, self.last_tokens, time.monotonic() - t0 - hook_s)
 
 
 def build_trainer(cluster_id: str, model: ModelConfig, data: DataConfig, inner: InnerConfig,

@@ -39,6 +39,7 @@ _STATUS = {
     Refusal.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
     Refusal.NO_LEDGER: grpc.StatusCode.FAILED_PRECONDITION,
     Refusal.LEDGER_CONFLICT: grpc.StatusCode.INVALID_ARGUMENT,
+    Refusal.NOTHING_TRAINED: grpc.StatusCode.FAILED_PRECONDITION,
 }
 
 

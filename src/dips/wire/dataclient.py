@@ -85,6 +85,13 @@ class DataClient:
         self._sock: zmq.Socket | None = None
         self._early: dict[str, Message] = {}
 
+    def set_timeout(self, timeout_s: float) -> None:
+        """Wait at most ``timeout_s`` seconds for each reply or message from now on."""
+        self.timeout_s = timeout_s
+        if self._sock is not None:
+            self._sock.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
+            self._sock.setsockopt(zmq.RCVTIMEO, int(timeout_s * 1000))
+
     def _socket(self) -> zmq.Socket:
         if self._sock is None:
             sock = self._ctx.socket(zmq.DEALER)

@@ -51,7 +51,8 @@ class LeaderServicer(pbg.LeaderServicer):
         version, followers = self.leader.join_cluster(
             request.cluster_id, [list(s.layers) for s in request.stages])
         return pb.JoinReply(version=version, followers=[follower_info(f) for f in followers],
-                            heartbeat_interval_s=self.leader.cfg.membership.heartbeat_interval_s)
+                            heartbeat_interval_s=self.leader.cfg.membership.heartbeat_interval_s,
+                            push_timeout_s=self.leader.cfg.timeouts.push_s)
 
     @grpc_errors
     def RequestPush(self, request: pb.PushRequest, context: Any) -> pb.PushGrant:
@@ -59,7 +60,8 @@ class LeaderServicer(pbg.LeaderServicer):
         if len(progress) != len(request.progress):
             raise ValueError("push field 'progress' lists a chunk twice")
         grant = self.leader.request_push(request.cluster_id, request.base_version, request.tokens,
-                                         _time_left(context), progress)
+                                         _time_left(context), progress,
+                                         request.expected_push_s or None)
         steps = [pb.Step(transfers=[pb.Transfer(stage=s, layer=l, follower=f) for s, l, f in step])
                  for step in grant.schedule]
         return pb.PushGrant(push_id=grant.push_id, round=grant.round,

@@ -20,6 +20,7 @@ class Refusal(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     INVALID_ARGUMENT: _ClassVar[Refusal]
     NO_LEDGER: _ClassVar[Refusal]
     LEDGER_CONFLICT: _ClassVar[Refusal]
+    NOTHING_TRAINED: _ClassVar[Refusal]
 REFUSAL_UNSPECIFIED: Refusal
 NOT_JOINED: Refusal
 PUSH_IN_FLIGHT: Refusal
@@ -31,6 +32,7 @@ UNDECIDED: Refusal
 INVALID_ARGUMENT: Refusal
 NO_LEDGER: Refusal
 LEDGER_CONFLICT: Refusal
+NOTHING_TRAINED: Refusal
 
 class Ack(_message.Message):
     __slots__ = ("ok", "error")
@@ -77,28 +79,32 @@ class JoinRequest(_message.Message):
     def __init__(self, cluster_id: _Optional[str] = ..., stages: _Optional[_Iterable[_Union[StageLayers, _Mapping]]] = ...) -> None: ...
 
 class JoinReply(_message.Message):
-    __slots__ = ("version", "followers", "heartbeat_interval_s")
+    __slots__ = ("version", "followers", "heartbeat_interval_s", "push_timeout_s")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     FOLLOWERS_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    PUSH_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     version: int
     followers: _containers.RepeatedCompositeFieldContainer[FollowerInfo]
     heartbeat_interval_s: float
-    def __init__(self, version: _Optional[int] = ..., followers: _Optional[_Iterable[_Union[FollowerInfo, _Mapping]]] = ..., heartbeat_interval_s: _Optional[float] = ...) -> None: ...
+    push_timeout_s: float
+    def __init__(self, version: _Optional[int] = ..., followers: _Optional[_Iterable[_Union[FollowerInfo, _Mapping]]] = ..., heartbeat_interval_s: _Optional[float] = ..., push_timeout_s: _Optional[float] = ...) -> None: ...
 
 class PushRequest(_message.Message):
-    __slots__ = ("cluster_id", "base_version", "tokens", "inner_steps", "progress")
+    __slots__ = ("cluster_id", "base_version", "tokens", "inner_steps", "progress", "expected_push_s")
     CLUSTER_ID_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     INNER_STEPS_FIELD_NUMBER: _ClassVar[int]
     PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_PUSH_S_FIELD_NUMBER: _ClassVar[int]
     cluster_id: str
     base_version: int
     tokens: int
     inner_steps: int
     progress: _containers.RepeatedCompositeFieldContainer[ChunkPos]
-    def __init__(self, cluster_id: _Optional[str] = ..., base_version: _Optional[int] = ..., tokens: _Optional[int] = ..., inner_steps: _Optional[int] = ..., progress: _Optional[_Iterable[_Union[ChunkPos, _Mapping]]] = ...) -> None: ...
+    expected_push_s: float
+    def __init__(self, cluster_id: _Optional[str] = ..., base_version: _Optional[int] = ..., tokens: _Optional[int] = ..., inner_steps: _Optional[int] = ..., progress: _Optional[_Iterable[_Union[ChunkPos, _Mapping]]] = ..., expected_push_s: _Optional[float] = ...) -> None: ...
 
 class ChunkPos(_message.Message):
     __slots__ = ("chunk", "position")

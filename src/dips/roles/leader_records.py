@@ -1,0 +1,181 @@
+"""The leader's durable records: decisions, verdicts, counts, the outer-step log, checkpoints
+(§12 of the seed: the leader checkpoints only small metadata).
+
+A mixin of :class:`dips.roles.leader.Leader` (which owns the lock ``self._cond``, the round
+machine and the state); split out to keep each module small.
+
+Exactly once (issue 10): when every follower has prepared an outer step, :meth:`_decide`
+records, under the lock and before any follower commits, everything that follows from the
+decision — the new version and penalty history, the counts of the round, the ledger's accepted
+(and rejected) windows, each push's verdict with the ledger positions to continue from, and the
+round's line of ``outer_steps.jsonl`` — then writes ``leader.json``. A leader that dies after
+this resumes with all of it: it re-serves the verdicts by push id, and the round's pushes are
+neither lost nor counted twice. A round with nothing accepted changes no follower and is
+recorded when its update ends (:meth:`_settle`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from dips.algo import grace as grace_rules
+from dips.algo.ledger import ChunkLedger
+from dips.algo.penalty import PenaltyState
+from dips.algo.round import Decided, RoundEnded, RoundState, Verdict, verdicts_of
+from dips.roles.leader_checkpoint import load_state, save_state
+from dips.roles.leader_types import ClusterEntry
+from dips.roles.outer_step import UpdateReport
+
+log = logging.getLogger(__name__)
+
+#: Verdicts kept in ``leader.json`` (re-served by push id after a restart); a few KB.
+VERDICTS_PERSISTED = 64
+
+
+class Records:
+    """Durable records of the leader (see the module docstring)."""
+
+    ledger: ChunkLedger | None
+
+    # ----- checkpoint and resume ---------------------------------------------------------
+    def _resume(self, path: Path) -> None:
+        state = load_state(path)
+        if state is None:
+            return
+        self.version = state["version"]
+        verdicts = {v["push_id"]: Verdict(**{k: v[k] for k in Verdict.__dataclass_fields__})
+                    for v in state.get("verdicts", [])}
+        self._holdings = {v["push_id"]: [tuple(h) for h in v.get("holdings", [])]
+                          for v in state.get("verdicts", [])}
+        self._state = RoundState(rounds=state["rounds"], ready=False, verdicts=verdicts,
+                                 grace=grace_rules.from_dict(state.get("grace", {})))
+        self.counts.update(state["counts"])
+        self.counts["restarts"] += 1
+        self.penalty = PenaltyState.from_dict(state["penalty"])
+        self._version_stats = {int(v): (int(x[0]), int(x[1]))
+                               for v, x in state.get("version_stats", {}).items()}
+        # Members get a few extra intervals to find the restarted leader before removal.
+        members = self.cfg.membership
+        grace = self._clock() + 2 * members.missed_heartbeats * members.heartbeat_interval_s
+        self.clusters = {c: ClusterEntry(c, stages, last_seen=grace)
+                         for c, stages in state["clusters"].items()}
+        if self.ledger is not None and state.get("ledger"):
+            self.ledger = ChunkLedger.from_dict(state["ledger"])
+            self.ledger.pending.clear()  # pushes in flight at the crash are lost
+            for holder in {c.holder for c in self.ledger.chunks} - set(self.clusters) - {None}:
+                self.ledger.release(holder)  # left while its last round was being decided
+        self.event("leader_resumed", version=self.version, rounds=self.rounds)
+
+    def checkpoint(self) -> None:
+        """Write ``leader.json`` (metadata only; a few KB) atomically."""
+        if self._run_dir is None:
+            return
+        with self._cond:
+            recent = list(self._state.verdicts.values())[-VERDICTS_PERSISTED:]
+            state = {"version": self.version, "rounds": self.rounds, "counts": dict(self.counts),
+                     "penalty": self.penalty.to_dict(),
+                     "clusters": {c.cluster_id: c.stages for c in self.clusters.values()},
+                     "ledger": self.ledger.to_dict() if self.ledger else None,
+                     "version_stats": {str(v): list(x) for v, x in self._version_stats.items()},
+                     "grace": grace_rules.to_dict(self._state.grace),
+                     "verdicts": [{**asdict(v), "holdings": self._holdings.get(v.push_id, [])}
+                                  for v in recent]}
+        save_state(self._run_dir / "leader.json", state)
+
+    def event(self, kind: str, **extra: Any) -> None:
+        """Append a timestamped event to ``leader_events.jsonl`` (and the log)."""
+        log.info("%s %s", kind, extra)
+        if self._run_dir is not None:
+            with open(self._run_dir / "leader_events.jsonl", "a") as f:
+                f.write(json.dumps({"time": time.time(), "event": kind, **extra}) + "\n")
+
+    # ----- decisions ----------------------------------------------------------------------
+    def _decide(self, number: int, report: UpdateReport) -> None:
+        """Record a decided outer step (every follower prepared it) durably, before commits
+        (see the module docstring)."""
+        with self._cond:
+            rnd = self._state.current
+            if rnd is None or rnd.number != number:
+                raise RuntimeError(f"round {number} decided while the machine holds "
+                                   f"{rnd.number if rnd else None}")
+            out = report.outcome
+            self.version, self.penalty = out.version, report.penalty
+            tokens = sum(report.tokens[c] for c in out.accepted)
+            self.counts["outer_steps"] += 1
+            self.counts["updates_accepted"] += len(out.accepted)
+            self.counts["tokens_accepted"] += tokens
+            self._version_stats[out.version] = (len(out.accepted), tokens)
+            for v in sorted(self._version_stats)[:-64]:
+                del self._version_stats[v]
+            self._account(verdicts_of(rnd, out), report, out.version)
+            self._decided = number
+            self._log_decision(number, report, rnd)
+        self.checkpoint()
+
+    def _settle(self, decided: Decided) -> None:
+        """The verdicts of a round are out (lock held): record a round that was not decided
+        durably (nothing accepted, or failed), release members that left meanwhile."""
+        if self._decided != decided.number:
+            report = self._reports[decided.number]
+            self._account(decided.verdicts, report, None)
+            self._log_decision(decided.number, report, decided.rnd)
+        for c in sorted(self._leaving):
+            if self.ledger is not None and c not in self.clusters:  # (not re-joined meanwhile)
+                self.ledger.release(c)
+        self._leaving.clear()
+
+    def _account(self, verdicts: tuple[Verdict, ...], report: UpdateReport,
+                 version: int | None) -> None:
+        """Counts, ledger and positions of a round's verdicts (lock held)."""
+        self.counts["updates_pushed"] += len(verdicts)
+        self.counts["updates_rejected"] += sum(not v.accepted for v in verdicts)
+        self.counts["tokens_pushed"] += sum(report.tokens.values())
+        for v in verdicts:
+            holdings: list[tuple[int, int]] = []
+            if self.ledger is not None:
+                self.ledger.resolve(v.cluster_id, v.accepted, version)
+                holdings = self.ledger.holdings(v.cluster_id)
+            self._holdings[v.push_id] = holdings
+            if v.cluster_id in self.clusters:
+                self.clusters[v.cluster_id].last_push = "accepted" if v.accepted else "rejected"
+        known = set(self._state.verdicts) | {v.push_id for v in verdicts}
+        for pid in [p for p in self._holdings if p not in known]:
+            del self._holdings[pid]
+
+    # ----- the outer-step log ---------------------------------------------------------------
+    def _log_decision(self, number: int, report: UpdateReport, rnd: Any) -> None:
+        """The round's line of ``outer_steps.jsonl``, written and flushed to disk at once."""
+        record = report.record(number)
+        if rnd is not None:
+            end = rnd.update_done if rnd.update_done is not None else self._clock()
+            record.update(window_s=round(rnd.closes_at - rnd.opened_at, 4),
+                          push_s=round(rnd.update_started - rnd.closes_at, 4),
+                          update_s=round(end - rnd.update_started, 4))
+        record.update(time=time.time())
+        self._write(record, durable=True)
+
+    def _log_round(self, ended: RoundEnded) -> None:
+        """The round-end line of ``outer_steps.jsonl`` (commits, pulls, §7 estimates)."""
+        with self._cond:
+            report = self._reports.pop(ended.number, None)
+        self._write({"event": "round_end", "round": ended.number,
+                     "version": report.outcome.version if report else self.version,
+                     "commit_failed": report.commit_failed if report else [],
+                     "window_s": round(ended.window_s, 4), "push_s": round(ended.push_s, 4),
+                     "update_s": round(ended.update_s, 4), "pull_s": round(ended.pull_s, 4),
+                     "grace": dict(ended.grace), "time": time.time()})
+        self.checkpoint()
+
+    def _write(self, record: dict[str, Any], durable: bool = False) -> None:
+        if self._run_dir is not None:
+            with open(self._run_dir / "outer_steps.jsonl", "a") as f:
+                f.write(json.dumps(record) + "\n")
+                if durable:
+                    f.flush()
+                    os.fsync(f.fileno())
