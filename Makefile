@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 RUN_DIR ?= runs/quickstart
 
-.PHONY: install demo test test-fast proto clean bench-reliability bench-shaping bench-real-vs-virtual bench-compare bench-dataplane
+.PHONY: install demo test test-fast chaos proto clean bench-reliability bench-shaping bench-real-vs-virtual bench-compare bench-dataplane
 
 $(STAMP): requirements.txt requirements-corpora.txt pyproject.toml
 	python3 -m venv $(VENV)
@@ -26,6 +26,11 @@ test: install
 # Unit tests only (no multi-process runs).
 test-fast: install
 	$(PY) -m pytest -q -m "not integration"
+
+# Randomized fault plans (kills and stops of every role at every protocol phase) over short
+# real runs, checking the invariants after each: 20 plans, about 15 minutes (issue 10).
+chaos: install
+	DIPS_CHAOS_EXAMPLES=20 $(PY) -m pytest -q tests/integration/test_chaos.py -s
 
 # Regenerate the gRPC/protobuf code from proto/ (the generated files are committed).
 proto: install

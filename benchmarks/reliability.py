@@ -1,8 +1,9 @@
 """Reliability figures (§12, §16 of the seed): detection and recovery times per fault kind.
 
-Runs `dips launch` once per fault kind (kill -9 of the leader, of a follower inside an update,
-of a cluster inside a push; SIGSTOP/SIGCONT of a follower and of a cluster; a cut link), each
-with the fault at the same training time, and reads the run's events:
+Runs `dips launch` once per fault kind — kill -9 of the leader, of follower 0 and of a cluster
+in each protocol phase (idle, window, push, update, pull: a failpoint trips at the first such
+moment after the fault time), SIGSTOP/SIGCONT of the leader, a follower and a cluster, a cut
+link — and reads the run's events:
 
 * detection: fault -> the first event showing the system noticed (the supervisor saw the
   process exit or stop answering; the leader marked a follower down or a cluster removed,
@@ -10,7 +11,10 @@ with the fault at the same training time, and reads the run's events:
 * recovery: fault -> the next completed outer step (any cluster), and -> the first
   accepted outer step that includes the faulty cluster again after it re-joined (cluster
   faults; this includes the H inner steps it trains before pushing),
-* lost: outer steps rolled back by reconciliation, rounds that failed, as a share of all.
+* lost: outer steps rolled back by reconciliation, rounds that failed, as a share of all;
+  pushes the fault cost (refused after it for another reason than the §8 penalty),
+* exactly once: the ledger's accepted windows × tokens per window = the tokens accepted, and
+  no more updates accepted than pushed (nothing counted twice, nothing lost).
 
 Prints a table and writes it as JSON (``--out``). Usage:
     python benchmarks/reliability.py --config configs/quickstart.yaml --out runs/reliability
@@ -25,20 +29,21 @@ import sys
 import time
 from pathlib import Path
 
-FAULTS = {
-    "leader kill -9": ("{at_s: %s, action: kill, target: leader}", "leader"),
+PHASES = ("idle", "window", "push", "update", "pull")
+FAULTS: dict[str, tuple[str, str]] = {}
+for _target, _role in (("leader", "leader"), ("follower-0", "follower"), ("cluster-CID", "cluster")):
+    for _phase in PHASES:  # issue 10: every role killed in every protocol phase
+        FAULTS[f"{_role} kill -9 in {_phase}"] = (
+            "{phase: " + _phase + ", after_s: %s, action: kill, target: " + _target + "}", _role)
+FAULTS.update({
     "leader hang (SIGSTOP 8 s)": ("{at_s: %s, action: stop, target: leader, duration_s: 8}", "leader"),
-    "follower kill -9 in update": ("{phase: update, after_s: %s, action: kill, target: follower-1}",
-                                   "follower"),
     "follower hang (SIGSTOP 5 s)": ("{at_s: %s, action: stop, target: follower-0, duration_s: 5}",
                                     "follower"),
-    "cluster kill -9 in push": ("{phase: push, after_s: %s, action: kill, target: cluster-CID}",
-                                "cluster"),
     "cluster hang (SIGSTOP 5 s)": ("{at_s: %s, action: stop, target: cluster-CID, duration_s: 5}",
                                    "cluster"),
     "cluster link cut 5 s": ("{at_s: %s, action: cut_link, target: cluster-CID, duration_s: 5}",
                              "cluster"),
-}
+})
 
 
 def jsonl(path: Path) -> list[dict]:
@@ -71,9 +76,17 @@ def measure(run_dir: Path, role: str, cid: str) -> dict:
     back = [r for r in after if cid in r["accepted"] and r["time"] >= since]
     summary = json.loads((run_dir / "summary.json").read_text())
     state = json.loads((run_dir / "leader.json").read_text())
+    spec = json.loads((run_dir / "run.json").read_text())
     failed = sum(1 for r in steps if r.get("error"))
     total = max(1, summary["outer_steps"] + state["counts"].get("outer_steps_lost", 0) + failed)
+    # Pushes the fault cost: refused after it for another reason than the §8 penalty.
+    pushes_failed = sum(1 for r in steps if r.get("time", 0) >= t0
+                        for x in r.get("rejected", {}).values() if x.get("reason") != "penalty")
+    counts = state["counts"]
+    once = (state["ledger"]["accepted_windows"] * spec["config"]["inner"]["seq_len"]
+            == counts["tokens_accepted"] and counts["updates_accepted"] <= counts["updates_pushed"])
     return {"detect_s": round(min(seen) - t0, 2) if seen else None,
+            "pushes_failed": pushes_failed, "exactly_once": once,
             "next_outer_step_s": round(after[0]["time"] - t0, 2) if after else None,
             "cluster_back_s": round(back[0]["time"] - t0, 2) if back and role == "cluster" else None,
             "outer_steps": summary["outer_steps"],
@@ -114,11 +127,12 @@ def main() -> None:
         print(kind, rows[kind], flush=True)
     (out / "reliability.json").write_text(json.dumps(rows, indent=1))
     print("\n| fault | detection (s) | next outer step (s) | cluster back in a step (s) | "
-          "steps lost + failed rounds / all | eval loss initial → final |")
-    print("|---|---|---|---|---|---|")
+          "steps lost + failed rounds / all | pushes failed | exactly once | eval loss initial → final |")
+    print("|---|---|---|---|---|---|---|---|")
     for kind, r in rows.items():
         print(f"| {kind} | {r['detect_s']} | {r['next_outer_step_s']} | {r['cluster_back_s'] or '-'} "
               f"| {r['steps_lost'] + r['rounds_failed']} / {r['outer_steps']} ({r['lost_share']:.1%}) "
+              f"| {r['pushes_failed']} | {'yes' if r['exactly_once'] else 'NO'} "
               f"| {r['eval_loss_initial']:.2f} → {r['eval_loss_final']:.2f} |")
 
 

@@ -14,7 +14,7 @@ from dips.algo.refusal import Refusal, Refused
 from dips.algo.round import (Admitted, Decided, MemberGone, Phase, PullDone, PushReported,
                              PushRequested, PushWithdrawn, ReadyChanged, RoundOpened,
                              RoundPolicy, RoundState, Tick, UpdateFinished,
-                             UpdateOutcome, WindowClosed, next_deadline, slot_of, step)
+                             UpdateOutcome, WindowClosed, hopeless, next_deadline, slot_of, step)
 from dips.spec.protocol import GraceConfig
 
 
@@ -343,3 +343,35 @@ def test_a_member_gone_before_the_update_is_dropped_even_if_delivered():
     assert s2.phase is Phase.UPDATE
     s2, _ = run([MemberGone(1.2, "c", "left")], pol, s2)
     assert s2.current.slots["c"].ok and s2.current.slots["c"].pulled
+
+
+def test_a_hopeless_push_travels_ahead_and_joins_a_round_once_it_arrived():
+    pol = policy(window_s=1.0)  # stage_ratio 4, stage_min_s 1 s
+    s = RoundState()
+    # a and b push in 0.1 s; c's link is slow: it predicts 10 s.
+    for k, c in enumerate("ab"):
+        s, _ = run([req(10.0 * k, c), Tick(10.0 * k + 1)], pol, s)
+        s, _ = run([PushReported(10.0 * k + 0.1, c, s.current.slots[c].push_id, True),
+                    UpdateFinished(10.0 * k + 1.2, k + 1, UpdateOutcome(k + 1, (c,)))], pol, s)
+    assert s.push_s == pytest.approx({"a": 0.1, "b": 0.1})
+    s, acts = run([req(30.0, "a"), PushRequested(30.2, "c", "pc", 2, 50, expected_s=10.0)], pol, s)
+    assert kinds(acts) == ["RoundOpened", "Admitted", "Staged"]
+    assert s.staging["c"].push_id == "pc" and "c" not in s.current.slots
+    with pytest.raises(Refused):  # still in flight
+        step(s, req(30.3, "c"), pol)
+    # The round of a goes on without waiting for c's transfer.
+    s, acts = run([Tick(31.0), PushReported(31.1, "a", s.current.slots["a"].push_id, True)], pol, s)
+    assert kinds(acts) == ["WindowClosed", "StartUpdate"]
+    assert [x.cluster_id for x in acts[-1].slots] == ["a"]
+    s, _ = run([UpdateFinished(31.5, 3, UpdateOutcome(3, ("a",)))], pol, s)
+    # c's push arrives 10 s later: it opens a round of its own, already delivered.
+    s, acts = run([PushReported(40.2, "c", "pc", True)], pol, s)
+    assert kinds(acts) == ["RoundOpened", "Admitted"] and acts[1].slot.done and acts[1].slot.ok
+    assert s.push_s["c"] == pytest.approx(10.0) and s.staging == {}
+    s, acts = run([Tick(41.2)], pol, s)
+    assert kinds(acts) == ["WindowClosed", "StartUpdate"]  # nothing to wait for
+    # A member never measured, or alone, is not sent ahead; nor a push under stage_min_s.
+    assert not hopeless(RoundState(), "c", 10.0, pol)
+    typical = sorted(v for k, v in s.push_s.items() if k != "c")[1]  # a: 0.6, b: 0.1
+    assert not hopeless(s, "c", 0.9, pol) and not hopeless(s, "c", 4 * typical, pol)
+    assert hopeless(s, "c", 4 * typical + 0.01, pol)

@@ -99,3 +99,24 @@ def test_dynamic_grace_uses_tau_star_in_virtual_time(tmp_path: Path) -> None:
     assert any(0.0 < w != 2.0 for _, w in estimated)
     fixed = run_dips(s, tmp_path / "fixed", "di-ps")
     assert (r.time_s, r.extra["rounds"]) != (fixed.time_s, fixed.extra["rounds"])
+
+
+def test_a_slow_link_sends_its_push_ahead_and_holds_no_round(tmp_path: Path) -> None:
+    """Issue 10: c's link is 10x slower (a push takes 10 s, a and b's 1 s). Once its push time
+    is known it is sent ahead of any round and joins one only when it has arrived: no round
+    that includes c waits for its transfer, and every push of c is delivered and scored (the
+    §8 penalty may still reject it as stale: a and b made several outer steps meanwhile)."""
+    clusters = [{"id": "a", "link": {"bps": 1e10}}, {"id": "b", "link": {"bps": 1e10}},
+                {"id": "c", "link": {"bps": 1e9}}]
+    s = tiny(CACHE, clusters=clusters, grace={"window_s": 0.5}, inner={"H": 2},
+             token_budget=40 * 2 * TOKENS_PER_STEP,
+             timing={"step_s": 1.0, "model_bytes_scale": one_second_scale(TINY_PARAMS),
+                     "update_s": 0.5})
+    run_dips(s, tmp_path)
+    rounds = [json.loads(x) for x in _lines(tmp_path / "events.jsonl")]
+    with_c = [x for x in rounds if "c" in x["clusters"]]
+    assert len(with_c) >= 3 and all("c" in x["scored"] for x in with_c)
+    # The first push of c (not yet measured) holds its round; every later one arrived ahead.
+    assert with_c[0]["push_phase_s"] >= 9.0
+    assert all(x["push_phase_s"] < 2.0 for x in with_c[1:])
+    assert all(x["push_phase_s"] < 2.0 for x in rounds if "c" not in x["clusters"])

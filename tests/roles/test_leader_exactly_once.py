@@ -41,7 +41,7 @@ class FakeFollower:
     def discard(self, rnd):
         pass
 
-    def score(self, rnd, clusters):
+    def score(self, rnd, clusters, push_ids=None):
         return [(c, True, 1.0, "") for c in clusters]
 
     def aggregate(self, rnd, clusters, weights):

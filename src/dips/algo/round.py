@@ -39,13 +39,13 @@ from dips.algo.refusal import Refusal, Refused
 from dips.algo.round_types import (
     Phase, RoundPolicy, Slot, Round, Verdict, UpdateOutcome, RoundState, PushRequested,
     PushWithdrawn, PushReported, UpdateFinished, PullDone, MemberGone, ReadyChanged, Tick,
-    Event, RoundOpened, Admitted, WindowClosed, StartUpdate, Decided, RoundEnded, Action)
+    Event, RoundOpened, Admitted, Staged, WindowClosed, StartUpdate, Decided, RoundEnded, Action)
 
 __all__ = [
-    "step", "next_deadline", "slot_of", "push_deadline", "verdicts_of", "Phase", "RoundPolicy", "Slot", "Round", "Verdict",
+    "step", "next_deadline", "slot_of", "push_deadline", "verdicts_of", "hopeless", "Phase", "RoundPolicy", "Slot", "Round", "Verdict",
     "UpdateOutcome", "RoundState", "PushRequested", "PushWithdrawn", "PushReported",
     "UpdateFinished", "PullDone", "MemberGone", "ReadyChanged", "Tick", "Event",
-    "RoundOpened", "Admitted", "WindowClosed", "StartUpdate", "Decided", "RoundEnded",
+    "RoundOpened", "Admitted", "Staged", "WindowClosed", "StartUpdate", "Decided", "RoundEnded",
     "Action"]
 
 
@@ -65,11 +65,24 @@ def next_deadline(state: RoundState, policy: RoundPolicy) -> float | None:
 
 
 def slot_of(state: RoundState, cluster_id: str) -> Slot | None:
-    """The cluster's request: queued, or in the current round; None if it has none."""
+    """The cluster's request: sent ahead, queued, or in the current round; None if none."""
+    if cluster_id in state.staging:
+        return state.staging[cluster_id]
     for s in state.queue:
         if s.cluster_id == cluster_id:
             return s
     return state.current.slots.get(cluster_id) if state.current else None
+
+
+def hopeless(state: RoundState, cluster_id: str, expected_s: float | None,
+             policy: RoundPolicy) -> bool:
+    """Whether a push predicted to take ``expected_s`` seconds would hold the others' round
+    (see :class:`RoundPolicy`: ``stage_min_s``, ``stage_ratio``)."""
+    others = sorted(v for c, v in state.push_s.items() if c != cluster_id)
+    if expected_s is None or not others or expected_s < policy.stage_min_s:
+        return False
+    typical = others[len(others) // 2]
+    return expected_s > policy.stage_ratio * typical
 
 
 # ----- transitions -----------------------------------------------------------------------
@@ -106,11 +119,17 @@ def _on_request(state: RoundState, ev: PushRequested, policy: RoundPolicy,
     arrivals = state.grace
     if not arrivals.arrivals or ev.now >= arrivals.arrivals[-1]:  # λ of §7; a clock step back is ignored
         arrivals = grace_rules.observe_request(arrivals, ev.now)
-    # What the leader measured wins over the member's own prediction (which only serves a
-    # member without history and can never extend a round beyond push_timeout_s).
-    expected = state.push_s.get(ev.cluster_id, ev.expected_s)
+    # The longer of the leader's measurement and the member's own prediction: claiming less
+    # cannot shorten the wait below what was measured, claiming more only sends its own push
+    # ahead (and no round waits beyond push_timeout_s).
+    known = [x for x in (state.push_s.get(ev.cluster_id), ev.expected_s) if x is not None]
+    expected = max(known) if known else None
     slot = Slot(ev.cluster_id, ev.push_id, ev.base_version, ev.tokens, ev.now, expected)
     state = replace(state, grace=arrivals)
+    if hopeless(state, ev.cluster_id, expected, policy):
+        slot = replace(slot, admitted_at=ev.now)
+        actions.append(Staged(slot))
+        return replace(state, staging={**state.staging, ev.cluster_id: slot})
     if state.phase is Phase.WINDOW and mine is None:  # one push per cluster and round
         return _admit(state, [slot], actions, ev.now)
     return replace(state, queue=(*state.queue, slot))
@@ -121,8 +140,30 @@ def _on_withdrawn(state: RoundState, ev: PushWithdrawn, policy: RoundPolicy,
     return replace(state, queue=tuple(s for s in state.queue if s.push_id != ev.push_id))
 
 
+def _measured(state: RoundState, slot: Slot, now: float, policy: RoundPolicy) -> RoundState:
+    """``state`` with the push time of ``slot`` (admission to its report) in its estimate."""
+    took = max(now - slot.admitted_at, 0.0)
+    old = state.push_s.get(slot.cluster_id)
+    a = policy.estimate_alpha
+    return replace(state, push_s={**state.push_s, slot.cluster_id:
+                                  took if old is None else a * took + (1 - a) * old})
+
+
 def _on_reported(state: RoundState, ev: PushReported, policy: RoundPolicy,
                  actions: list[Action]) -> RoundState:
+    ahead = state.staging.get(ev.cluster_id)
+    if ahead is not None and ahead.push_id == ev.push_id:
+        # A push sent ahead has arrived (or failed): it joins the open window or the next
+        # round as already reported, so no round waits for its transfer.
+        if ev.ok:
+            state = _measured(state, ahead, ev.now, policy)
+        slot = replace(ahead, done=True, ok=ev.ok, error=ev.error, ahead=True)
+        state = replace(state, staging={c: s for c, s in state.staging.items()
+                                        if c != ev.cluster_id})
+        in_round = state.current is not None and ev.cluster_id in state.current.slots
+        if state.phase is Phase.WINDOW and not in_round:
+            return _admit(state, [slot], actions, ev.now)
+        return replace(state, queue=(*state.queue, slot))
     rnd = state.current
     slot = rnd.slots.get(ev.cluster_id) if rnd else None
     if slot is None or slot.push_id != ev.push_id:
@@ -133,11 +174,7 @@ def _on_reported(state: RoundState, ev: PushReported, policy: RoundPolicy,
     if slot.done or state.phase not in (Phase.WINDOW, Phase.PUSH):
         return state  # its fate is sealed (timed out, or the round is being decided)
     if ev.ok and slot.admitted_at is not None:  # how long this member's pushes take
-        took = max(ev.now - slot.admitted_at, 0.0)
-        old = state.push_s.get(ev.cluster_id)
-        a = policy.estimate_alpha
-        state = replace(state, push_s={**state.push_s, ev.cluster_id:
-                                       took if old is None else a * took + (1 - a) * old})
+        state = _measured(state, slot, ev.now, policy)
     return _with_slot(state, replace(slot, done=True, ok=ev.ok, error=ev.error))
 
 
@@ -168,7 +205,8 @@ def _on_pull_done(state: RoundState, ev: PullDone, policy: RoundPolicy,
 
 def _on_gone(state: RoundState, ev: MemberGone, policy: RoundPolicy,
              actions: list[Action]) -> RoundState:
-    state = replace(state, queue=tuple(s for s in state.queue if s.cluster_id != ev.cluster_id))
+    state = replace(state, queue=tuple(s for s in state.queue if s.cluster_id != ev.cluster_id),
+                    staging={c: s for c, s in state.staging.items() if c != ev.cluster_id})
     slot = state.current.slots.get(ev.cluster_id) if state.current else None
     if slot is None:
         return state

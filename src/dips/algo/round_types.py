@@ -37,6 +37,11 @@ class RoundPolicy:
             window closes (never more than ``push_timeout_s``): a dead or stalled push fails in
             seconds, not at a fixed timeout. ``push_slack`` inf: no deadline but the timeout.
         estimate_alpha: weight of the newest measured push time in a member's estimate.
+        stage_ratio / stage_min_s: a member whose predicted push takes at least
+            ``stage_min_s`` seconds and more than ``stage_ratio`` times the median of the other
+            members' measured pushes sends its push ahead, outside any round, and joins a round
+            only once it has arrived: its slow link never holds the others' window or push
+            phase. ``stage_ratio`` inf: never.
         verdicts_kept: verdicts remembered by push id (re-served to a client that asks again).
     """
 
@@ -46,6 +51,8 @@ class RoundPolicy:
     push_slack: float = 4.0
     push_floor_s: float = 2.0
     estimate_alpha: float = 0.5
+    stage_ratio: float = 4.0
+    stage_min_s: float = 1.0
     verdicts_kept: int = 1024
 
 
@@ -56,7 +63,8 @@ class Slot:
     ``tokens``: T_j, the push's aggregation weight (tokens). ``requested_at``: seconds.
     ``expected_s``: predicted push seconds (None: unknown). ``admitted_at``: seconds.
     ``done``/``ok``/``error``: the push was reported delivered (ok) or failed (error).
-    ``pulled``: the cluster pulled the round's version (or gave up, or left).
+    ``pulled``: the cluster pulled the round's version (or gave up, or left). ``ahead``: the
+    push was sent ahead of any round (a slow link) and joined this one once it arrived.
     """
 
     cluster_id: str
@@ -71,6 +79,7 @@ class Slot:
     ok: bool = False
     error: str = ""
     pulled: bool = False
+    ahead: bool = False
 
 
 @dataclass(frozen=True)
@@ -132,7 +141,8 @@ class RoundState:
     ``rounds``: rounds opened so far (the last round's number). ``ready``: the followers are
     all registered, up and reconciled (reported by the caller). ``verdicts``: push id ->
     verdict, the most recent ``policy.verdicts_kept``. ``push_s``: cluster -> moving average
-    of its measured push seconds (admission to report).
+    of its measured push seconds (admission to report). ``staging``: cluster -> a push sent
+    ahead of any round (a slow link), until it has arrived.
     """
 
     phase: Phase = Phase.IDLE
@@ -143,6 +153,7 @@ class RoundState:
     grace: GraceState = GraceState()
     verdicts: Mapping[str, Verdict] = field(default_factory=dict)
     push_s: Mapping[str, float] = field(default_factory=dict)
+    staging: Mapping[str, Slot] = field(default_factory=dict)
 
 
 # ----- events ----------------------------------------------------------------------------
@@ -245,6 +256,14 @@ class Admitted:
 
 
 @dataclass(frozen=True)
+class Staged:
+    """``slot``'s push travels now, ahead of any round (its link is too slow to keep a round
+    waiting); it joins a round once reported."""
+
+    slot: Slot
+
+
+@dataclass(frozen=True)
 class WindowClosed:
     """Round ``number``'s window closed at ``at``: later requests wait for the next round."""
 
@@ -282,4 +301,4 @@ class RoundEnded:
     grace: Mapping[str, Any]
 
 
-Action = Union[RoundOpened, Admitted, WindowClosed, StartUpdate, Decided, RoundEnded]
+Action = Union[RoundOpened, Admitted, Staged, WindowClosed, StartUpdate, Decided, RoundEnded]

@@ -38,8 +38,10 @@ class Fault(Strict):
     target: str = Field(pattern=r"^(leader|follower-\d+|cluster-[A-Za-z0-9_.-]+)$",
                         description="process name: leader, follower-<i> or cluster-<id>")
     at_s: float | None = Field(None, ge=0, description="when, seconds of training")
-    phase: Literal["push", "update", "pull"] | None = Field(
-        None, description="or: kill the target inside this protocol phase (a failpoint)")
+    phase: Literal["idle", "window", "push", "update", "pull"] | None = Field(
+        None, description="or: kill the target inside this protocol phase (a failpoint): "
+                          "idle (between rounds / transfers), window (a round just opened, its "
+                          "first push starting), push (mid-push), update, pull")
     after_s: float = Field(0.0, ge=0, description="phase faults: armed after this many seconds")
     duration_s: float = Field(5.0, gt=0, description="stop / cut_link: how long, seconds")
 

@@ -80,6 +80,7 @@ def run_follower(run_dir: Path, index: int) -> None:
     """Serve follower ``index`` (its shard loaded from the run's initial checkpoint)."""
     from safetensors import safe_open
 
+    from dips.roles import failpoints
     from dips.roles.checkpoint import complete_versions, load_checkpoint
     from dips.roles.follower import FollowerShard
     from dips.wire.control import make_server
@@ -131,6 +132,7 @@ def run_follower(run_dir: Path, index: int) -> None:
     # Registration doubles as the heartbeat: the leader learns a restart from the incarnation,
     # and a restarted leader learns this follower again within one interval (§12).
     while not stop.is_set():
+        failpoints.hit("idle")  # fault injection between transfers
         info = pb.FollowerInfo(index=index, data_endpoint=data.endpoint,
                                control_endpoint=f"{host}:{port}", layers=owned,
                                layer_bytes=[sizes[l] for l in owned], version=shard.version,

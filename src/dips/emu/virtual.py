@@ -41,8 +41,8 @@ from dips.algo import grace as grace_rules
 from dips.algo import partition_contiguous
 from dips.algo.penalty import PenaltyState
 from dips.algo.round import (Admitted, Decided, PullDone, PushReported, PushRequested,
-                             RoundEnded, RoundOpened, RoundPolicy, RoundState, StartUpdate, Tick,
-                             UpdateFinished, step)
+                             RoundEnded, RoundOpened, RoundPolicy, RoundState, Staged, StartUpdate,
+                             Tick, UpdateFinished, step)
 from dips.emu.result import MethodResult
 from dips.emu.vclock import EventQueue, transfer_s
 from dips.emu.vworld import World, bf16_copy, load_params
@@ -80,12 +80,15 @@ class InProcessPS:
         """``(index, control)`` of every follower, as :func:`run_update` takes them."""
         return [(s.index, s) for s in self.shards]
 
-    def stage(self, rnd: int, cluster: str, params: dict[str, torch.Tensor]) -> None:
-        """Deliver one cluster's BF16 layers to the owning followers (the data-plane push)."""
+    def stage(self, rnd: int, cluster: str, params: dict[str, torch.Tensor],
+              ahead_of: str | None = None) -> None:
+        """Deliver one cluster's BF16 layers to the owning followers (the data-plane push);
+        ``ahead_of``: the push id of a push sent ahead of its round (kept until scored)."""
+        extra = {"stage": True, "push_id": ahead_of} if ahead_of is not None else {}
         for shard in self.shards:
             for layer, names in shard.layers.items():
-                shard.handle(Message({"op": "push", "cluster": cluster, "round": rnd, "layer": layer},
-                                     {n: params[n] for n in names}))
+                shard.handle(Message({"op": "push", "cluster": cluster, "round": rnd,
+                                      "layer": layer, **extra}, {n: params[n] for n in names}))
 
     def pull(self) -> dict[str, torch.Tensor]:
         """The current version in BF16, through each follower's pull handler."""
@@ -122,6 +125,8 @@ def run_dips(scenario: Scenario, out_dir: Path, method: str = "di-ps") -> Method
     base_version = {cid: 0 for cid in by_id}
     requested_at: dict[str, float] = {}
     push_ids: dict[str, str] = {}
+    last_push_s: dict[str, float] = {}  # each cluster's last measured push, emulated seconds
+    ahead: dict[str, int] = {}  # clusters whose push travels ahead of any round -> staleness
     rounds: dict[int, dict[str, Any]] = {}  # round -> what its log line needs
     new_versions: dict[int, tuple[dict[str, torch.Tensor], int]] = {}  # round -> (BF16 θ, version)
     counts = {"pushed": 0, "accepted": 0, "rejected": 0, "tokens_accepted": 0}
@@ -144,7 +149,12 @@ def run_dips(scenario: Scenario, out_dir: Path, method: str = "di-ps") -> Method
                                     "lags": {}, "push_s": {}}
                 q.push(a.closes_at, "tick", None, priority=1)  # joins at close_t come first
             elif isinstance(a, Admitted):
-                admit(a.slot.cluster_id, a.slot.round, event.now)
+                if a.slot.done:  # sent ahead: it has arrived already
+                    rounds[a.slot.round]["lags"][a.slot.cluster_id] = ahead.pop(a.slot.cluster_id)
+                else:
+                    admit(a.slot.cluster_id, a.slot.round, event.now)
+            elif isinstance(a, Staged):
+                admit(a.slot.cluster_id, None, event.now, a.slot.push_id)
             elif isinstance(a, StartUpdate):
                 update(a, event.now)
             elif isinstance(a, Decided):
@@ -154,16 +164,22 @@ def run_dips(scenario: Scenario, out_dir: Path, method: str = "di-ps") -> Method
                 world.log(**rec, window_s=a.window_s, push_phase_s=a.push_s,
                           update_s=a.update_s, pull_s=a.pull_s, grace_end=dict(a.grace))
 
-    def admit(cid: str, number: int, t: float) -> None:
+    def admit(cid: str, number: int | None, t: float, ahead_of: str | None = None) -> None:
+        """Start cluster ``cid``'s push at ``t``: into round ``number``, or ahead of any round
+        (``ahead_of``: its push id)."""
         c = by_id[cid]
-        ps.stage(number, cid, bf16_copy(c.model))
+        ps.stage(number or 0, cid, bf16_copy(c.model), ahead_of)
         dur = transfer_s(c.spec, t, nbytes, lat)
         c.comm_s += dur
+        last_push_s[cid] = dur  # what the cluster predicts its next push from
         lag = ps.version - base_version[cid]
         lags.append(lag)
         lags_by.setdefault(cid, []).append(lag)
-        rounds[number]["lags"][cid] = lag
-        rounds[number]["push_s"][cid] = dur
+        if number is None:
+            ahead[cid] = lag
+        else:
+            rounds[number]["lags"][cid] = lag
+            rounds[number]["push_s"][cid] = dur
         q.push(t + dur, "pushed", cid)
 
     def update(start: StartUpdate, t: float) -> None:
@@ -202,7 +218,7 @@ def run_dips(scenario: Scenario, out_dir: Path, method: str = "di-ps") -> Method
             requested_at[payload] = t
             push_ids[payload] = f"{payload}-{c.steps}"
             feed(PushRequested(t, payload, push_ids[payload], base_version[payload],
-                               c.tokens_since_sync))
+                               c.tokens_since_sync, last_push_s.get(payload)))
         elif kind == "tick":
             feed(Tick(t))
         elif kind == "pushed":

@@ -104,6 +104,7 @@ class ClusterClient(SyncMixin):
         self._leader = leader_client(leader, secret, timeout_s=min(timeout_s, 10.0))
         self._layers = group_layers(model, layer_of)
         sizes = [sum(p.numel() * 4 for _, p in params) for _, params in self._layers]
+        self._push_bytes = sum(sizes) // 2  # BF16 on the wire
         if not 1 <= stages <= len(sizes):
             raise ValueError(f"stages = {stages} must be in [1, {len(sizes)}] (number of layers)")
         self._stage_ranges = partition_contiguous(sizes, stages)
@@ -218,6 +219,7 @@ class ClusterClient(SyncMixin):
             return None
         if self.inner_step - self._last_sync_step >= self.H and time.monotonic() >= self._retry_at:
             return self.sync()
+        failpoints.hit("idle")  # fault injection: between syncs
         return None
 
     def flush(self) -> SyncResult | None:

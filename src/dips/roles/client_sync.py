@@ -43,6 +43,8 @@ XFER_FLOOR_S = 2.0
 XFER_SLACK = 4.0
 #: How long ``maintain`` waits when it asks again for a pending verdict (seconds).
 REASK_S = 2.0
+#: The longest a push sent ahead of its round may take (seconds): it holds no round.
+AHEAD_CAP_S = 3600.0
 
 
 @dataclass
@@ -108,7 +110,7 @@ class SyncMixin:
             else:
                 self._fail(reason)
             return SyncResult(False, self.version, -1, tokens, ok=False, reason=reason)
-        failpoints.hit("push")
+        failpoints.hit("window")  # admitted, nothing sent yet
         error = self._run_stages(grant, max(tokens, 1))
         push_s = time.monotonic() - t0
         if error is None:
@@ -188,12 +190,23 @@ class SyncMixin:
         for step in grant.schedule:
             for t in step.transfers:
                 plans[t.stage].append((t.layer, t.follower))
-        limit = self._xfer.limit("push_s", self.timeout_s)
+        # A push sent ahead holds no round: only its own measured pace bounds it.
+        limit = self._xfer.limit("push_s", AHEAD_CAP_S if grant.stage_first else self.timeout_s)
         for s in self._stages:
             s.set_timeout(limit)
+        t0 = time.monotonic()
         failures = self._guard(_in_threads(
-            [lambda s=s, p=p: s.push(self.cluster_id, grant.round, grant.push_id, p, tokens)
+            [lambda s=s, p=p: s.push(self.cluster_id, grant.round, grant.push_id, p, tokens,
+                                     stage=grant.stage_first)
              for s, p in zip(self._stages, plans)], limit))
+        if failures is not None:
+            # Learn the link from what got through, so the next push is predicted (and, if
+            # hopeless, sent ahead of its round): the whole push at the rate the followers
+            # confirmed, or twice this deadline if nothing was confirmed.
+            took = time.monotonic() - t0
+            acked = sum(s.acked_bytes for s in self._stages)
+            total = self._push_bytes
+            self._xfer.observe("push_s", took * total / acked if acked else 2 * max(took, limit))
         return None if failures is None else str(failures)
 
     def _guard(self, failures: StageFailures | None) -> StageFailures | None:

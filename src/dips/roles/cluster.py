@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 import torch
 
+from dips.roles import failpoints
 from dips.roles.layers import group_layers
 from dips.roles.layers import layer_of as default_layer_of
 from dips.wire.dataplane import DataClient
@@ -110,6 +111,7 @@ class StageWorker:
         self.timeout_s = timeout_s
         self._clients = {f: DataClient(key, ep, timeout_s, limiter) for f, ep in endpoints.items()}
         self._bf16: dict[str, torch.Tensor] = {}
+        self.acked_bytes = 0  # of the current or last push, confirmed by followers
 
     def set_timeout(self, timeout_s: float) -> None:
         """Wait at most ``timeout_s`` seconds for each reply (and a busy link) from now on."""
@@ -129,13 +131,16 @@ class StageWorker:
             return [(n, self._buffer(n, p).copy_(p.detach())) for n, p in self.layers[layer]]
 
     def push(self, cluster_id: str, rnd: int, push_id: str, transfers: list[tuple],
-             tokens: int | None = None) -> None:
+             tokens: int | None = None, stage: bool = False) -> None:
         """Send each ``(layer, follower, ...)`` in schedule order as BF16. Raises on refusal
         (DataPlaneError naming the reason) or timeout.
 
         ``tokens`` (T_j, as announced to the leader) travels in each layer's header so that
         followers can form the round's token-weighted sum at receipt
         (:mod:`dips.roles.round_sum`); without it they form δ when the leader asks.
+        ``stage``: the push is sent ahead of any round (the leader's ``stage_first``); the
+        followers keep it by push id until a round takes it. ``acked_bytes`` counts the bytes
+        followers confirmed, for the cluster's estimate of its link when a push fails.
 
         Up to ``depth`` layers are in flight: layer k+1 is converted, and queued if its link is
         free, while layer k is on the wire, so neither the link nor the follower's consumer
@@ -143,18 +148,23 @@ class StageWorker:
         """
         head = {"op": "push", "cluster": cluster_id, "round": rnd, "push_id": push_id,
                 "tokens": tokens}
+        if stage:
+            head["stage"] = True
+        self.acked_bytes = 0
         if self.mode == "single":
             for layer, follower, *_ in transfers:
                 tensors = [(n, p.detach().to(torch.bfloat16)) for n, p in self.layers[layer]]
                 self._clients[follower].request({**head, "layer": layer}, tensors)
             return
-        flight: deque[tuple[int, Any]] = deque()
+        flight: deque[tuple[int, Any, int]] = deque()
         held: set[int] = set()
 
         def finish_oldest() -> None:
-            f, pending = flight.popleft()
+            f, pending, nbytes = flight.popleft()
             self._clients[f].push_finish(pending)
-            if all(g != f for g, _ in flight):
+            self.acked_bytes += nbytes
+            failpoints.hit("push")  # fault injection: in the middle of a push
+            if all(g != f for g, *_ in flight):
                 held.discard(f)
                 _LINKS.release(push_id, f)
 
@@ -168,7 +178,8 @@ class StageWorker:
                         raise TimeoutError(f"link to follower {f} busy for {self.timeout_s} s")
                 held.add(f)
                 flight.append((f, self._clients[f].push_start({**head, "layer": layer}, ready,
-                                                              self.chunk_bytes)))
+                                                              self.chunk_bytes),
+                               sum(t.numel() * t.element_size() for _, t in ready)))
                 if k + 1 < len(transfers):  # overlaps libzmq sending layer k (§10)
                     ready = self._image(transfers[k + 1][0])
                 while len(flight) >= self.depth:
@@ -176,7 +187,7 @@ class StageWorker:
             while flight:
                 finish_oldest()
         except BaseException:
-            for f, _ in flight:
+            for f, _, _ in flight:
                 self._clients[f].close()  # drop the unread replies of abandoned streams
             for f in held:
                 _LINKS.release(push_id, f)

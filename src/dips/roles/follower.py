@@ -38,9 +38,9 @@ from dips.algo.refusal import Refusal, Refused
 from dips.roles import failpoints
 from dips.roles.round_sum import RoundSum
 from dips.roles.spare import SpareState
-from dips.wire.frames import Message
+from dips.wire.frames import DTYPES, Message
 from dips.wire.pool import TensorPool, VersionedSnapshots
-from dips.roles.staging import DeltaSink, SnapshotSource, check_specs
+from dips.roles.staging import DeltaSink, RawSink, SnapshotSource, check_specs
 from dips.wire.stream import TensorSpec
 
 
@@ -141,6 +141,9 @@ class FollowerShard:
         self.outer_lr = outer_lr
         self.outer_momentum = outer_momentum
         self._staged: dict[tuple[int, str], _StagedPush] = {}
+        self._rounds_seen: set[int] = set()  # for the window/push failpoints
+        # Pushes sent ahead of their round (a slow link), by push id: (cluster, T_j, layers).
+        self._early: dict[str, tuple[str, Any, _StagedPush]] = {}
         self._deltas: dict[int, dict[str, list[torch.Tensor]]] = {}
         self._sq: dict[int, dict[str, float]] = {}
         self._sums: dict[int, RoundSum] = {}
@@ -166,7 +169,6 @@ class FollowerShard:
     # ----- data plane -------------------------------------------------------------------
     def handle(self, msg: Message) -> tuple[dict[str, Any], Sequence[tuple[str, torch.Tensor]]]:
         """Serve one data-plane message (see module docstring). Raises ValueError if malformed."""
-        failpoints.hit(str(msg.header.get("op")))
         op = msg.header.get("op")
         if op == "push":
             return self._receive_push(msg), ()
@@ -195,9 +197,37 @@ class FollowerShard:
             raise Refused(Refusal.VERSION_GONE, f"pull field 'version' = {want!r}, follower "
                                                 f"{self.index} holds version {self.version}")
 
+    def _early_push(self, header: dict[str, Any], cluster: str) -> _StagedPush:
+        """The record of a push sent ahead of its round (lock held); one per cluster."""
+        pid = header.get("push_id")
+        if not isinstance(pid, str) or not pid:
+            raise ValueError(f"push field 'push_id' = {pid!r} is not a push id")
+        entry = self._early.get(pid)
+        if entry is None:
+            for old in [p for p, e in self._early.items() if e[0] == cluster]:
+                del self._early[old]  # a newer push of the cluster replaces it
+            entry = self._early[pid] = (cluster, header.get("tokens"), _StagedPush())
+        if entry[0] != cluster:
+            raise ValueError(f"push id {pid!r} belongs to cluster {entry[0]!r}, not {cluster!r}")
+        return entry[2]
+
+    def _phase_failpoint(self, rnd: int) -> None:
+        """Fault injection: the first push message of a round arrives in its grace window
+        (``window``), the later ones in its push phase (``push``)."""
+        first = rnd not in self._rounds_seen
+        self._rounds_seen = (self._rounds_seen | {rnd}) if len(self._rounds_seen) < 64 else {rnd}
+        failpoints.hit("window" if first else "push")
+
     def _receive_push(self, msg: Message) -> dict[str, Any]:
         cluster, rnd, layer = self._push_fields(msg.header)
+        self._phase_failpoint(rnd)
         with self._lock:
+            if msg.header.get("stage") is True:
+                staged = self._early_push(msg.header, cluster)
+                check_specs(layer, [TensorSpec.of(n, t) for n, t in msg.tensors.items()],
+                            {n: tuple(self.params[n].shape) for n in self.layers[layer]})
+                staged.layers[layer] = dict(msg.tensors)
+                return {"op": "ack", "layer": layer, "version": self.version}
             staged = self._staged.setdefault((rnd, cluster), _StagedPush())
             try:
                 self._round_sum(rnd).announce(cluster, msg.header.get("tokens"))
@@ -211,6 +241,7 @@ class FollowerShard:
         return {"op": "ack", "layer": layer, "version": self.version}
 
     def _serve_pull(self, msg: Message) -> tuple[dict[str, Any], list[tuple[str, torch.Tensor]]]:
+        failpoints.hit("pull")
         want, names, dname = self._pull_fields(msg.header)
         dtype = torch.float32 if dname == "fp32" else torch.bfloat16
         with self._lock:
@@ -250,10 +281,12 @@ class FollowerShard:
         chunks arrive (:class:`dips.roles.staging.DeltaSink`). Raises ValueError naming the field;
         wrong tensors (or a later refused chunk, NaN, ...) also mark the cluster's push invalid
         on this shard, so the leader excludes it on every shard."""
-        failpoints.hit("push")
         if header.get("op") != "push":
             raise ValueError(f"stream field 'op' = {header.get('op')!r} is not 'push'")
         cluster, rnd, layer = self._push_fields(header)
+        self._phase_failpoint(rnd)
+        if header.get("stage") is True:
+            return self._open_early(header, cluster, layer, specs)
         pool, _ = self._stream_pools()
         with self._lock:
             staged = self._staged.setdefault((rnd, cluster), _StagedPush())
@@ -285,6 +318,26 @@ class FollowerShard:
 
         return DeltaSink(specs, theta, [staged.delta[s.name] for s in specs], commit, abort, reply)
 
+    def _open_early(self, header: dict[str, Any], cluster: str, layer: str,
+                    specs: list[TensorSpec]) -> RawSink:
+        """One streamed layer of a push sent ahead of its round: kept as sent, its Δ formed
+        when the round that takes it is scored (θ may change meanwhile)."""
+        with self._lock:
+            staged = self._early_push(header, cluster)
+            check_specs(layer, specs, {n: tuple(self.params[n].shape) for n in self.layers[layer]})
+            out = {s.name: torch.empty(s.shape, dtype=DTYPES[s.dtype]) for s in specs}
+            reply = {"op": "ack", "layer": layer, "version": self.version}
+
+        def commit() -> None:
+            with self._lock:
+                staged.layers[layer] = out
+
+        def abort(reason: str) -> None:
+            with self._lock:
+                staged.error = staged.error or reason
+
+        return RawSink(specs, [out[s.name] for s in specs], commit, abort, reply)
+
     def open_pull(self, header: dict[str, Any]) -> SnapshotSource:
         """Serve a streamed pull of ``layers`` at ``version``. BF16 comes from a per-version
         snapshot: each tensor is converted once per version (under the lock, one at a time)
@@ -299,10 +352,23 @@ class FollowerShard:
                               lambda: self._is_current(want), self._stream_pools()[1])
 
     # ----- control (called by the leader) ------------------------------------------------
-    def score(self, rnd: int, clusters: list[str]) -> list[tuple[str, bool, float, str]]:
-        """Per cluster: (id, valid, ‖Δ‖² on this shard, error). Δ = θ_now − θ_cluster (§6)."""
+    def score(self, rnd: int, clusters: list[str],
+              push_ids: list[str] | None = None) -> list[tuple[str, bool, float, str]]:
+        """Per cluster: (id, valid, ‖Δ‖² on this shard, error). Δ = θ_now − θ_cluster (§6).
+
+        ``push_ids`` (same order as ``clusters``) name pushes sent ahead of this round: they
+        are taken into the round here and their Δ formed now, against the current θ.
+        """
         out = []
         with self._lock:
+            for c, pid in zip(clusters, push_ids or []):
+                if (rnd, c) not in self._staged and pid in self._early and self._early[pid][0] == c:
+                    _, tokens, staged = self._early.pop(pid)
+                    self._staged[(rnd, c)] = staged
+                    try:
+                        self._round_sum(rnd).announce(c, tokens)
+                    except ValueError as exc:
+                        staged.error = staged.error or str(exc)
             deltas = self._deltas.setdefault(rnd, {})
             for c in clusters:
                 staged = self._staged.get((rnd, c))

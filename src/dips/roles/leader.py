@@ -32,9 +32,10 @@ from dips.algo.ledger import ChunkLedger, LedgerError
 from dips.algo.penalty import PenaltyState
 from dips.algo.reconcile import FollowerReport, reconcile_target
 from dips.algo.refusal import Refusal, Refused
-from dips.algo.round import (Decided, PullDone, PushReported, PushRequested, PushWithdrawn,
-                             ReadyChanged, RoundEnded, RoundPolicy, RoundState, StartUpdate, Tick,
-                             UpdateFinished, WindowClosed, next_deadline, slot_of, step)
+from dips.algo.round import (Decided, Phase, PullDone, PushReported, PushRequested,
+                             PushWithdrawn, ReadyChanged, RoundEnded, RoundOpened, RoundPolicy,
+                             RoundState, StartUpdate, Tick, UpdateFinished, WindowClosed,
+                             next_deadline, slot_of, step)
 from dips.roles import failpoints
 from dips.roles.leader_members import Membership
 from dips.roles.leader_records import Records
@@ -145,7 +146,9 @@ class Leader(Membership, Records):
     def _carry(self, state: RoundState, actions: list) -> None:
         self._state = state
         for a in actions:
-            if isinstance(a, WindowClosed):
+            if isinstance(a, RoundOpened):
+                failpoints.hit("window")
+            elif isinstance(a, WindowClosed):
                 failpoints.hit("push")
             elif isinstance(a, StartUpdate):
                 self._update = a
@@ -205,6 +208,9 @@ class Leader(Membership, Records):
                 if slot.round is not None:
                     return Grant(push_id, slot.round, self.version,
                                  self._schedule(slot.round, cluster.stages))
+                if self._state.staging.get(cluster_id) is slot:  # sent ahead of any round
+                    return Grant(push_id, 0, self.version, self._schedule(0, cluster.stages),
+                                 stage_first=True)
                 left = deadline - self._clock()
                 if left <= 0 or self._stop.is_set():
                     self._apply(PushWithdrawn(self._clock(), cluster_id, push_id))
@@ -270,6 +276,8 @@ class Leader(Membership, Records):
                     update, self._update = self._update, None
                 ended, self._ended = self._ended, []
                 if update is None and not reconcile and not ended:
+                    if self._state.phase is Phase.IDLE:
+                        failpoints.hit("idle")  # fault injection: nothing in flight
                     deadline = next_deadline(self._state, self.policy)
                     wait = 0.5 if deadline is None else deadline - self._clock()
                     self._cond.wait(min(0.5, max(wait, 0.0)))

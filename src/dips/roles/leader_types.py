@@ -48,12 +48,14 @@ class ClusterEntry:
 @dataclass(frozen=True)
 class Grant:
     """A push admitted into round ``round``: its id, the leader's version at admission and
-    the §10 schedule ``[[(stage, layer, follower), ...], ...]``."""
+    the §10 schedule ``[[(stage, layer, follower), ...], ...]``. ``stage_first``: the push is
+    sent now, ahead of any round (``round`` 0), and joins a round once it arrived."""
 
     push_id: str
     round: int
     version: int
     schedule: list[list[tuple[int, str, int]]]
+    stage_first: bool = False
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,8 @@ __all__ = ["FollowerControl", "UpdateReport", "abort_everywhere", "run_update"]
 class FollowerControl(Protocol):
     """What the leader needs from a follower (gRPC in production, the shard itself in process)."""
 
-    def score(self, rnd: int, clusters: list[str]) -> list[tuple[str, bool, float, str]]: ...
+    def score(self, rnd: int, clusters: list[str],
+              push_ids: list[str] | None = None) -> list[tuple[str, bool, float, str]]: ...
     def aggregate(self, rnd: int, clusters: list[str], weights: list[float]) -> float: ...
     def apply(self, rnd: int, clip: float, new_version: int, accepted: list[str],
               weights: list[float]) -> tuple[int, str]: ...
@@ -63,6 +64,7 @@ class UpdateReport:
     clusters: list[str]
     tokens: dict[str, int]
     base_versions: dict[str, int]
+    ahead: list[str] = field(default_factory=list)
     sq_norms: dict[str, float | None] = field(default_factory=dict)
     scored: list[str] = field(default_factory=list)
     weights: dict[str, float] = field(default_factory=dict)
@@ -82,7 +84,8 @@ class UpdateReport:
                             for c in self.clusters if c not in accepted},
                "scores": dict(out.scores), "threshold": out.threshold,
                "sq_norms": self.sq_norms, "tokens": self.tokens,
-               "base_versions": self.base_versions, "weights": self.weights,
+               "base_versions": self.base_versions, "ahead": self.ahead,
+               "weights": self.weights,
                "delta_sq_norm": self.delta_sq_norm, "clip_factor": out.clip_factor,
                "checksums": {str(k): v for k, v in self.checksums.items()},
                "invalid": dict(out.invalid), "scored": self.scored}
@@ -116,15 +119,17 @@ def run_update(followers: Sequence[tuple[int, FollowerControl]], number: int,
     by_id = {s.cluster_id: s for s in slots}
     report = UpdateReport(UpdateOutcome(version), penalty, clusters,
                           {c: by_id[c].tokens for c in clusters},
-                          {c: by_id[c].base_version for c in clusters})
+                          {c: by_id[c].base_version for c in clusters},
+                          [c for c in clusters if by_id[c].ahead])
     delivered = [c for c in clusters if by_id[c].ok]
     invalid = {c: (by_id[c].error or "push not delivered in time")
                for c in clusters if c not in delivered}
     try:
         norms = {c: 0.0 for c in delivered}
         if delivered:
+            push_ids = [by_id[c].push_id for c in delivered]
             for index, control in followers:
-                for c, valid, sq, err in control.score(number, delivered):
+                for c, valid, sq, err in control.score(number, delivered, push_ids):
                     if not valid:
                         invalid.setdefault(c, f"follower {index}: {err}")
                     norms[c] += sq

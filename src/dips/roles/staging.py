@@ -162,3 +162,48 @@ class SnapshotSource:
 def _release(lock: Any, snap: Any) -> None:
     with lock:
         snap.readers -= 1
+
+
+class RawSink:
+    """Receives one layer of a push sent ahead of its round (§6, issue 10): the cluster's
+    tensors are kept as they arrive (BF16), and Δ is formed only when the round that takes
+    the push scores it, against θ as it is then — θ may change while a slow push travels.
+
+    Args:
+        specs: the announced tensors, in stream order.
+        out: a destination tensor per spec (its dtype and shape), fully overwritten.
+        on_commit: called once every byte arrived and every value is finite.
+        on_abort: called with the reason when the stream is refused.
+        reply: the header returned by :meth:`commit`.
+    """
+
+    def __init__(self, specs: Sequence[TensorSpec], out: Sequence[torch.Tensor],
+                 on_commit: Callable[[], None], on_abort: Callable[[str], None],
+                 reply: dict[str, Any]) -> None:
+        self.specs = list(specs)
+        self._out = [t.reshape(-1).view(torch.uint8) for t in out]
+        self._tensors = list(out)
+        self._got = [0] * len(self.specs)
+        self._on_commit, self._on_abort, self._reply = on_commit, on_abort, reply
+
+    def write(self, index: int, offset: int, data: memoryview) -> None:
+        """Copy the bytes of tensor ``index`` at byte ``offset``."""
+        dst = self._out[index]
+        if offset + len(data) > dst.numel():
+            raise ValueError(f"chunk of tensor {self.specs[index].name!r} at byte {offset} "
+                             f"({len(data)} bytes) runs past its {dst.numel()} bytes")
+        dst[offset:offset + len(data)].copy_(torch.frombuffer(data, dtype=torch.uint8))
+        self._got[index] += len(data)
+
+    def commit(self) -> dict[str, Any]:
+        """Check every byte arrived and every value is finite; then keep the layer."""
+        for s, got, dst, t in zip(self.specs, self._got, self._out, self._tensors):
+            if got != dst.numel():
+                raise ValueError(f"tensor {s.name!r}: {got} of {dst.numel()} bytes received")
+            if not bool(torch.isfinite(t).all()):
+                raise ValueError(f"tensor {s.name!r} contains NaN or Inf")
+        self._on_commit()
+        return dict(self._reply)
+
+    def abort(self, reason: str) -> None:
+        self._on_abort(reason)

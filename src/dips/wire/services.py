@@ -65,7 +65,8 @@ class LeaderServicer(pbg.LeaderServicer):
         steps = [pb.Step(transfers=[pb.Transfer(stage=s, layer=l, follower=f) for s, l, f in step])
                  for step in grant.schedule]
         return pb.PushGrant(push_id=grant.push_id, round=grant.round,
-                            server_version=grant.version, schedule=steps)
+                            server_version=grant.version, schedule=steps,
+                            stage_first=grant.stage_first)
 
     @grpc_errors
     def PushDone(self, request: pb.PushDoneRequest, context: Any) -> pb.PushVerdict:
@@ -133,7 +134,8 @@ class FollowerServicer(pbg.FollowerServicer):
 
     @grpc_errors
     def Score(self, request: pb.ScoreRequest, context: Any) -> pb.ScoreReply:
-        norms = self.shard.score(request.round, list(request.cluster_ids))
+        norms = self.shard.score(request.round, list(request.cluster_ids),
+                                 list(request.push_ids) or None)
         return pb.ScoreReply(version=self.shard.version, norms=[
             pb.ClusterNorm(cluster_id=c, valid=v, sq_norm=g, error=e) for c, v, g, e in norms])
 
@@ -183,8 +185,10 @@ class FollowerControlClient:
     def __init__(self, target: str, token: str, timeout_s: float = 60.0) -> None:
         self._c = Client(pbg.FollowerStub, target, token, timeout_s)
 
-    def score(self, rnd: int, clusters: list[str]) -> list[tuple[str, bool, float, str]]:
-        reply = self._c.Score(pb.ScoreRequest(round=rnd, cluster_ids=clusters))
+    def score(self, rnd: int, clusters: list[str],
+              push_ids: list[str] | None = None) -> list[tuple[str, bool, float, str]]:
+        reply = self._c.Score(pb.ScoreRequest(round=rnd, cluster_ids=clusters,
+                                              push_ids=push_ids or []))
         return [(n.cluster_id, n.valid, n.sq_norm, n.error) for n in reply.norms]
 
     def aggregate(self, rnd: int, clusters: list[str], weights: list[float]) -> float:

@@ -149,16 +149,18 @@ class Step(_message.Message):
     def __init__(self, transfers: _Optional[_Iterable[_Union[Transfer, _Mapping]]] = ...) -> None: ...
 
 class PushGrant(_message.Message):
-    __slots__ = ("push_id", "round", "server_version", "schedule")
+    __slots__ = ("push_id", "round", "server_version", "schedule", "stage_first")
     PUSH_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
     SCHEDULE_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIRST_FIELD_NUMBER: _ClassVar[int]
     push_id: str
     round: int
     server_version: int
     schedule: _containers.RepeatedCompositeFieldContainer[Step]
-    def __init__(self, push_id: _Optional[str] = ..., round: _Optional[int] = ..., server_version: _Optional[int] = ..., schedule: _Optional[_Iterable[_Union[Step, _Mapping]]] = ...) -> None: ...
+    stage_first: bool
+    def __init__(self, push_id: _Optional[str] = ..., round: _Optional[int] = ..., server_version: _Optional[int] = ..., schedule: _Optional[_Iterable[_Union[Step, _Mapping]]] = ..., stage_first: _Optional[bool] = ...) -> None: ...
 
 class PushDoneRequest(_message.Message):
     __slots__ = ("cluster_id", "push_id", "ok", "error")
@@ -285,12 +287,14 @@ class StatusReply(_message.Message):
     def __init__(self, version: _Optional[int] = ..., rounds: _Optional[int] = ..., updates_pushed: _Optional[int] = ..., updates_accepted: _Optional[int] = ..., updates_rejected: _Optional[int] = ..., tokens_pushed: _Optional[int] = ..., tokens_accepted: _Optional[int] = ..., phase: _Optional[str] = ..., clusters: _Optional[_Iterable[_Union[ClusterStatus, _Mapping]]] = ..., followers: _Optional[_Iterable[_Union[FollowerInfo, _Mapping]]] = ..., outer_steps: _Optional[int] = ..., followers_ready: _Optional[int] = ..., accepted_windows: _Optional[int] = ..., ledger_epoch: _Optional[int] = ..., outer_steps_lost: _Optional[int] = ...) -> None: ...
 
 class ScoreRequest(_message.Message):
-    __slots__ = ("round", "cluster_ids")
+    __slots__ = ("round", "cluster_ids", "push_ids")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     CLUSTER_IDS_FIELD_NUMBER: _ClassVar[int]
+    PUSH_IDS_FIELD_NUMBER: _ClassVar[int]
     round: int
     cluster_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, round: _Optional[int] = ..., cluster_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    push_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, round: _Optional[int] = ..., cluster_ids: _Optional[_Iterable[str]] = ..., push_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ClusterNorm(_message.Message):
     __slots__ = ("cluster_id", "valid", "sq_norm", "error")
