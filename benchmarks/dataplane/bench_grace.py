@@ -2,9 +2,9 @@
 
 Each run is a real Di-PS run on loopback: the real leader (in this process, gRPC, with
 ``grace_mode``), M follower processes (FollowerShard + DataServer + gRPC), and N cluster
-processes, each training the configured LLaMA model on its own data chunks with real inner
-AdamW steps, an injected slowdown per inner step (as ``dips launch`` does, :mod:`dips.emu.slowdown`),
-and :class:`dips.roles.client.ClusterClient` syncing every H steps. After ``--seconds`` of
+processes, each training the configured LLaMA model on its own data chunks in the one training loop
+(:func:`dips.train.run.run_loop`: real inner AdamW steps, an injected slowdown per inner step as
+``dips launch`` does, and :class:`dips.train.dips_sync.DiPSSync` syncing every H steps). After ``--seconds`` of
 training it reports, per grace setting:
 
 * idle time of the fast clusters (slowdown 1.0): the share of their wall time spent in sync
@@ -35,41 +35,30 @@ SLOWDOWNS = {"fast0": 1.0, "fast1": 1.0, "mid": 2.0, "slow": 4.0}
 
 def _cluster_main(cid: str, slowdown: float, cfg_dict: dict, addr: str, secret: str,
                   cache_dir: str, stop, out_path: str) -> None:
+    """One cluster process: the one training loop of dips.train.run with the Di-PS sync."""
     import torch
 
-    from dips.emu.slowdown import Slowdown
+    from dips.emu.pacing import Pacer
     from dips.roles.client import ClusterClient
-    from dips.train.corpus import load_tokens
-    from dips.train.loop import inner_step, make_inner_optimizer
-    from dips.train.model import build_model
-    from dips.train.sampler import BatchSampler, assign_chunks, make_chunks
     from dips.spec import RunConfig
+    from dips.train.dips_sync import DiPSSync
+    from dips.train.run import TrainLog, run_loop
+    from dips.train.trainer import build_trainer
 
     torch.set_num_threads(1)
     cfg = RunConfig.model_validate(cfg_dict)
-    data = load_tokens(Path(cache_dir), cfg.data.vocab_size, cfg.data.val_fraction)
-    chunks = make_chunks(len(data.train), cfg.data.num_chunks)
-    mine = assign_chunks(cfg.data.num_chunks, list(SLOWDOWNS))[cid]
-    sampler = BatchSampler(data.train, chunks, mine, cfg.inner.batch_size, cfg.inner.seq_len,
-                           seed=len(cid) * 7919 + int(slowdown * 10))
-    model = build_model(cfg.model, cfg.seed)
-    opt = make_inner_optimizer(model, cfg.inner.lr, cfg.inner.weight_decay)
-    client = ClusterClient(model, addr, cid, secret, H=cfg.inner.H, timeout_s=120,
+    trainer = build_trainer(cid, cfg.model, cfg.data, cfg.inner, cfg.seed,
+                            assignment=list(SLOWDOWNS), cache_dir=Path(cache_dir))
+    client = ClusterClient(trainer.model, addr, cid, secret, H=cfg.inner.H, timeout_s=120,
                            admit_timeout_s=120, heartbeat_interval_s=1.0)
-    client.join()
-    slow = Slowdown(slowdown)
-    with open(out_path, "w", buffering=1) as out:
-        out.write(json.dumps({"event": "join", "time": time.monotonic()}) + "\n")
-        while not stop.is_set():
-            t0 = time.monotonic()
-            loss = inner_step(model, opt, sampler.next_batch(), cfg.inner.grad_clip)
-            stop.wait(slow.delay(time.monotonic() - t0))
-            res = client.step_done(sampler.tokens_per_batch, loss)
-            if res is not None:
-                out.write(json.dumps({"time": time.monotonic(), "push_s": res.push_s,
-                                      "wait_s": res.wait_s, "pull_s": res.pull_s,
-                                      "accepted": res.accepted, "ok": res.ok}) + "\n")
-        out.write(json.dumps({"event": "stop", "time": time.monotonic()}) + "\n")
+    sync = DiPSSync(client)
+    sync.join(stop, 240)
+    log = TrainLog(Path(out_path), stamp=time.monotonic, delay=False)
+    log.write({"event": "join"})
+    t0 = time.monotonic()
+    run_loop(trainer, sync, stop, Pacer(slowdown), log, clock=lambda: time.monotonic() - t0)
+    log.write({"event": "stop"})
+    log.close()
     client.close()
 
 
@@ -109,13 +98,14 @@ def summarize(run_dir: Path) -> dict:
         recs = [json.loads(l) for l in (run_dir / f"{cid}.jsonl").read_text().splitlines()]
         t0 = next(r["time"] for r in recs if r.get("event") == "join")
         t1 = max(r["time"] for r in recs)
-        syncs = [r for r in recs if "push_s" in r]
+        syncs = [r["push"] for r in recs if "push" in r]
         idle = sum(r["push_s"] + r["wait_s"] + r["pull_s"] for r in syncs)
         per[cid] = {"wall_s": t1 - t0, "syncs": len(syncs), "idle_s": idle,
                     "idle_share": idle / max(t1 - t0, 1e-9),
                     "wait_s_mean": statistics.mean([r["wait_s"] for r in syncs]) if syncs else None}
-    steps = [r for r in map(json.loads, (run_dir / "outer_steps.jsonl").read_text().splitlines())
-             if "event" not in r]  # one decision line per round
+    lines = [json.loads(l) for l in (run_dir / "outer_steps.jsonl").read_text().splitlines()]
+    steps = [r for r in lines if "event" not in r]  # one decision line per round
+    ends = [r for r in lines if r.get("event") == "round_end"]  # its phases and §7 estimates
     applied = [s for s in steps if s.get("accepted")]
     stale = [s["version"] - 1 - s["base_versions"][c] for s in applied for c in s["accepted"]]
     taus = [s["window_s"] for s in steps if "window_s" in s]  # the window each round used
@@ -126,7 +116,7 @@ def summarize(run_dir: Path) -> dict:
             "fast_idle_share": statistics.mean([v["idle_share"] for v in fast]),
             "fast_idle_s_per_sync": statistics.mean([v["idle_s"] / max(v["syncs"], 1) for v in fast]),
             "window_s_mean": statistics.mean(taus) if taus else None,
-            "last_grace": steps[-1].get("grace") if steps else None}
+            "last_grace": ends[-1].get("grace") if ends else None}
 
 
 def main(argv: list[str] | None = None) -> dict:
