@@ -5,6 +5,7 @@ mid-round ends the round at once."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
@@ -26,6 +27,8 @@ class FakeFollower:
         self.version, self.prepared = 0, -1
         self.gate = threading.Event()
         self.gate.set()
+        self.commit_gate = threading.Event()
+        self.commit_gate.set()
         self.applied: list[tuple[int, list[str]]] = []
 
     def report(self):
@@ -54,6 +57,8 @@ class FakeFollower:
         return new_version, f"sum{new_version}"
 
     def commit(self, new_version):
+        if not self.commit_gate.wait(5):
+            raise TimeoutError("commit held")
         self.version, self.prepared = new_version, -1
         return new_version, f"sum{new_version}"
 
@@ -150,6 +155,43 @@ def test_a_verdict_is_reserved_also_by_a_restarted_leader(tmp_path):
         with pytest.raises(Refused) as info:
             restarted.leader.push_done("a", "no-such-push", True, "", 1.0)
         assert info.value.code is Refusal.UNKNOWN_PUSH
+    finally:
+        restarted.close()
+
+
+def test_a_leader_dead_between_its_decision_and_the_commits_re_serves_the_verdict(tmp_path):
+    """Input 1 of issue 10 in process: the step is decided (every follower prepared it) and the
+    leader dies before any follower commits. The restarted leader rolls the step forward and
+    answers the cluster's second ask with the same verdict, counting nothing twice."""
+    run = Run(tmp_path)
+    try:
+        chunks = run.member("a")
+        c0 = min(chunks)
+        for f in run.fakes:
+            f.commit_gate.clear()  # the commits never come: the leader "dies" here
+        grant = run.leader.request_push("a", 0, 1, 5.0, {c0: 5})
+        def ask() -> None:  # the cluster's first ask: the leader dies before it answers
+            with contextlib.suppress(Refused):
+                run.leader.push_done("a", grant.push_id, True, "", 3.0)
+
+        threading.Thread(target=ask, daemon=True).start()
+        wait_for(lambda: run.leader.version == 1, "decision recorded")
+    finally:
+        run._stop.set()
+        run.leader.stop(timeout_s=0.1)  # its loop thread is stuck in a commit: abandoned
+    fakes = run.fakes
+    for f in fakes:
+        assert f.prepared == 1 and f.version == 0  # prepared everywhere, committed nowhere
+        f.commit_gate.set()
+    restarted = Run(tmp_path, fakes=fakes)
+    try:
+        reply = restarted.leader.push_done("a", grant.push_id, True, "", 5.0)
+        assert reply.verdict.accepted and reply.verdict.version == 1
+        assert dict(reply.holdings)[c0] == 5
+        assert all(f.version == 1 for f in fakes)  # rolled forward on every follower
+        counts = restarted.leader.counts
+        assert counts["updates_accepted"] == counts["updates_pushed"] == 1
+        assert counts["tokens_accepted"] == 5 * TPW == restarted.leader.ledger.accepted_windows * TPW
     finally:
         restarted.close()
 

@@ -82,6 +82,7 @@ class Leader(Membership, Records):
         self._reports: dict[int, UpdateReport] = {}  # round -> its update, until it is logged
         self._holdings: dict[str, list[tuple[int, int]]] = {}  # push id -> ledger positions
         self._decided = 0                            # the last round recorded by _decide
+        self._recorded: dict[str, Any] = {}          # its verdicts, until the machine has them
         self._leaving: set[str] = set()              # removed; ledger release after the verdicts
         self.followers: dict[int, FollowerEntry] = {}
         self.clusters: dict[str, ClusterEntry] = {}

@@ -77,7 +77,10 @@ class Records:
         if self._run_dir is None:
             return
         with self._cond:
-            recent = list(self._state.verdicts.values())[-VERDICTS_PERSISTED:]
+            # The verdicts of a step decided but not yet finished (commits in flight) are
+            # recorded too: a leader that dies now re-serves them after its restart.
+            known = {**self._state.verdicts, **self._recorded}
+            recent = list(known.values())[-VERDICTS_PERSISTED:]
             state = {"version": self.version, "rounds": self.rounds, "counts": dict(self.counts),
                      "penalty": self.penalty.to_dict(),
                      "clusters": {c.cluster_id: c.stages for c in self.clusters.values()},
@@ -113,7 +116,9 @@ class Records:
             self._version_stats[out.version] = (len(out.accepted), tokens)
             for v in sorted(self._version_stats)[:-64]:
                 del self._version_stats[v]
-            self._account(verdicts_of(rnd, out), report, out.version)
+            verdicts = verdicts_of(rnd, out)
+            self._account(verdicts, report, out.version)
+            self._recorded = {v.push_id: v for v in verdicts}
             self._decided = number
             self._log_decision(number, report, rnd)
         self.checkpoint()
