@@ -1,16 +1,18 @@
-"""Fault injection as real processes (§12, §16 of the seed): one run per fault kind.
+"""Fault injection as real processes (§12, §16 of the seed): four fault kinds, two per run.
 
 After each fault the run goes on, the validation loss keeps falling, and DESIGN.md's
 invariants hold (see invariants.py): all followers applied the same accepted sets and clip
 factors, shards and checkpoints carry the same version, no accepted update is applied twice or
 lost, and the ledger accounts for every accepted window exactly once.
 
-Each run lasts until the events the test is about have happened, however long that takes on a
-loaded machine (runner.launch_until): the fault fired, the recovery it calls for (a restart,
-a re-join, a reconciliation), an outer step accepted after that recovery, and
-``OUTER_STEPS`` applied versions in all (for the loss). ``--max-time`` is only a safety limit.
-A hang or a cut link lasts 6 s, four times the 1.5 s (3 heartbeats of 0.5 s) after which the
-leader notices it, so a busy leader still sees it.
+Each run carries two faults against different roles, the second well after the first (a
+follower fault with a cluster fault), so every kind is covered in half the launches. A run
+lasts until the events the test is about have happened, however long that takes on a loaded
+machine (runner.launch_until): each fault fired, the recovery it calls for (a restart, a
+re-join, a reconciliation), an outer step accepted after that recovery, and ``OUTER_STEPS``
+applied versions in all (for the loss). ``--max-time`` is only a safety limit. A hang or a cut
+link lasts 6 s, four times the 1.5 s (3 heartbeats of 0.5 s) after which the leader notices
+it, so a busy leader still sees it.
 """
 
 from __future__ import annotations
@@ -28,11 +30,15 @@ OUTER_STEPS = 12  # applied versions before the run may stop (the loss must fall
 # A leader killed at a plain time is covered by test_exactly_once.py's kill right after its
 # decision (the harder case) and by the random plans of test_chaos.py.
 FAULTS = {
-    "kill-follower-in-update": "- {phase: update, after_s: 14, action: kill, target: follower-1}",
-    "kill-cluster-in-push": "- {phase: push, after_s: 14, action: kill, target: cluster-c}",
-    "hang-follower": "- {at_s: 14, action: stop, target: follower-0, duration_s: 6}",
-    "cut-link": "- {at_s: 14, action: cut_link, target: cluster-a, duration_s: 6}",
+    "kill-follower-in-update": "{phase: update, after_s: 8, action: kill, target: follower-1}",
+    "kill-cluster-in-push": "{phase: push, after_s: 8, action: kill, target: cluster-c}",
+    "hang-follower": "{at_s: 22, action: stop, target: follower-0, duration_s: 6}",
+    "cut-link": "{at_s: 22, action: cut_link, target: cluster-a, duration_s: 6}",
 }
+RUNS = {"follower-kill-then-cut-link": ("kill-follower-in-update", "cut-link"),
+        "cluster-kill-then-follower-hang": ("kill-cluster-in-push", "hang-follower")}
+TARGET = {"kill-follower-in-update": "follower-1", "kill-cluster-in-push": "cluster-c",
+          "hang-follower": "follower-0", "cut-link": "cluster-a"}
 
 # What each fault's recovery is: (file, event, match) that must appear after the fault.
 RECOVERY = {
@@ -52,8 +58,9 @@ def _after(events: list[dict], t: float, kind: str, **match) -> list[dict]:
             and all(e.get(k) == v for k, v in match.items())]
 
 
-def _fault_time(run_dir: Path, read=jsonl) -> float | None:
-    fault = [e for e in read(run_dir / "events.jsonl") if e["event"] == "fault"]
+def _fault_time(run_dir: Path, name: str, read=jsonl) -> float | None:
+    fault = [e for e in read(run_dir / "events.jsonl")
+             if e["event"] == "fault" and e["process"] == TARGET[name]]
     return fault[0].get("fired_at", fault[0]["time"]) if fault else None
 
 
@@ -73,17 +80,18 @@ def _steps_after(run_dir: Path, t: float, read=jsonl) -> list[dict]:
             if r.get("accepted") and not r.get("error") and r.get("time", 0) > t]
 
 
-def _until(name: str):
+def _until(names: tuple[str, ...]):
     def missing(run_dir: Path) -> str | None:
         read = jsonl_so_far  # the run is still writing these files
-        t = _fault_time(run_dir, read)
-        if t is None:
-            return "the fault has not fired"
-        t_rec = _recovered_at(run_dir, name, t, read)
-        if t_rec is None:
-            return f"no recovery yet ({RECOVERY[name]})"
-        if not _steps_after(run_dir, t_rec, read):
-            return "no outer step accepted after the recovery"
+        for name in names:
+            t = _fault_time(run_dir, name, read)
+            if t is None:
+                return f"{name} has not fired"
+            t_rec = _recovered_at(run_dir, name, t, read)
+            if t_rec is None:
+                return f"no recovery from {name} yet ({RECOVERY[name]})"
+            if not _steps_after(run_dir, t_rec, read):
+                return f"no outer step accepted after the recovery from {name}"
         applied = min(len(effective_history(read(run_dir / "followers" / str(i) / "applied.jsonl")))
                       for i in range(2))
         if applied < OUTER_STEPS:
@@ -92,20 +100,20 @@ def _until(name: str):
     return missing
 
 
-@pytest.mark.parametrize("name", sorted(FAULTS))
-def test_fault_stays_local_and_invariants_hold(tmp_path, name):
+@pytest.mark.parametrize("run", sorted(RUNS))
+def test_faults_stay_local_and_invariants_hold(tmp_path, run):
+    names = RUNS[run]
     plan = tmp_path / "faults.yaml"
-    plan.write_text("faults:\n  " + FAULTS[name] + "\n")
+    plan.write_text("faults:\n" + "".join(f"  - {FAULTS[n]}\n" for n in names))
     run_dir = tmp_path / "run"
     launch_until(["--config", str(ROOT / "configs/tiny.yaml"), "--max-time", "600",
-                  "--faults", str(plan)], run_dir, _until(name))
+                  "--faults", str(plan)], run_dir, _until(names))
     figures = check_run(run_dir)
-    events = jsonl(run_dir / "events.jsonl")
-    fault = [e for e in events if e["event"] == "fault"]
-    assert fault, f"the fault never fired: {events}"
-    t = _fault_time(run_dir)
-    t_rec = _recovered_at(run_dir, name, t)
-    assert t_rec is not None, f"no recovery after the fault: {RECOVERY[name]}"
-    assert _steps_after(run_dir, t_rec), "no outer step completed after the recovery"
-    # The other clusters kept training through the fault (no global pause).
+    for name in names:
+        t = _fault_time(run_dir, name)
+        assert t is not None, f"{name} never fired: {jsonl(run_dir / 'events.jsonl')}"
+        t_rec = _recovered_at(run_dir, name, t)
+        assert t_rec is not None, f"no recovery after {name}: {RECOVERY[name]}"
+        assert _steps_after(run_dir, t_rec), f"no outer step completed after {name}'s recovery"
+    # The other clusters kept training through the faults (no global pause).
     assert figures["summary"]["tokens_consumed"] > 0
