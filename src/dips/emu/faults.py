@@ -12,8 +12,9 @@ With ``network: netns`` (root) a cut link is the cluster's veth set down in its 
 the kernel drops all of its traffic; on loopback it is emulated in the cluster process.
 
 ``target`` is a process name of the run (``leader``, ``follower-<i>``, ``cluster-<id>``).
-``phase`` faults arm a failpoint (:mod:`dips.roles.failpoints`) that the target trips at that
-protocol phase (``push``, ``update`` or ``pull``) after ``after_s``. Every injected fault and
+``phase`` faults (``kill`` only: a process cannot SIGSTOP itself at a failpoint and be resumed
+by its own timer) arm a failpoint (:mod:`dips.roles.failpoints`) that the target trips at that
+protocol phase (``idle``, ``window``, ``push``, ``update`` or ``pull``) after ``after_s``. Every injected fault and
 every recovery is an event in ``events.jsonl`` with its timestamp.
 """
 

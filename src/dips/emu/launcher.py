@@ -293,6 +293,23 @@ def launch(cfg: RunConfig, run_dir: Path, max_time_s: float | None = None,
     return summary
 
 
+def stop_reason(cfg: RunConfig, status: Any, elapsed_s: float,
+                max_time_s: float | None) -> str | None:
+    """Why the run stops now (None: it goes on): ``"token budget"`` once the leader's ledger
+    counts ``cfg.token_budget`` accepted tokens (never what members report of themselves,
+    which a faulty or hostile cluster could inflate), ``"max outer steps"``, ``"max time"``
+    (``elapsed_s`` seconds of training >= ``max_time_s``). ``status``: the leader's
+    ``StatusReply``, or None when it did not answer."""
+    if status is not None and status.tokens_accepted >= cfg.token_budget:
+        return "token budget"
+    if status is not None and cfg.max_outer_steps is not None \
+            and status.outer_steps >= cfg.max_outer_steps:
+        return "max outer steps"
+    if max_time_s is not None and elapsed_s >= max_time_s:
+        return "max time"
+    return None
+
+
 def _train(run: Launch, client: Any, progress: Progress, t_train: float,
            max_time_s: float | None, injector: FaultInjector | None = None,
            links: LinkSchedule | None = None) -> bool:
@@ -300,8 +317,7 @@ def _train(run: Launch, client: Any, progress: Progress, t_train: float,
     the token budget, ``cfg.max_outer_steps`` outer steps, the time limit or Ctrl-C. Returns
     whether it was interrupted."""
     cfg = run.cfg
-    max_steps = cfg.max_outer_steps
-    reason = "token budget"
+    reason: str | None = None
     liveness_s = max(3.0, cfg.membership.missed_heartbeats * cfg.membership.heartbeat_interval_s)
     last_ok = time.monotonic()
     answered: int | None = None
@@ -331,13 +347,8 @@ def _train(run: Launch, client: Any, progress: Progress, t_train: float,
                     # intervals is hung: kill and restart it (a liveness probe, §12).
                     run.event("unresponsive", "leader", silent_s=round(time.monotonic() - last_ok, 2))
                     os.kill(leader_pid, signal.SIGKILL)
-                if status is not None and sum(c.tokens for c in status.clusters) >= cfg.token_budget:
-                    break
-                if status is not None and max_steps is not None and status.outer_steps >= max_steps:
-                    reason = "max outer steps"
-                    break
-                if max_time_s is not None and elapsed >= max_time_s:
-                    reason = "max time"
+                reason = stop_reason(cfg, status, elapsed, max_time_s)
+                if reason is not None:
                     break
                 if all(run.children[f"cluster-{c.id}"].proc.poll() is not None for c in cfg.clusters):
                     reason = "all clusters exited"

@@ -194,7 +194,7 @@ def run_cluster(run_dir: Path, cluster_id: str) -> None:
                            timeout_s=cfg.timeouts.push_s, admit_timeout_s=cfg.timeouts.admit_s,
                            heartbeat_interval_s=cfg.membership.heartbeat_interval_s,
                            data=trainer.batches,
-                           limiter=bucket.consume if bucket is not None else None)
+                           limiter=bucket.consume if bucket is not None else None, stop=stop)
     sync = DiPSSync(client)
     # The leader may be restarting or waiting for followers: the join is retried.
     sync.join(stop, cfg.timeouts.startup_s)

@@ -32,13 +32,13 @@ class Progress:
         return _Lines(self.console, 10.0)
 
     def render(self, status: Any, elapsed_s: float) -> Group:
-        tokens = sum(c.tokens for c in status.clusters)
         head = Text.assemble(
             ("global ", "bold"), f"version {status.version}  outer steps {status.outer_steps}  ",
             f"rounds {status.rounds}  pushed {status.updates_pushed}  ",
             ("accepted ", "green"), f"{status.updates_accepted}  ",
             ("rejected ", "red"), f"{status.updates_rejected}  phase {status.phase}  ",
-            f"tokens {tokens:,}/{self.cfg.token_budget:,}  {elapsed_s:.0f} s")
+            f"tokens accepted {status.tokens_accepted:,}/{self.cfg.token_budget:,}  "
+            f"{elapsed_s:.0f} s")
         table = Table(show_edge=False, pad_edge=False)
         for col in ("cluster", "slowdown", "stages", "inner step", "tokens", "last loss",
                     "last push", "pulled version"):

@@ -2,8 +2,11 @@
 
 ``summary.json`` fields (units): ``method``, ``clusters``, ``followers``, ``H``,
 ``outer_steps`` (versions applied), ``rounds``, ``tokens_consumed`` (tokens of every inner
-step of every cluster), ``tokens_accepted`` (T_j of accepted pushes), ``updates_pushed``,
-``updates_rejected``, ``eval_loss_initial`` / ``eval_loss_final`` (nats/token on the
+step of every cluster, over every process it ran as), ``tokens_accepted`` (T_j of accepted
+pushes, the ledger's count), ``updates_pushed``, ``updates_accepted``, ``updates_rejected``
+(every push not accepted, whatever the reason: penalty, invalid, a failed round; each
+decision line of ``outer_steps.jsonl`` says why), ``outer_steps_lost`` (steps rolled back by
+reconciliation), ``eval_loss_initial`` / ``eval_loss_final`` (nats/token on the
 held-out split), ``wall_time_s`` (launch to summary), ``train_time_s`` (first cluster start
 to stop), ``tokens_per_s`` (tokens_consumed / train_time_s), ``final_version``,
 ``interrupted``, ``model_dir``.
@@ -35,11 +38,18 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 
 def tokens_consumed(run_dir: Path, cfg: RunConfig) -> dict[str, int]:
-    """Per cluster: tokens of its last recorded inner step (from ``train.jsonl``)."""
+    """Per cluster: tokens of all its inner steps, over every process it ran as (from
+    ``train.jsonl``, whose cumulative ``tokens`` restarts at 0 in a restarted process)."""
     out = {}
     for c in cfg.clusters:
-        recs = [r for r in read_jsonl(run_dir / "clusters" / c.id / "train.jsonl") if "tokens" in r]
-        out[c.id] = recs[-1]["tokens"] if recs else 0
+        total = last = 0
+        for r in read_jsonl(run_dir / "clusters" / c.id / "train.jsonl"):
+            if "tokens" not in r:
+                continue
+            if r["tokens"] < last:  # a new process: its count starts again
+                total += last
+            last = r["tokens"]
+        out[c.id] = total + last
     return out
 
 
@@ -88,6 +98,7 @@ def export_and_summarize(cfg: RunConfig, run_dir: Path, spec: RunSpec, secret: s
         "updates_pushed": status.updates_pushed if status else 0,
         "updates_accepted": status.updates_accepted if status else 0,
         "updates_rejected": status.updates_rejected if status else 0,
+        "outer_steps_lost": status.outer_steps_lost if status else 0,
         "eval_loss_initial": round(spec.eval_loss_initial, 5),
         "eval_loss_final": None if final_loss is None else round(final_loss, 5),
         "wall_time_s": round(time.time() - t_start, 2), "train_time_s": round(train_s, 2),

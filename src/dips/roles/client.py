@@ -80,6 +80,8 @@ class ClusterClient(SyncMixin):
         data: optional ledger-aware data source (see :class:`LedgerData`).
         limiter: called with each data-plane message's byte count before sending (link
             shaping, e.g. :meth:`dips.wire.shaping.TokenBucket.consume`); shared by all stages.
+        stop: the process's stop request: once set, a transfer, an admission or a verdict
+            wait in progress is given up within about 0.1 s (the push stays pending).
 
     Raises:
         ValueError: H < 1, or ``stages`` not in [1, number of layers].
@@ -89,7 +91,8 @@ class ClusterClient(SyncMixin):
                  H: int = 64, stages: int = 1, layer_of: Callable[[str], str] | None = None,
                  timeout_s: float = 120.0, admit_timeout_s: float = 30.0,
                  heartbeat_interval_s: float | None = None, data: LedgerData | None = None,
-                 limiter: Callable[[int], object] | None = None) -> None:
+                 limiter: Callable[[int], object] | None = None,
+                 stop: threading.Event | None = None) -> None:
         if H < 1:
             raise ValueError(f"H = {H} must be >= 1")
         layer_of = layer_of or default_layer_of
@@ -119,6 +122,8 @@ class ClusterClient(SyncMixin):
         self._pending_verdict: PendingVerdict | None = None
         self._resolved: SyncResult | None = None  # a pending verdict that arrived in maintain
         self._xfer = TransferTimes()
+        self._stop = stop or threading.Event()
+        self._followers_epoch: int | None = None  # from heartbeats (HeartbeatReply)
         self._leader_push_timeout_s = 0.0
         self._verdict_holdings: list[tuple[int, int]] = []
         self._retry_at = 0.0
@@ -296,6 +301,7 @@ class ClusterClient(SyncMixin):
                         cluster_id=self.cluster_id, inner_step=self.inner_step,
                         tokens=self.tokens_total, last_loss=self.last_loss),
                         timeout=max(self._hb_interval, 1.0))
+                    self._followers_epoch = reply.followers_epoch
                     if not reply.known:
                         self._rejoin.set()
                     if failing:  # the leader is back: retry now instead of after the backoff

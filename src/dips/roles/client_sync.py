@@ -12,9 +12,12 @@ the cluster give the push up: it re-joins, pulling one complete model and contin
 ledger's positions, so the lost windows are trained again and counted once.
 
 Transfers time out from measured times, not a fixed 20 or 60 s: each push and pull waits at
-most ``XFER_FLOOR_S + XFER_SLACK ×`` the moving average of this cluster's past pushes (pulls),
-the first push estimated from the join's pull. A follower that dies mid-transfer costs
-seconds, not the whole ``timeout_s``.
+most ``XFER_FLOOR_S + XFER_SLACK ×`` the moving average of this cluster's past pushes (pulls);
+the first of each kind waits at most ``timeout_s`` (a link's upload and download rates may
+differ, so a pull says nothing of a push). And a transfer never outlives the followers it was
+started for: when the leader's ``followers_epoch`` (sent with every heartbeat) changes — a
+follower marked down or restarted — or the process is asked to stop, the transfer is given up
+at once, however long its deadline (a push sent ahead on a slow link may have minutes).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import torch
 from dips.algo.refusal import Refusal
 from dips.roles import failpoints
 from dips.roles.cluster import StageWorker, SyncResult
-from dips.wire.control import refusal_of
+from dips.wire.control import CallCancelled, refusal_of
 from dips.wire.dataplane import DataPlaneError
 from dips.wire.pb import control_pb2 as pb
 
@@ -45,6 +48,8 @@ XFER_SLACK = 4.0
 REASK_S = 2.0
 #: The longest a push sent ahead of its round may take (seconds): it holds no round.
 AHEAD_CAP_S = 3600.0
+#: How often a transfer in progress checks whether it must be given up (seconds).
+ABORT_POLL_S = 0.1
 
 
 @dataclass
@@ -74,8 +79,6 @@ class TransferTimes:
     def limit(self, kind: str, cap_s: float) -> float:
         """The deadline of one ``kind`` ("push_s" or "pull_s") transfer, seconds, <= ``cap_s``."""
         est = getattr(self, kind)
-        if est is None:
-            est = self.pull_s if kind == "push_s" else self.push_s
         return cap_s if est is None else min(cap_s, XFER_FLOOR_S + XFER_SLACK * est)
 
 
@@ -99,7 +102,10 @@ class SyncMixin:
             grant = self._leader.RequestPush(pb.PushRequest(
                 cluster_id=self.cluster_id, base_version=max(self.version, 0),
                 tokens=max(tokens, 1), inner_steps=self.inner_step, progress=progress,
-                expected_push_s=self._xfer.push_s or 0.0), timeout=self.admit_timeout_s)
+                expected_push_s=self._xfer.push_s or 0.0), timeout=self.admit_timeout_s,
+                cancel=self._stop.is_set)
+        except CallCancelled:
+            return SyncResult(False, self.version, -1, tokens, ok=False, reason="stopping")
         except grpc.RpcError as exc:
             code = refusal_of(exc)
             reason = f"push request failed: {exc.code().name}: {exc.details()}"
@@ -132,7 +138,11 @@ class SyncMixin:
         try:
             v = self._leader.PushDone(pb.PushDoneRequest(
                 cluster_id=self.cluster_id, push_id=p.push_id, ok=p.ok, error=p.error),
-                timeout=timeout_s)
+                timeout=timeout_s, cancel=self._stop.is_set)
+        except CallCancelled:  # stopping: the verdict stays with the leader, by push id
+            self._pending_verdict = p
+            return SyncResult(False, self.version, p.round, p.tokens, ok=False, push_s=p.push_s,
+                              reason="stopping")
         except grpc.RpcError as exc:
             code = refusal_of(exc)
             if code in (Refusal.UNKNOWN_PUSH, Refusal.NOT_JOINED):
@@ -198,8 +208,8 @@ class SyncMixin:
         failures = self._guard(_in_threads(
             [lambda s=s, p=p: s.push(self.cluster_id, grant.round, grant.push_id, p, tokens,
                                      stage=grant.stage_first)
-             for s, p in zip(self._stages, plans)], limit))
-        if failures is not None:
+             for s, p in zip(self._stages, plans)], limit, self._abandoned()))
+        if failures is not None and not failures.aborted:
             # Learn the link from what got through, so the next push is predicted (and, if
             # hopeless, sent ahead of its round): the whole push at the rate the followers
             # confirmed, or twice this deadline if nothing was confirmed.
@@ -208,6 +218,20 @@ class SyncMixin:
             total = self._push_bytes
             self._xfer.observe("push_s", took * total / acked if acked else 2 * max(took, limit))
         return None if failures is None else str(failures)
+
+    def _abandoned(self) -> Callable[[], str | None]:
+        """Why a transfer starting now must be given up (None: go on): the process is
+        stopping, or a follower went down or restarted since (``followers_epoch`` changed)."""
+        epoch = self._followers_epoch
+
+        def why() -> str | None:
+            if self._stop.is_set():
+                return "stopping"
+            if epoch is not None and self._followers_epoch != epoch:
+                return "a follower went down or restarted"
+            return None
+
+        return why
 
     def _guard(self, failures: StageFailures | None) -> StageFailures | None:
         """After a stage worker overran its deadline, replace every stage worker: a ZeroMQ
@@ -233,7 +257,8 @@ class SyncMixin:
             results[i] = stage.pull(version, self._owner)
 
         failures = self._guard(_in_threads([lambda i=i, s=s: fetch(i, s)
-                                            for i, s in enumerate(self._stages)], limit))
+                                            for i, s in enumerate(self._stages)], limit,
+                                           self._abandoned()))
         if failures is not None:
             raise PullFailed(version, failures)
 
@@ -259,12 +284,14 @@ class StageFailures:
     """What went wrong in a parallel run of the stage workers.
 
     ``errors``: (stage index, exception) of each stage that raised; ``overran``: some stage
-    worker was still running at the deadline (its sockets must not be reused).
+    worker was still running at the deadline or the abort (its sockets must not be reused);
+    ``aborted``: why the transfer was given up before its deadline (None: it was not).
     """
 
     errors: list[tuple[int, BaseException]] = field(default_factory=list)
     overran: bool = False
     timeout_s: float = 0.0
+    aborted: str | None = None
 
     def refusals(self) -> set[Refusal]:
         """The refusal codes the followers answered with."""
@@ -272,7 +299,9 @@ class StageFailures:
 
     def __str__(self) -> str:
         parts = [f"stage {i}: {e}" for i, e in self.errors]
-        if self.overran:
+        if self.aborted:
+            parts.append(f"given up: {self.aborted}")
+        elif self.overran:
             parts.append(f"stage workers still running after {self.timeout_s} s")
         return "; ".join(parts)
 
@@ -286,8 +315,12 @@ class PullFailed(RuntimeError):
         self.version, self.failures, self.loading = version, failures, loading
 
 
-def _in_threads(jobs: list[Callable[[], None]], timeout_s: float) -> StageFailures | None:
-    """Run jobs in parallel threads; returns their failures, or None if all succeeded."""
+def _in_threads(jobs: list[Callable[[], None]], timeout_s: float,
+                abandon: Callable[[], str | None] | None = None) -> StageFailures | None:
+    """Run jobs in parallel threads; returns their failures, or None if all succeeded.
+
+    Waits at most ``timeout_s`` seconds, less if ``abandon()`` returns a reason first (checked
+    every ``ABORT_POLL_S``); threads still running then are left to their socket timeouts."""
     failures = StageFailures(timeout_s=timeout_s)
     lock = threading.Lock()
 
@@ -303,7 +336,14 @@ def _in_threads(jobs: list[Callable[[], None]], timeout_s: float) -> StageFailur
         t.start()
     deadline = time.monotonic() + timeout_s
     for t in threads:
-        t.join(max(0.0, deadline - time.monotonic()))
+        while t.is_alive() and time.monotonic() < deadline:
+            t.join(min(ABORT_POLL_S, max(0.0, deadline - time.monotonic())))
+            why = abandon() if abandon is not None and t.is_alive() else None
+            if why:
+                failures.aborted = why
+                break
+        if failures.aborted:
+            break
     failures.overran = any(t.is_alive() for t in threads)
     with lock:
         return failures if failures.errors or failures.overran else None

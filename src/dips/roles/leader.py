@@ -37,6 +37,7 @@ from dips.algo.round import (Decided, Phase, PullDone, PushReported, PushRequest
                              RoundState, StartUpdate, Tick, UpdateFinished, WindowClosed,
                              next_deadline, slot_of, step)
 from dips.roles import failpoints
+from dips.wire.control import describe
 from dips.roles.leader_members import Membership
 from dips.roles.leader_records import Records
 from dips.roles.leader_types import (ClusterEntry, FollowerEntry, Grant, LeaderConfig,
@@ -93,6 +94,7 @@ class Leader(Membership, Records):
                        "tokens_pushed": 0, "tokens_accepted": 0, "outer_steps": 0,
                        "outer_steps_lost": 0, "restarts": 0}
         self.needs_reconcile = True
+        self.followers_epoch = 0  # see HeartbeatAnswer
         self._version_stats: dict[int, tuple[int, int]] = {}
         self._layer_owner: dict[str, int] = {}
         self._book = ScheduleBook()  # follower use across the clusters of a round (§10)
@@ -316,6 +318,7 @@ class Leader(Membership, Records):
             self.needs_reconcile = True
             for i in failed:
                 self.followers[i].up = False
+            self.followers_epoch += 1
 
     def _reconcile(self) -> None:
         """Bring every follower to one common version (§12); see :mod:`dips.algo.reconcile`.
@@ -336,7 +339,7 @@ class Leader(Membership, Records):
                 f.control.restore(target)
             abort_everywhere([(f.index, f.control) for f in followers], None)
         except Exception as exc:
-            self.event("reconcile_failed", error=str(exc))
+            self.event("reconcile_failed", error=describe(exc))
             self._stop.wait(1.0)
             return
         lost = max(0, decided - target)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dips.algo.ledger import ChunkLedger
 from dips.algo.refusal import Refusal, Refused
 from dips.algo.round import MemberGone, Phase
-from dips.roles.leader_types import ClusterEntry, FollowerEntry
+from dips.roles.leader_types import ClusterEntry, FollowerEntry, HeartbeatAnswer
 
 
 class Membership:
@@ -35,6 +35,7 @@ class Membership:
             entry.control = self._connect(entry)
             entry.last_seen = self._clock()
             self.followers[entry.index] = entry
+            self.followers_epoch += 1  # clusters abort transfers to the old incarnation
             self._layer_owner = {l: f.index for f in self.followers.values() for l in f.layers}
             self.needs_reconcile = True
             self._sync_ready(self._clock())
@@ -76,14 +77,15 @@ class Membership:
         self.event("cluster_joined", cluster=cluster_id, rejoin=rejoin, version=version)
         return version, followers
 
-    def heartbeat(self, cluster_id: str, inner_step: int, tokens: int, loss: float) -> tuple[int, bool]:
-        """Record a cluster's progress; returns (version, known). Unknown: it must re-join."""
+    def heartbeat(self, cluster_id: str, inner_step: int, tokens: int, loss: float) -> HeartbeatAnswer:
+        """Record a cluster's progress (its own report, shown in the status only). Unknown
+        cluster: ``known`` is False and it must re-join."""
         with self._cond:
             c = self.clusters.get(cluster_id)
-            if c is None:
-                return self.version, False
-            c.inner_step, c.tokens, c.last_loss, c.last_seen = inner_step, tokens, loss, self._clock()
-            return self.version, True
+            if c is not None:
+                c.inner_step, c.tokens, c.last_loss = inner_step, tokens, loss
+                c.last_seen = self._clock()
+            return HeartbeatAnswer(self.version, c is not None, self.followers_epoch)
 
     def leave(self, cluster_id: str) -> None:
         """A graceful leave: like a removal, its chunks return to the ledger."""
@@ -144,6 +146,7 @@ class Membership:
                 for f in self.followers.values():
                     if f.up and now - f.last_seen > limit:
                         f.up = False
+                        self.followers_epoch += 1
                         self.needs_reconcile = True
                         events.append(("follower_down", {"follower": f.index,
                                                          "silent_s": round(now - f.last_seen, 3)}))

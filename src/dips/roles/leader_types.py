@@ -12,8 +12,8 @@ from typing import Any
 from dips.algo.round import Verdict
 from dips.spec import LeaderConfig
 
-__all__ = ["ClusterEntry", "FollowerEntry", "Grant", "LeaderConfig", "LeaderStatus",
-           "VerdictReply"]
+__all__ = ["ClusterEntry", "FollowerEntry", "Grant", "HeartbeatAnswer", "LeaderConfig",
+           "LeaderStatus", "VerdictReply"]
 
 
 @dataclass
@@ -56,6 +56,17 @@ class Grant:
     version: int
     schedule: list[list[tuple[int, str, int]]]
     stage_first: bool = False
+
+
+@dataclass(frozen=True)
+class HeartbeatAnswer:
+    """The leader's answer to a cluster's heartbeat: the global ``version``; ``known`` False
+    when the cluster must re-join; ``followers_epoch`` rises whenever a follower is marked
+    down or registers as a new incarnation (a cluster aborts transfers started before)."""
+
+    version: int
+    known: bool
+    followers_epoch: int
 
 
 @dataclass(frozen=True)

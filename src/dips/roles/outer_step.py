@@ -25,6 +25,7 @@ from dips.algo import clip_factor, decide, token_weights
 from dips.algo.penalty import PenaltyState
 from dips.algo.round import Slot, UpdateOutcome
 from dips.roles import failpoints
+from dips.wire.control import describe
 
 log = logging.getLogger(__name__)
 
@@ -167,7 +168,7 @@ def run_update(followers: Sequence[tuple[int, FollowerControl]], number: int,
         report.failed = True
         report.penalty = penalty
         report.outcome = UpdateOutcome(version, (), {}, None, None, invalid,
-                                       error=f"round failed: {type(exc).__name__}: {exc}")
+                                       error=f"round failed: {describe(exc)}")
         return report
     # Every follower prepared: the step is decided. The caller records it durably before any
     # commit, so a restarted leader never loses or repeats it.

@@ -57,8 +57,10 @@ class RunConfig(Strict):
     step_s: float | None = Field(None, gt=0, description="calibrated seconds of an inner step at "
                                                          "slowdown 1 (real-time pacing); None: "
                                                          "measured")
-    token_budget: int = Field(2_000_000, ge=1, description="stop when the clusters consumed this "
-                                                           "many tokens (tokens)")
+    token_budget: int = Field(2_000_000, ge=1, description="stop when this many tokens were "
+                                                           "accepted into the global model (the "
+                                                           "ledger's count, never a member's "
+                                                           "own report)")
     max_time_s: float | None = Field(None, gt=0, description="stop after this many seconds of "
                                                              "training")
     max_outer_steps: int | None = Field(

@@ -76,6 +76,17 @@ class _AuthInterceptor(grpc.ServerInterceptor):
         return self._deny
 
 
+def describe(exc: BaseException) -> str:
+    """One line naming what failed, for logs and records: a gRPC error as its status code,
+    refusal code and details (not its multi-line debug representation), anything else as
+    ``Type: message``."""
+    if isinstance(exc, grpc.RpcError) and callable(getattr(exc, "code", None)):
+        refusal = refusal_of(exc)
+        code = exc.code().name + (f" ({refusal.name})" if refusal is not None else "")
+        return f"{code}: {exc.details()}"
+    return f"{type(exc).__name__}: {exc}"
+
+
 def make_server(token: str, max_workers: int = 32) -> grpc.Server:
     """A gRPC server that authenticates every call with ``token``.
 
@@ -121,11 +132,21 @@ def grpc_errors(method: Callable) -> Callable:
     return wrapper
 
 
+#: How often a cancellable call checks whether its caller gave up (seconds).
+CANCEL_POLL_S = 0.1
+
+
+class CallCancelled(Exception):
+    """A cancellable call (``Client.Method(..., cancel=f)``) was given up because ``f()``
+    became true before the reply; nothing is known of its outcome at the server."""
+
+
 class Client:
     """A stub wrapper adding the run token and a deadline to every call.
 
     ``Client(stub_cls, "127.0.0.1:5000", token).Method(request, timeout=s)``; the default
-    deadline is ``timeout_s`` seconds. Raises ``grpc.RpcError`` as gRPC does.
+    deadline is ``timeout_s`` seconds. Raises ``grpc.RpcError`` as gRPC does, and
+    :class:`CallCancelled` when given ``cancel=f`` and ``f()`` turned true first.
     """
 
     def __init__(self, stub_cls: type, target: str, token: str, timeout_s: float = 30.0) -> None:
@@ -144,9 +165,21 @@ class Client:
     def __getattr__(self, name: str) -> Callable[..., Any]:
         rpc = getattr(self._stub, name)
 
-        def call(request: Any, timeout: float | None = None) -> Any:
-            return rpc(request, timeout=self.timeout_s if timeout is None else timeout,
-                       metadata=self._meta)
+        def call(request: Any, timeout: float | None = None,
+                 cancel: Callable[[], bool] | None = None) -> Any:
+            deadline = self.timeout_s if timeout is None else timeout
+            if cancel is None:
+                return rpc(request, timeout=deadline, metadata=self._meta)
+            # A long wait (a verdict, an admission) that the caller may give up early, e.g.
+            # when its process is asked to stop: poll the call and cancel it.
+            fut = rpc.future(request, timeout=deadline, metadata=self._meta)
+            while True:
+                try:
+                    return fut.result(timeout=CANCEL_POLL_S)
+                except grpc.FutureTimeoutError:
+                    if cancel():
+                        fut.cancel()
+                        raise CallCancelled(f"{name} cancelled by the caller") from None
 
         return call
 

@@ -88,9 +88,10 @@ class LeaderServicer(pbg.LeaderServicer):
 
     @grpc_errors
     def Heartbeat(self, request: pb.HeartbeatRequest, context: Any) -> pb.HeartbeatReply:
-        version, known = self.leader.heartbeat(request.cluster_id, request.inner_step,
-                                               request.tokens, request.last_loss)
-        return pb.HeartbeatReply(version=version, known=known)
+        a = self.leader.heartbeat(request.cluster_id, request.inner_step, request.tokens,
+                                  request.last_loss)
+        return pb.HeartbeatReply(version=a.version, known=a.known,
+                                 followers_epoch=a.followers_epoch)
 
     @grpc_errors
     def LeaveCluster(self, request: pb.LeaveRequest, context: Any) -> pb.Ack:

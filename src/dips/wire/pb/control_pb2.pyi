@@ -217,14 +217,16 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, cluster_id: _Optional[str] = ..., inner_step: _Optional[int] = ..., tokens: _Optional[int] = ..., last_loss: _Optional[float] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
-    __slots__ = ("version", "stop", "known")
+    __slots__ = ("version", "stop", "known", "followers_epoch")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
     KNOWN_FIELD_NUMBER: _ClassVar[int]
+    FOLLOWERS_EPOCH_FIELD_NUMBER: _ClassVar[int]
     version: int
     stop: bool
     known: bool
-    def __init__(self, version: _Optional[int] = ..., stop: _Optional[bool] = ..., known: _Optional[bool] = ...) -> None: ...
+    followers_epoch: int
+    def __init__(self, version: _Optional[int] = ..., stop: _Optional[bool] = ..., known: _Optional[bool] = ..., followers_epoch: _Optional[int] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
     __slots__ = ("cluster_id",)

@@ -1,0 +1,67 @@
+"""What the launcher believes when it stops a run and sums it up (found by a fresh review).
+
+A cluster's own reports (heartbeat token counts) must never stop a run: a heartbeat claiming
+10^12 tokens once ended a 45 s run at 14 s. And a restarted cluster's token counter starts
+again at 0, so ``summary.json`` once reported fewer tokens consumed than accepted.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import grpc
+
+from dips.algo.refusal import Refusal
+from dips.emu.launcher import stop_reason
+from dips.emu.summary import tokens_consumed
+from dips.spec import ClusterConfig, RunConfig
+from dips.wire.control import describe
+from dips.wire.pb import control_pb2 as pb
+
+
+def _cfg(**kw) -> RunConfig:
+    return RunConfig(clusters=[ClusterConfig(id="a"), ClusterConfig(id="b")], **kw)
+
+
+def _status(tokens_accepted: int, claimed: int, outer_steps: int = 3) -> pb.StatusReply:
+    return pb.StatusReply(tokens_accepted=tokens_accepted, outer_steps=outer_steps,
+                          clusters=[pb.ClusterStatus(cluster_id="a", tokens=claimed),
+                                    pb.ClusterStatus(cluster_id="b", tokens=claimed)])
+
+
+def test_member_reports_never_stop_the_run():
+    cfg = _cfg(token_budget=20_000_000)
+    assert stop_reason(cfg, _status(10_000, claimed=10**12), 14.0, 45.0) is None
+    assert stop_reason(cfg, _status(20_000_000, claimed=0), 14.0, 45.0) == "token budget"
+    assert stop_reason(cfg, None, 45.0, 45.0) == "max time"
+    assert stop_reason(cfg, None, 44.9, None) is None
+    capped = _cfg(token_budget=10**9, max_outer_steps=3)
+    assert stop_reason(capped, _status(0, 0, outer_steps=3), 1.0, None) == "max outer steps"
+
+
+def test_tokens_consumed_sums_every_process_a_cluster_ran_as(tmp_path: Path):
+    cfg = _cfg()
+    lines = {"a": [{"event": "join"}, {"tokens": 256}, {"tokens": 512},    # first process
+                   {"event": "join"}, {"tokens": 256}, {"tokens": 768}],  # restarted
+             "b": [{"tokens": 256}, {"tokens": 512}]}
+    for cid, recs in lines.items():
+        d = tmp_path / "clusters" / cid
+        d.mkdir(parents=True)
+        (d / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    assert tokens_consumed(tmp_path, cfg) == {"a": 512 + 768, "b": 512}
+
+
+def test_describe_names_the_code_not_the_debug_string():
+    class Err(grpc.RpcError):
+        def code(self):
+            return grpc.StatusCode.FAILED_PRECONDITION
+
+        def details(self):
+            return "cluster 'c' has not joined"
+
+        def trailing_metadata(self):
+            return (("dips-refusal", str(int(Refusal.NOT_JOINED))),)
+
+    assert describe(Err()) == "FAILED_PRECONDITION (NOT_JOINED): cluster 'c' has not joined"
+    assert describe(ValueError("bad")) == "ValueError: bad"
