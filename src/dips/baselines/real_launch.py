@@ -17,7 +17,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,9 +25,10 @@ from pathlib import Path
 from typing import Literal
 
 from dips.baselines.real_common import DIVERGED_EXIT
-from dips.spec import Endpoint, WorkerSpec
-from dips.emu.result import MethodResult
 from dips.emu import netns
+from dips.emu.launcher import free_port
+from dips.emu.result import MethodResult
+from dips.spec import Endpoint, WorkerSpec
 
 __all__ = ["MODULES", "launch_baseline", "resolve_shaping"]
 
@@ -58,12 +58,6 @@ def resolve_shaping(requested: Shaping, rated: bool) -> tuple[str, str]:
     if requested == "tc-tbf":
         raise RuntimeError(f"shaping tc-tbf unavailable: {cap.reason}")
     return "token-bucket", f"kernel shaping unavailable ({cap.reason})"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -213,7 +207,7 @@ def launch_baseline(spec: WorkerSpec, run_dir: Path, shaping: Shaping = "auto",
         else:
             endpoints = {c.id: Endpoint(addr="127.0.0.1", iface="lo", port=0) for c in spec.clusters}
             spec = spec.model_copy(update={"endpoints": endpoints, "master_addr": "127.0.0.1",
-                                           "master_port": _free_port(), "shaping": mode})
+                                           "master_port": free_port(), "shaping": mode})
         (run_dir / "spec.json").write_text(spec.model_dump_json(indent=1))
         run = _Run(spec, run_dir, net)
         run.event("shaping", shaping=mode, reason=why, prefix=net.prefix if net else None)

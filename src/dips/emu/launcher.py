@@ -170,12 +170,31 @@ def prepare(cfg: RunConfig, run_dir: Path, bind_host: str = "127.0.0.1") -> RunS
     return spec
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on ``host`` that was free a moment ago, for a process started later.
+
+    Chosen below the kernel's ephemeral range (``ip_local_port_range``): a port from inside it
+    can be taken meanwhile as the source port of any outgoing connection on the machine (a
+    follower once failed to bind its data port so), a port below it only by another explicit
+    bind. Falls back to a kernel-chosen port when the range leaves no room below."""
+    import random
     import socket
 
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    rng = random.SystemRandom()
+    for _ in range(200 if low > 11000 else 0):
+        port = rng.randrange(10000, low)
+        with socket.socket() as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
+        sock.bind((host, 0))
         return sock.getsockname()[1]
 
 
