@@ -241,3 +241,24 @@ def test_a_follower_lost_mid_round_ends_it_at_once(tmp_path):
         assert run.ledger.accepted_windows == 0 and run.leader.counts["tokens_accepted"] == 0
     finally:
         run.close()
+
+
+def test_measured_push_times_survive_a_leader_restart(tmp_path):
+    """Review input: after a leader restart, a slow link's next push joined a round (holding it
+    for its whole transfer) instead of going ahead, because the leader had forgotten how long
+    that cluster's pushes take. They are now part of ``leader.json``."""
+    run = Run(tmp_path)
+    try:
+        c0 = min(run.member("a"))
+        grant = run.leader.request_push("a", 0, 1, 5.0, {c0: 4})
+        run.leader.push_done("a", grant.push_id, True, "", 10.0)
+        wait_for(lambda: run.leader.phase == "idle", "round ended")
+        measured = dict(run.leader._state.push_s)
+        assert set(measured) == {"a"}
+    finally:
+        run.close()
+    restarted = Run(tmp_path, fakes=run.fakes)
+    try:
+        assert dict(restarted.leader._state.push_s) == measured
+    finally:
+        restarted.close()

@@ -53,8 +53,12 @@ class Records:
                     for v in state.get("verdicts", [])}
         self._holdings = {v["push_id"]: [tuple(h) for h in v.get("holdings", [])]
                           for v in state.get("verdicts", [])}
+        # Measured push times survive a restart: a slow link's next push still goes ahead of
+        # its round instead of holding the others' (found by a review: it did not).
+        push_s = {str(c): float(x) for c, x in state.get("push_s", {}).items()}
         self._state = RoundState(rounds=state["rounds"], ready=False, verdicts=verdicts,
-                                 grace=grace_rules.from_dict(state.get("grace", {})))
+                                 grace=grace_rules.from_dict(state.get("grace", {})),
+                                 push_s=push_s)
         self.counts.update(state["counts"])
         self.counts["restarts"] += 1
         self.penalty = PenaltyState.from_dict(state["penalty"])
@@ -87,6 +91,7 @@ class Records:
                      "ledger": self.ledger.to_dict() if self.ledger else None,
                      "version_stats": {str(v): list(x) for v, x in self._version_stats.items()},
                      "grace": grace_rules.to_dict(self._state.grace),
+                     "push_s": dict(self._state.push_s),
                      "verdicts": [{**asdict(v), "holdings": self._holdings.get(v.push_id, [])}
                                   for v in recent]}
         save_state(self._run_dir / "leader.json", state)
