@@ -1,10 +1,10 @@
 """The layering rule of DESIGN.md as a test of the whole import graph.
 
-Layers, lowest first: ``spec`` ← ``algo`` ← ``wire`` ← ``roles`` ← ``train`` ← ``emu`` ←
+Layers, lowest first: ``spec`` ← ``algo`` ← ``wire`` ← ``roles`` ← ``train`` ← ``emu`` ← ``node`` ←
 ``baselines`` ← ``bench`` ← ``cli``. A module may import its own layer and the layers below it,
 never one above (lazy imports inside functions count too). The top-level modules ``dips``
-(the public API), ``dips.cli`` and ``dips.placement_cli`` form the ``cli`` layer. A new
-back-arrow fails here, naming the file, line and import.
+(the public API), ``dips.cli``, ``dips.placement_cli`` and ``dips.pki_cli`` form the ``cli``
+layer. A new back-arrow fails here, naming the file, line and import.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import ast
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "dips"
-ORDER = ["spec", "algo", "wire", "roles", "train", "emu", "baselines", "bench", "cli"]
-TOP_LEVEL = {"__init__": "cli", "cli": "cli", "placement_cli": "cli"}
+ORDER = ["spec", "algo", "wire", "roles", "train", "emu", "node", "baselines", "bench", "cli"]
+TOP_LEVEL = {"__init__": "cli", "cli": "cli", "placement_cli": "cli", "pki_cli": "cli"}
 
 
 def layer_of(module: str) -> str | None:

@@ -33,9 +33,10 @@ import harness  # noqa: E402
 SLOWDOWNS = {"fast0": 1.0, "fast1": 1.0, "mid": 2.0, "slow": 4.0}
 
 
-def _cluster_main(cid: str, slowdown: float, cfg_dict: dict, addr: str, secret: str,
+def _cluster_main(cid: str, slowdown: float, cfg_dict: dict, addr: str,
                   cache_dir: str, stop, out_path: str) -> None:
-    """One cluster process: the one training loop of dips.train.run with the Di-PS sync."""
+    """One cluster process: the one training loop of dips.train.run with the Di-PS sync
+    (insecure credentials, as the harness's; its data-plane key comes from its join)."""
     import torch
 
     from dips.emu.pacing import Pacer
@@ -44,12 +45,15 @@ def _cluster_main(cid: str, slowdown: float, cfg_dict: dict, addr: str, secret: 
     from dips.train.dips_sync import DiPSSync
     from dips.train.run import TrainLog, run_loop
     from dips.train.trainer import build_trainer
+    from dips.wire.pki import Identity
+    from dips.wire.security import Credentials
 
     torch.set_num_threads(1)
     cfg = RunConfig.model_validate(cfg_dict)
     trainer = build_trainer(cid, cfg.model, cfg.data, cfg.inner, cfg.seed,
                             assignment=list(SLOWDOWNS), cache_dir=Path(cache_dir))
-    client = ClusterClient(trainer.model, addr, cid, secret, H=cfg.inner.H, timeout_s=120,
+    client = ClusterClient(trainer.model, addr, cid, Credentials.insecure(Identity.cluster(cid)),
+                           H=cfg.inner.H, timeout_s=120,
                            admit_timeout_s=120, heartbeat_interval_s=1.0)
     sync = DiPSSync(client)
     sync.join(stop, 240)
@@ -71,7 +75,7 @@ def run_one(cfg, mode: str, window_s: float, seconds: float, run_dir: Path) -> d
                     grace_max_s=cfg.grace.max_s, run_dir=run_dir)
     stop = harness.MP.Event()
     procs = [harness.MP.Process(target=_cluster_main, daemon=True, args=(
-        cid, sd, cfg.model_dump(mode="json"), ps.addr, ps.secret, str(cfg.data.cache_dir), stop,
+        cid, sd, cfg.model_dump(mode="json"), ps.addr, str(cfg.data.cache_dir), stop,
         str(run_dir / f"{cid}.jsonl"))) for cid, sd in SLOWDOWNS.items()]
     try:
         for p in procs:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import secrets
 import socket
 import struct
 import time
@@ -93,46 +92,68 @@ def shard_params(spec: tuple, owned: list[str]) -> tuple[dict[str, list[str]], d
     return layers, {n: p.detach().clone() for n, p in model.named_parameters() if n in names}
 
 
-def _follower_main(index: int, spec: tuple, owned: list[str], secret: str, leader_addr: str,
+#: The harness's membership settings (heartbeat interval s, missed heartbeats): the leader's
+#: config, and the followers' leader lease (:func:`dips.algo.fencing.lease_seconds`).
+HEARTBEAT_S, MISSED_HEARTBEATS = 0.5, 20
+
+
+def _follower_main(index: int, spec: tuple, owned: list[str], leader_addr: str,
                    ready: Any, stop: Any) -> None:
+    """One follower process, as ``dips follower`` runs it but without TLS (the benchmarks
+    measure the data plane): it learns the leader's term and data secret by registering."""
     import grpc
 
+    from dips.algo import fencing
+    from dips.roles.fence import Fence
     from dips.roles.follower import FollowerShard
     from dips.wire.control import make_server
     from dips.wire.dataplane import DataServer
+    from dips.wire.keys import Keyring
     from dips.wire.pb import control_pb2 as pb
     from dips.wire.pb import control_pb2_grpc as pbg
+    from dips.wire.pki import Identity
+    from dips.wire.security import Credentials
     from dips.wire.services import FollowerServicer, leader_client
 
     torch.set_num_threads(1)
+    creds = Credentials.insecure(Identity.follower(index))
     layers, params = shard_params(spec, owned)
     shard = FollowerShard(index, layers, params)
-    data = DataServer(bytes.fromhex(secret), shard.handle).start()
-    server = make_server(secret, max_workers=8)
-    pbg.add_FollowerServicer_to_server(FollowerServicer(shard), server)
-    port = server.add_insecure_port("127.0.0.1:0")
+    fence = Fence(None, lease_s=fencing.lease_seconds(HEARTBEAT_S, MISSED_HEARTBEATS))
+    keyring = Keyring()  # no secret until registered: requests are dropped until then
+    data = DataServer(keyring, shard.handle, authorize=shard.authorize).start()
+    server = make_server(max_workers=8)
+    pbg.add_FollowerServicer_to_server(FollowerServicer(shard, fence), server)
+    port = creds.add_port(server, "127.0.0.1:0")
     server.start()
-    leader = leader_client(leader_addr, secret)
-    info = pb.FollowerInfo(index=index, data_endpoint=data.endpoint,
-                           control_endpoint=f"127.0.0.1:{port}", layers=owned,
-                           layer_bytes=[sum(params[n].numel() * 4 for n in layers[l]) for l in owned],
-                           version=0, incarnation=time.time_ns())
+    leader = leader_client(leader_addr, creds)
+    layer_bytes = [sum(params[n].numel() * 4 for n in layers[l]) for l in owned]
+    incarnation = time.time_ns()
     ready.set()
     while not stop.is_set():  # registration doubles as the heartbeat, as in dips launch
+        info = pb.FollowerInfo(index=index, data_endpoint=data.endpoint,
+                               control_endpoint=f"127.0.0.1:{port}", layers=owned,
+                               layer_bytes=layer_bytes, version=shard.version,
+                               incarnation=incarnation, leader_term=fence.term)
         try:
-            leader.RegisterFollower(info, timeout=2.0)
+            reply = leader.RegisterFollower(info, timeout=2.0)
+            keyring.set_secret(reply.data_secret)
+            fence.heard(reply.term)
         except grpc.RpcError:
             pass
-        stop.wait(0.5)
+        stop.wait(HEARTBEAT_S)
     server.stop(0)
     data.stop()
     leader.close()
 
 
 class PS:
-    """The leader (in process, real gRPC service) and M follower processes on loopback.
+    """The leader (in process, real gRPC service) and M follower processes on loopback, all
+    with insecure credentials (the benchmarks measure the data plane, not TLS).
 
     ``owners``: layer -> follower; default contiguous blocks balanced by bytes.
+    :attr:`data_secret`: the leader's data secret (:meth:`member_key` derives a key from it,
+    as the leader does at a join).
     """
 
     def __init__(self, spec: tuple, followers: int, *, grace_s: float = 0.0,
@@ -140,12 +161,17 @@ class PS:
                  run_dir: Path | None = None, owners: dict[str, int] | None = None) -> None:
         from dips.algo import partition_contiguous
         from dips.roles.leader import FollowerEntry, Leader
+        from dips.roles.leader_types import Issued
         from dips.spec import GraceConfig, LeaderConfig, MembershipConfig, PenaltyConfig, Timeouts
         from dips.wire.control import make_server
         from dips.wire.pb import control_pb2_grpc as pbg
+        from dips.wire.pki import Identity
+        from dips.wire.security import Credentials
         from dips.wire.services import FollowerControlClient, LeaderServicer
 
-        self.secret = secrets.token_hex(32)
+        issued = Issued()  # term 1, a fresh data secret
+        self.data_secret = issued.data_secret
+        creds = Credentials.insecure(Identity.leader())
         table = model_layers(spec)
         names = [l for l, _, _ in table]
         if owners is None:
@@ -154,16 +180,16 @@ class PS:
         self.owners = owners
         cfg = LeaderConfig(grace=GraceConfig(mode=grace_mode, window_s=grace_s, max_s=grace_max_s),
                            timeouts=Timeouts(push_s=300, pull_s=300),
-                           membership=MembershipConfig(heartbeat_interval_s=0.5, missed_heartbeats=20),
+                           membership=MembershipConfig(heartbeat_interval_s=HEARTBEAT_S,
+                                                       missed_heartbeats=MISSED_HEARTBEATS),
                            followers=followers, penalty=PenaltyConfig(enabled=False))
-        secret = self.secret
-        self.leader = Leader(cfg, lambda e: FollowerControlClient(e.control_endpoint, secret, 300.0),
-                             run_dir)
-        self.grpc = make_server(self.secret, max_workers=32)
+        self.leader = Leader(cfg, lambda e: FollowerControlClient(
+            e.control_endpoint, creds, e.index, issued.term, 300.0), run_dir, issued=issued)
+        self.grpc = make_server(max_workers=32)
         pbg.add_LeaderServicer_to_server(LeaderServicer(self.leader, lambda info: FollowerEntry(
             info.index, info.data_endpoint, info.control_endpoint, list(info.layers),
-            list(info.layer_bytes), info.incarnation)), self.grpc)
-        self.addr = f"127.0.0.1:{self.grpc.add_insecure_port('127.0.0.1:0')}"
+            list(info.layer_bytes), info.incarnation, leader_term=info.leader_term)), self.grpc)
+        self.addr = f"127.0.0.1:{creds.add_port(self.grpc, '127.0.0.1:0')}"
         self.grpc.start()
         self.leader.start()
         self._stop = MP.Event()
@@ -171,8 +197,7 @@ class PS:
         for i in range(followers):
             ready = MP.Event()
             p = MP.Process(target=_follower_main, daemon=True, args=(
-                i, spec, [l for l in names if owners[l] == i], self.secret, self.addr, ready,
-                self._stop))
+                i, spec, [l for l in names if owners[l] == i], self.addr, ready, self._stop))
             p.start()
             self.procs.append((p, ready))
         deadline = time.monotonic() + 180
@@ -185,11 +210,21 @@ class PS:
     def endpoints(self) -> dict[int, str]:
         return {f.index: f.data_endpoint for f in self.leader.follower_list()}
 
+    def member_key(self, cluster_id: str) -> Any:
+        """A data-plane key of cluster ``cluster_id`` (a fresh key id, as a join issues)."""
+        from dips.wire.keys import issue
+        from dips.wire.pki import Identity
+
+        return issue(self.data_secret, Identity.cluster(cluster_id), False)
+
     def client(self, cluster_id: str, stages: int, model: torch.nn.Module) -> Any:
         """A joined ClusterClient for a synthetic ``model`` (H = 1: sync() is called directly)."""
         from dips.roles.client import ClusterClient
+        from dips.wire.pki import Identity
+        from dips.wire.security import Credentials
 
-        c = ClusterClient(model, self.addr, cluster_id, self.secret, H=1, stages=stages,
+        c = ClusterClient(model, self.addr, cluster_id,
+                          Credentials.insecure(Identity.cluster(cluster_id)), H=1, stages=stages,
                           layer_of=layer_of, timeout_s=300, admit_timeout_s=300,
                           heartbeat_interval_s=1.0)
         c.join()

@@ -4,7 +4,9 @@
   whole Di-PS run on this machine (leader, followers, clusters as separate processes on
   127.0.0.1); see README.
 * ``dips place --bandwidth B.csv --throughput p.csv``: where to put the PS (§10).
-* ``dips _leader`` / ``_follower`` / ``_cluster``: the processes ``launch`` starts (hidden).
+* ``dips init --config FILE --out DIR``: the run's certificates (mutual TLS).
+* ``dips leader`` / ``follower`` / ``cluster``: one role on one host (``launch`` starts
+  exactly these); see README "Deploy across hosts".
 """
 
 from __future__ import annotations
@@ -24,6 +26,16 @@ app.add_typer(_bench_app, name="bench")
 from dips.placement_cli import place as _place  # noqa: E402  (light: csv + typer)
 
 app.command("place")(_place)
+
+from dips.pki_cli import init as _init  # noqa: E402
+
+app.command("init")(_init)
+
+from dips.node import cli as _node  # noqa: E402  (light: typer only; roles import lazily)
+
+app.command("leader")(_node.leader)
+app.command("follower")(_node.follower)
+app.command("cluster")(_node.cluster)
 
 
 @app.command()
@@ -55,29 +67,6 @@ def launch(config: Path = typer.Option(..., "--config", exists=True, dir_okay=Fa
                          max_outer_steps=max_outer_steps)
     if summary.get("eval_loss_final") is None:
         raise typer.Exit(1)
-
-
-@app.command("_leader", hidden=True)
-def _leader(run_dir: Path = typer.Option(..., "--run-dir")) -> None:
-    from dips.emu.processes import run_leader
-
-    run_leader(run_dir)
-
-
-@app.command("_follower", hidden=True)
-def _follower(run_dir: Path = typer.Option(..., "--run-dir"),
-              index: int = typer.Option(..., "--index")) -> None:
-    from dips.emu.processes import run_follower
-
-    run_follower(run_dir, index)
-
-
-@app.command("_cluster", hidden=True)
-def _cluster(run_dir: Path = typer.Option(..., "--run-dir"),
-             cluster_id: str = typer.Option(..., "--cluster-id")) -> None:
-    from dips.emu.processes import run_cluster
-
-    run_cluster(run_dir, cluster_id)
 
 
 def main() -> None:

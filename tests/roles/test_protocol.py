@@ -10,7 +10,6 @@ back until the event it waits for has happened.
 
 from __future__ import annotations
 
-import secrets
 import threading
 import time
 
@@ -18,6 +17,7 @@ import pytest
 import torch
 
 from dips.algo import PenaltyConfig, partition_contiguous
+from dips.algo.refusal import Refusal
 from dips.algo.round import slot_of
 from dips.roles.client import ClusterClient
 from dips.roles.cluster import fetch_global_model
@@ -25,10 +25,13 @@ from dips.roles.follower import FollowerShard
 from dips.roles.leader import FollowerEntry, Leader, LeaderConfig
 from dips.spec import GraceConfig, MembershipConfig, ModelConfig, Timeouts
 from dips.train.model import build_model, layer_table
-from dips.wire.control import make_server
+from dips.wire.control import make_server, refusal_of
 from dips.wire.dataplane import DataClient, DataPlaneError, DataServer
+from dips.wire.keys import Keyring, MemberKey, issue
 from dips.wire.pb import control_pb2 as pb
 from dips.wire.pb import control_pb2_grpc as pbg
+from dips.wire.pki import Identity
+from dips.wire.security import Credentials
 from dips.wire.services import LeaderServicer, leader_client
 
 pytestmark = pytest.mark.timeout(120)
@@ -82,8 +85,6 @@ class Run:
 
     def __init__(self, tmp_path, grace_s: float = 0.3, penalty: PenaltyConfig | None = None,
                  pull_barrier: bool = False):
-        self.secret = secrets.token_hex(32)
-        self.key = bytes.fromhex(self.secret)
         self.model0 = build_model(CFG, seed=0)
         table = layer_table(self.model0)
         params = {n: p.detach().clone() for n, p in self.model0.named_parameters()}
@@ -108,30 +109,39 @@ class Run:
             return grant
 
         self.leader.request_push = request_push
+        self.secret = self.leader.issued.data_secret  # the leader's (random) data secret
         for i, r in enumerate(parts):
             layers = {table[j][0]: table[j][1] for j in r}
             shard = FollowerShard(i, layers, params, log_dir=tmp_path / f"f{i}")
-            server = DataServer(self.key, shard.handle).start()
+            server = DataServer(Keyring(self.secret), shard.handle,
+                                authorize=shard.authorize).start()
             self.shards.append(shard)
             self.servers.append(server)
             self.entries.append(FollowerEntry(i, server.endpoint, "", list(layers),
                                               [table[j][2] for j in r]))
-            self.leader.register_follower(self.entries[-1])
+            answer = self.leader.register_follower(self.entries[-1])
+            assert answer.term == 1 and answer.data_secret == self.secret
         # In-process followers heartbeat like follower processes do (else down after 3 s).
         self._beating = threading.Event()
         self._beat = threading.Thread(target=self._heartbeats, daemon=True)
         self._beat.start()
-        self.grpc = make_server(self.secret, max_workers=16)
+        self.grpc = make_server(max_workers=16)
         pbg.add_LeaderServicer_to_server(LeaderServicer(self.leader, None), self.grpc)
-        self.addr = f"127.0.0.1:{self.grpc.add_insecure_port('127.0.0.1:0')}"
+        port = Credentials.insecure(Identity.leader()).add_port(self.grpc, "127.0.0.1:0")
+        self.addr = f"127.0.0.1:{port}"
         self.grpc.start()
         self.leader.start()
         _wait_until(lambda: self.leader.ready, "followers reconciled")
 
     def client(self, cid: str, stages: int = 1) -> ClusterClient:
-        return ClusterClient(build_model(CFG, seed=1), self.addr, cid, self.secret, H=2,
+        return ClusterClient(build_model(CFG, seed=1), self.addr, cid,
+                             Credentials.insecure(Identity.cluster(cid)), H=2,
                              stages=stages, timeout_s=60, admit_timeout_s=60,
                              heartbeat_interval_s=0.2)
+
+    def key(self, identity: Identity) -> MemberKey:
+        """A data-plane key the leader would issue ``identity`` (at a join)."""
+        return issue(self.secret, identity, False)
 
     def one_round(self, jobs: dict[str, object]) -> dict[str, threading.Thread]:
         """Start ``jobs`` (cluster id -> a call that makes that cluster push) in threads, all
@@ -228,7 +238,8 @@ def test_one_outer_step_equals_sgd_nesterov(run):
     got = build_model(CFG, seed=5)
     fetch_global_model(got, [pb.FollowerInfo(index=s.index, data_endpoint=srv.endpoint,
                                              layers=list(s.layers))
-                             for s, srv in zip(run.shards, run.servers)], 1, run.secret)
+                             for s, srv in zip(run.shards, run.servers)], 1,
+                       run.key(Identity.admin()))  # an observer's key, as a final pull has
     for n, p in got.named_parameters():
         torch.testing.assert_close(p.detach(), ref[n].detach(), rtol=1e-6, atol=1e-7)
     # Both clusters now hold version 1 (as BF16 on the wire).
@@ -241,7 +252,7 @@ def test_one_outer_step_equals_sgd_nesterov(run):
 
 def test_nan_and_misshaped_pushes_never_change_theta(run):
     before = [s.state()[2] for s in run.shards]
-    client = DataClient(run.key, run.servers[0].endpoint, timeout_s=10)
+    client = DataClient(run.key(Identity.cluster("x")), run.servers[0].endpoint, timeout_s=10)
     layer = next(iter(run.shards[0].layers))
     names = run.shards[0].layers[layer]
     bad = [(n, torch.full_like(run.shards[0].params[n], float("nan")).to(torch.bfloat16))
@@ -261,14 +272,52 @@ def test_nan_and_misshaped_pushes_never_change_theta(run):
     assert [s.state()[2] for s in run.shards] == before
 
 
-def test_unauthenticated_control_call_is_refused(run):
+def test_a_cluster_cannot_push_as_another_on_the_data_plane(run):
+    """A data-plane key names the member it was issued to: a push naming another cluster is
+    refused (FORBIDDEN) and stages nothing; the follower keeps serving."""
+    layer = next(iter(run.shards[0].layers))
+    local = [(n, run.shards[0].params[n].to(torch.bfloat16)) for n in run.shards[0].layers[layer]]
+    client = DataClient(run.key(Identity.cluster("a")), run.servers[0].endpoint, timeout_s=10)
+    with pytest.raises(DataPlaneError, match="cluster-a") as info:
+        client.request({"op": "push", "cluster": "b", "round": 1, "push_id": "p",
+                        "layer": layer}, local)
+    assert info.value.code is Refusal.FORBIDDEN
+    with pytest.raises(DataPlaneError) as info:  # a stream is refused the same way
+        client.push({"op": "push", "cluster": "b", "round": 1, "push_id": "p", "layer": layer},
+                    local, chunk_bytes=1024)
+    assert info.value.code is Refusal.FORBIDDEN
+    assert run.shards[0].score(1, ["b"])[0][1] is False  # nothing staged for "b"
+    got = [(n, torch.empty_like(t)) for n, t in local]
+    client.pull({"op": "pull", "version": 0, "layers": [layer]}, got, chunk_bytes=1024)
+    client.close()
+
+
+def test_a_control_call_as_another_cluster_is_refused(run):
     import grpc
 
-    bad = leader_client(run.addr, "00" * 32, timeout_s=5)
+    c = run.client("a")
+    c.join()
+    bad = leader_client(run.addr, Credentials.insecure(Identity.cluster("b")), timeout_s=5)
     with pytest.raises(grpc.RpcError) as exc:
-        bad.GetStatus(pb.StatusRequest())
-    assert exc.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        bad.Heartbeat(pb.HeartbeatRequest(cluster_id="a"))
+    assert exc.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert refusal_of(exc.value) is Refusal.FORBIDDEN
     bad.close()
+    # Only a cluster may act as one (the operator's identity reads the status, nothing more).
+    admin = leader_client(run.addr, Credentials.insecure(Identity.admin()), timeout_s=5)
+    assert admin.GetStatus(pb.StatusRequest()).followers_ready == 2
+    with pytest.raises(grpc.RpcError) as exc:
+        admin.Heartbeat(pb.HeartbeatRequest(cluster_id="a"))
+    assert refusal_of(exc.value) is Refusal.FORBIDDEN
+    admin.close()
+    # A call that claims no identity at all is refused.
+    channel = grpc.insecure_channel(run.addr)
+    with pytest.raises(grpc.RpcError) as exc:
+        pbg.LeaderStub(channel).GetStatus(pb.StatusRequest(), timeout=5)
+    assert exc.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert refusal_of(exc.value) is Refusal.FORBIDDEN
+    channel.close()
+    c.close()
 
 
 def test_stale_and_invalid_push_requests_are_refused(run):
@@ -276,14 +325,18 @@ def test_stale_and_invalid_push_requests_are_refused(run):
 
     c = run.client("a")
     c.join()
-    lc = leader_client(run.addr, run.secret, timeout_s=5)
+    lc = leader_client(run.addr, Credentials.insecure(Identity.cluster("a")), timeout_s=5)
     with pytest.raises(grpc.RpcError) as exc:
         lc.RequestPush(pb.PushRequest(cluster_id="a", base_version=-1, tokens=10))
     assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "base_version" in exc.value.details()
-    with pytest.raises(grpc.RpcError) as exc:
-        lc.RequestPush(pb.PushRequest(cluster_id="nobody", base_version=0, tokens=10))
+    nobody = leader_client(run.addr, Credentials.insecure(Identity.cluster("nobody")),
+                           timeout_s=5)
+    with pytest.raises(grpc.RpcError) as exc:  # a cluster that never joined
+        nobody.RequestPush(pb.PushRequest(cluster_id="nobody", base_version=0, tokens=10))
     assert exc.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert refusal_of(exc.value) is Refusal.NOT_JOINED
+    nobody.close()
     with pytest.raises(grpc.RpcError) as exc:
         lc.RequestPush(pb.PushRequest(cluster_id="a", base_version=0, tokens=0))
     assert "tokens" in exc.value.details()

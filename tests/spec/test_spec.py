@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
+from dips.spec.fingerprint import Fingerprint
 from dips.spec import (ClusterConfig, GraceConfig, LeaderConfig, LinkConfig, RateChange, RunConfig,
                        RunSpec, Scenario, SpecError, Transient, load_config, load_scenario)
 
@@ -141,14 +142,17 @@ def test_run_spec_round_trip(tmp_path: Path) -> None:
                            ("head", ["model.norm.weight"], 128)],
                    follower_layers=[["embed"], ["layers.0", "head"]], eval_loss_initial=6.25,
                    train_tokens=1000, val_tokens=20, params=18000, windows_per_chunk=3,
-                   leader_addr="127.0.0.1:5000", follower_ports=[(5001, 5002), (5003, 5004)])
+                   fingerprint=Fingerprint(architecture={"num_attention_heads": 4},
+                                           vocab_sha256="ab" * 32,
+                                           tensors=[("model.embed_tokens.weight", [512, 32],
+                                                     "float32")]))
     spec.write(tmp_path / "run.json")
     back = RunSpec.read(tmp_path / "run.json")
-    assert back == spec and back.config == cfg
-    assert back.follower_ports[1] == (5003, 5004) and back.cache_dir == tmp_path / "cache"
+    assert back == spec and back.config == cfg and back.fingerprint == spec.fingerprint
+    assert back.cache_dir == tmp_path / "cache"
     assert back.config.grace.window_s == 0.5 and back.config.membership.heartbeat_interval_s == 0.5
-    with pytest.raises(ValidationError, match="follower_ports"):
-        RunSpec.model_validate({**spec.model_dump(), "follower_ports": [(1, 2)]})
+    with pytest.raises(ValidationError, match="follower_layers"):
+        RunSpec.model_validate({**spec.model_dump(), "follower_layers": [["embed"]]})
 
 
 def test_leader_config_composes_the_run_config_and_one_grace_default() -> None:

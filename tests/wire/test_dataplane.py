@@ -6,8 +6,16 @@ import pytest
 import torch
 
 from dips.wire.dataplane import DataClient, DataPlaneError, DataServer, FrameError
+from dips.wire.keys import Keyring, MemberKey, issue
+from dips.wire.pki import Identity
 
-KEY = b"s" * 32
+SECRET = b"s" * 32
+KEY = issue(SECRET, Identity.cluster("a"), False)  # a member's key under the server's secret
+
+
+def _foreign_key():
+    """A well-formed key of the same member, derived from another data secret."""
+    return issue(b"w" * 32, Identity.cluster("a"), False)
 pytestmark = pytest.mark.timeout(60)
 
 
@@ -19,7 +27,7 @@ def _echo(msg):
 
 @pytest.fixture
 def server():
-    s = DataServer(KEY, _echo).start()
+    s = DataServer(Keyring(SECRET), _echo).start()
     yield s
     s.stop()
 
@@ -42,13 +50,63 @@ def test_error_reply_raises(server):
 
 
 def test_wrong_key_is_refused_and_server_keeps_serving(server):
-    bad = DataClient(b"w" * 32, server.endpoint, timeout_s=10)
+    # The server derives this key id's key from its own secret: the request fails its mac, and
+    # the error reply (under the server's key) fails the client's check in turn.
+    bad = DataClient(_foreign_key(), server.endpoint, timeout_s=10)
     with pytest.raises(FrameError, match="unauthenticated"):
         bad.request({"op": "push"})
     bad.close()
     good = DataClient(KEY, server.endpoint, timeout_s=10)
     assert good.request({"op": "push"}).header["op"] == "ok"
     good.close()
+
+
+def test_request_it_cannot_key_is_dropped_and_server_keeps_serving():
+    """A request whose key the server cannot derive (it has no data secret yet, or the key id
+    is malformed) is dropped: nothing could authenticate a reply, so the client times out."""
+    unregistered = DataServer(Keyring(None), _echo).start()
+    try:
+        c = DataClient(KEY, unregistered.endpoint, timeout_s=0.5)
+        with pytest.raises(TimeoutError, match="no reply"):
+            c.request({"op": "push"})
+        c.close()
+    finally:
+        unregistered.stop()
+    keys = Keyring(SECRET)
+    s = DataServer(keys, _echo).start()
+    try:
+        malformed = MemberKey("cluster-a/not-hex", KEY.key)
+        bad = DataClient(malformed, s.endpoint, timeout_s=0.5)
+        with pytest.raises(TimeoutError, match="no reply"):
+            bad.request({"op": "push"})
+        bad.close()
+        good = DataClient(KEY, s.endpoint, timeout_s=10)
+        assert good.request({"op": "push"}).header["op"] == "ok"
+        good.close()
+    finally:
+        s.stop()
+
+
+def test_authorize_refuses_a_member_and_server_keeps_serving():
+    """``authorize`` sees the identity the key was issued to: its refusal is an error reply."""
+    from dips.algo.refusal import Refusal, Refused
+
+    def only_a(sender, header):
+        if sender != Identity.cluster("a"):
+            raise Refused(Refusal.FORBIDDEN, f"{sender.name!r} may not")
+
+    s = DataServer(Keyring(SECRET), _echo, authorize=only_a).start()
+    try:
+        other = DataClient(issue(SECRET, Identity.cluster("b"), False), s.endpoint, timeout_s=10)
+        with pytest.raises(DataPlaneError, match="'cluster-b' may not") as info:
+            other.request({"op": "push"})
+        assert info.value.code is Refusal.FORBIDDEN
+        other.close()
+        good = DataClient(KEY, s.endpoint, timeout_s=10)
+        assert good.request({"op": "push"}).header["op"] == "ok"
+        good.close()
+    finally:
+        s.stop()
 
 
 def test_timeout_when_nobody_answers():
@@ -125,7 +183,7 @@ class _Streams:
 @pytest.fixture
 def streams():
     st = _Streams()
-    s = DataServer(KEY, st.handle).start()  # streams found through the bound method
+    s = DataServer(Keyring(SECRET), st.handle).start()  # streams found through the bound method
     yield st, s
     s.stop()
 
@@ -161,7 +219,7 @@ def test_stream_push_refusals_and_server_keeps_serving(streams):
         c.push({"op": "push", "layer": "L"}, _layer(), chunk_bytes=1024)
     assert st.aborted == ["field 'offset' = 2048 refused"]
     st.refuse_at = None
-    bad = DataClient(b"w" * 32, server.endpoint, timeout_s=10)
+    bad = DataClient(_foreign_key(), server.endpoint, timeout_s=10)
     with pytest.raises(FrameError, match="unauthenticated"):  # the reply, signed by the server
         bad.push({"op": "push", "layer": "L"}, _layer(), chunk_bytes=1024)
     bad.close()
@@ -182,7 +240,7 @@ def test_bad_chunk_frames_never_reach_the_sink(streams, case):
 
     st, server = streams
     tensors = _layer()
-    w = StreamWriter(KEY, {"op": "push", "layer": "L"}, [TensorSpec.of(n, t) for n, t in tensors],
+    w = StreamWriter(KEY.key, {"op": "push", "layer": "L"}, [TensorSpec.of(n, t) for n, t in tensors],
                      1024)
     first, second = list(w.chunks(0, tensors[0][1]))[:2]
     sock = zmq.Context.instance().socket(zmq.DEALER)
@@ -190,7 +248,8 @@ def test_bad_chunk_frames_never_reach_the_sink(streams, case):
     sock.setsockopt(zmq.RCVTIMEO, 10_000)
     sock.connect(server.endpoint)
     try:
-        sock.send_multipart(w.begin())
+        begin = w.begin()  # [B, key id, head, mac]: the key id follows the kind
+        sock.send_multipart([begin[0], KEY.key_id.encode(), *begin[1:]])
         sock.send_multipart([bytes(p) for p in first])  # a good chunk reaches the sink
         kind, meta, tag, data = second
         if case == "short":
@@ -202,7 +261,7 @@ def test_bad_chunk_frames_never_reach_the_sink(streams, case):
         else:
             parts = [kind, meta, tag, bytes(MAX_CHUNK_BYTES + 4)]
         sock.send_multipart(parts)
-        reply = decode(KEY, sock.recv_multipart()[1:])
+        reply = decode(KEY.key, sock.recv_multipart()[1:])
     finally:
         sock.close(0)
     want = {"short": "not \\[kind, meta, tag, data\\]", "tampered": "tag does not match",

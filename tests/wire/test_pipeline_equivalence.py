@@ -16,9 +16,16 @@ from dips.algo import clip_factor, greedy_schedule, partition_contiguous, token_
 from dips.roles.cluster import StageWorker
 from dips.roles.follower import FollowerShard
 from dips.wire.dataplane import DataPlaneError, DataServer
+from dips.wire.keys import Keyring, MemberKey, issue
+from dips.wire.pki import Identity
 
 pytestmark = pytest.mark.timeout(120)
-KEY = b"e" * 32
+SECRET = b"e" * 32  # the data secret the followers hold; each member's key derives from it
+
+
+def _key(cluster: str) -> MemberKey:
+    return issue(SECRET, Identity.cluster(cluster), False)
+
 SHAPES = {"emb": [("emb.w", (1030, 1024))],  # > 1M elements: 2 norm blocks
           **{f"l{i}": [(f"l{i}.a", (24, 40)), (f"l{i}.b", (40,))] for i in range(4)},
           "head": [("head.w", (24, 50)), ("head.n", (24,))]}
@@ -47,13 +54,14 @@ class PS:
             self.owner.update({l: i for l in layers})
             shard = FollowerShard(i, layers, theta0, log_dir=tmp_path / mode / f"f{i}")
             self.shards.append(shard)
-            self.servers.append(DataServer(KEY, shard.handle).start())
+            self.servers.append(DataServer(Keyring(SECRET), shard.handle,
+                                            authorize=shard.authorize).start())
         self.endpoints = {i: s.endpoint for i, s in enumerate(self.servers)}
 
-    def workers(self, params: dict[str, torch.Tensor]) -> list[StageWorker]:
-        out = []
+    def workers(self, params: dict[str, torch.Tensor], cluster: str) -> list[StageWorker]:
+        out, key = [], _key(cluster)  # a cluster's stage workers share its key
         for k, layers in enumerate((LAYERS[:3], LAYERS[3:])):
-            w = StageWorker(k, {l: [(n, params[n]) for n, _ in SHAPES[l]] for l in layers}, KEY,
+            w = StageWorker(k, {l: [(n, params[n]) for n, _ in SHAPES[l]] for l in layers}, key,
                             self.endpoints, timeout_s=20)
             w.mode, w.chunk_bytes = self.mode, 1024  # many chunks per tensor
             out.append(w)
@@ -62,7 +70,7 @@ class PS:
     def push(self, cluster: str, rnd: int, params: dict[str, torch.Tensor],
              tokens: int | None = None) -> None:
         index = {l: i for i, l in enumerate(LAYERS)}
-        workers = self.workers(params)
+        workers = self.workers(params, cluster)
         steps = greedy_schedule([[index[l] for l in w.layers] for w in workers],
                                 {index[l]: f for l, f in self.owner.items()}, 2)
         for step in steps:
@@ -89,7 +97,7 @@ class PS:
         return norms
 
     def pull(self, version: int) -> dict[str, torch.Tensor]:
-        workers = self.workers(_params(9))
+        workers = self.workers(_params(9), "a")
         out = {}
         for w in workers:
             out.update({n: t.clone() for n, t in w.pull(version, self.owner).items()})
@@ -166,7 +174,7 @@ def test_control_calls_never_wait_behind_a_transfer(tmp_path):
             if len(sent) == 4:
                 assert gate.wait(30)
 
-        client = DataClient(KEY, ps.endpoints[0], timeout_s=30, limiter=limiter)
+        client = DataClient(_key("a"), ps.endpoints[0], timeout_s=30, limiter=limiter)
         local = [(n, shard.params[n].to(torch.bfloat16)) for n in shard.layers[layer]]
         t = threading.Thread(target=lambda: sent.append(client.push(
             {"op": "push", "cluster": "a", "round": 1, "layer": layer}, local, chunk_bytes=1024)))

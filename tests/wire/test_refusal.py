@@ -12,8 +12,11 @@ from dips.algo.refusal import Refusal, Refused
 from dips.wire.control import Client, grpc_errors, make_server, refusal_of
 from dips.wire.dataplane import DataClient, DataPlaneError, DataServer
 from dips.wire.frames import Message
+from dips.wire.keys import Keyring, issue
 from dips.wire.pb import control_pb2 as pb
 from dips.wire.pb import control_pb2_grpc as pbg
+from dips.wire.pki import Identity
+from dips.wire.security import Credentials
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -40,15 +43,17 @@ class _Refusing(pbg.LeaderServicer):
     (Refused(Refusal.UNDECIDED, "round 3 undecided"), Refusal.UNDECIDED,
      grpc.StatusCode.DEADLINE_EXCEEDED),
     (ValueError("field 'n' = -1"), Refusal.INVALID_ARGUMENT, grpc.StatusCode.INVALID_ARGUMENT),
+    (Refused(Refusal.FORBIDDEN, "only a cluster may call it"), Refusal.FORBIDDEN,
+     grpc.StatusCode.PERMISSION_DENIED),
     (RuntimeError("a bug"), None, grpc.StatusCode.INTERNAL),
 ])
 def test_a_refusal_crosses_grpc_as_its_code(exc, code, status):
-    token = secrets.token_hex(8)
-    server = make_server(token, max_workers=2)
+    creds = Credentials.insecure(Identity.admin())
+    server = make_server(max_workers=2)
     pbg.add_LeaderServicer_to_server(_Refusing(exc), server)
-    port = server.add_insecure_port("127.0.0.1:0")
+    port = creds.add_port(server, "127.0.0.1:0")
     server.start()
-    client = Client(pbg.LeaderStub, f"127.0.0.1:{port}", token, timeout_s=10)
+    client = Client(pbg.LeaderStub, f"127.0.0.1:{port}", creds, Identity.leader(), timeout_s=10)
     try:
         with pytest.raises(grpc.RpcError) as info:
             client.GetStatus(pb.StatusRequest())
@@ -60,7 +65,8 @@ def test_a_refusal_crosses_grpc_as_its_code(exc, code, status):
 
 
 def test_an_unreachable_peer_is_no_refusal():
-    client = Client(pbg.LeaderStub, "127.0.0.1:1", "x", timeout_s=0.5)
+    client = Client(pbg.LeaderStub, "127.0.0.1:1", Credentials.insecure(Identity.admin()),
+                    Identity.leader(), timeout_s=0.5)
     try:
         with pytest.raises(grpc.RpcError) as info:
             client.GetStatus(pb.StatusRequest())
@@ -70,15 +76,15 @@ def test_an_unreachable_peer_is_no_refusal():
 
 
 def test_a_data_plane_refusal_carries_its_code():
-    key = secrets.token_bytes(32)
+    secret = secrets.token_bytes(32)
 
     def handler(msg: Message):
         if msg.header.get("op") == "pull":
             raise Refused(Refusal.VERSION_GONE, "follower 0 holds version 7")
         raise ValueError("header field 'op' is wrong")
 
-    server = DataServer(key, handler).start()
-    client = DataClient(key, server.endpoint, 10.0)
+    server = DataServer(Keyring(secret), handler).start()
+    client = DataClient(issue(secret, Identity.cluster("a"), False), server.endpoint, 10.0)
     try:
         with pytest.raises(DataPlaneError) as info:
             client.request({"op": "pull", "version": 3, "layers": []})

@@ -41,6 +41,16 @@ class Refusal(enum.IntEnum):
     LEDGER_CONFLICT = 10
     #: A push with no window trained since the cluster's last accepted push (T_j would be 0).
     NOTHING_TRAINED = 11
+    #: The caller's certificate does not allow this call, or names another member than the
+    #: request does (a cluster acting as another, a cluster calling a follower's control).
+    FORBIDDEN = 12
+    #: A leader of a higher term leads this follower: the caller must step down.
+    STALE_TERM = 13
+    #: Another leader's lease on this follower has not expired yet: wait and try again.
+    LEASE_HELD = 14
+    #: The cluster's model does not match the run's fingerprint (architecture, tokenizer,
+    #: parameter names, shapes or dtypes).
+    MODEL_MISMATCH = 15
 
 
 class Refused(Exception):

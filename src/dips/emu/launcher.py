@@ -1,14 +1,19 @@
 """``dips launch``: a whole Di-PS run on one machine, every role a separate OS process (§5).
 
-Steps: prepare the data (tokenizer, token stream, chunks) and the initial model once; start
-the leader, M followers and N clusters on 127.0.0.1 (``network: netns``: each cluster in its
-own network namespace, links shaped by tc tbf); show live progress; change link rates on
-``clusters[].link.schedule``; stop at the token budget, ``--max-outer-steps`` (the leader
-reports that many outer steps), ``--max-time`` or Ctrl-C; pull the final global model from
-the followers, evaluate it on the held-out split, save it in HF format, and write
-``summary.json``.
+A thin wrapper over the public role commands: it makes the run's certificates
+(``RUN_DIR/pki``, as ``dips init`` does), prepares the data (tokenizer, token stream, chunks)
+and the initial model once into the leader's state directory (``RUN_DIR``), and starts
+exactly ``dips leader``, ``dips follower`` (state ``RUN_DIR/followers/<i>``) and ``dips
+cluster`` (state ``RUN_DIR/clusters/<id>``) on 127.0.0.1 (``network: netns``: each cluster in
+its own network namespace, links shaped by tc tbf), each with its own certificate; shows live
+progress; changes link rates on ``clusters[].link.schedule``; stops at the token budget,
+``--max-outer-steps`` (the leader reports that many outer steps), ``--max-time``, SIGINT or
+SIGTERM; pulls the final global model from the followers (as an observer with the operator's
+certificate), evaluates it on the held-out split, saves it in HF format, and writes
+``summary.json`` — at every phase, also when interrupted (``interrupted: true``,
+``eval_loss_final: null`` when no complete model could be fetched).
 
-Children run in their own sessions, so Ctrl-C reaches only the launcher, which then stops
+Children run in their own sessions, so a signal reaches only the launcher, which then stops
 them in order (clusters first, then followers and leader) with SIGTERM, and SIGKILL after
 ``timeouts.shutdown_s``. Only processes this launcher started are signalled, by pid.
 """
@@ -17,7 +22,6 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import shutil
 import signal
 import subprocess
@@ -30,13 +34,14 @@ from typing import Any
 import grpc
 from rich.console import Console
 
-from dips.algo import partition_contiguous
 from dips.algo.round import Phase
 from dips.emu.faults import FaultInjector, FaultPlan
 from dips.emu.link_schedule import LinkSchedule
 from dips.emu.progress import Progress
 from dips.spec import RunConfig, RunSpec
 from dips.wire.pb import control_pb2 as pb
+from dips.wire.pki import init_pki
+from dips.wire.security import Credentials
 from dips.wire.services import leader_client
 
 
@@ -75,7 +80,8 @@ class Launch:
         out = open(log_path, "ab")
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
                    TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", DIPS_PROCESS=name,
-                   DIPS_FAILPOINTS=str(self.run_dir / "failpoints"))
+                   DIPS_FAILPOINTS=str(self.run_dir / "failpoints"),
+                   DIPS_TRAIN_START=str(self.run_dir / "train_start"))
         prefix = self.prefix_of(name)
         proc = subprocess.Popen([*prefix, sys.executable, "-m", "dips.cli", *args], stdout=out,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
@@ -127,49 +133,6 @@ class Launch:
             self.event("stopped", c.name, returncode=c.proc.returncode)
 
 
-def prepare(cfg: RunConfig, run_dir: Path, bind_host: str = "127.0.0.1") -> RunSpec:
-    """Tokenizer, token stream, initial model and layer ownership; returns the run spec.
-
-    Writes ``init/model.safetensors`` (version 0 of θ), ``run.json`` (the :class:`RunSpec` as
-    JSON), ``secret`` (0600).
-    """
-    import torch
-    from safetensors.torch import save_file
-
-    from dips.train.corpus import load_tokenizer, load_tokens
-    from dips.train.loop import eval_loss
-    from dips.train.model import build_model, layer_table
-    from dips.train.sampler import make_chunks
-
-    cache = cfg.data.cache_dir.resolve()
-    load_tokenizer(cache, cfg.data.vocab_size)
-    data = load_tokens(cache, cfg.data.vocab_size, cfg.data.val_fraction, cfg.data.max_train_tokens)
-    model = build_model(cfg.model, cfg.seed)
-    table = layer_table(model)
-    parts = partition_contiguous([nbytes for _, _, nbytes in table], cfg.followers)
-    (run_dir / "init").mkdir(parents=True, exist_ok=True)
-    save_file({n: p.detach().contiguous() for n, p in model.named_parameters()},
-              str(run_dir / "init" / "model.safetensors"))
-    torch.set_num_threads(max(1, os.cpu_count() or 1))
-    initial = eval_loss(model, data.val, cfg.inner.seq_len, cfg.eval_batch_size, cfg.eval_batches)
-    spec = RunSpec(
-        config=cfg, cache_dir=cache,
-        layers=[(l, list(names), int(nbytes)) for l, names, nbytes in table],
-        follower_layers=[[table[i][0] for i in r] for r in parts],
-        init="init/model.safetensors", eval_loss_initial=initial,
-        train_tokens=int(len(data.train)), val_tokens=int(len(data.val)),
-        params=int(sum(p.numel() for p in model.parameters())),
-        windows_per_chunk=min(e - s for s, e in make_chunks(len(data.train), cfg.data.num_chunks))
-        // (cfg.inner.seq_len + 1),
-        leader_addr=f"{bind_host}:{free_port()}", bind_host=bind_host,
-        follower_ports=[(free_port(), free_port()) for _ in range(cfg.followers)])
-    spec.write(run_dir / "run.json")
-    secret_path = run_dir / "secret"
-    secret_path.write_text(secrets.token_hex(32))
-    secret_path.chmod(0o600)
-    return spec
-
-
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port on ``host`` that was free a moment ago, for a process started later.
 
@@ -219,6 +182,37 @@ def _status(client: Any) -> pb.StatusReply | None:
         return None
 
 
+class Interrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM reached the launcher (handled as Ctrl-C at every phase)."""
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise Interrupted(signal.Signals(signum).name)
+
+
+def _role_args(run: Launch, spec_cfg: Path, host: str, leader_port: int,
+               follower_ports: list[tuple[int, int]]) -> dict[str, list[str]]:
+    """The public commands (and flags) of every process of the run."""
+    d, pki = run.run_dir, run.run_dir / "pki"
+    leader_addr = f"{host}:{leader_port}"
+    args = {"leader": ["leader", "--config", str(spec_cfg), "--listen", leader_addr,
+                       "--state-dir", str(d), "--tls", str(pki / "leader"),
+                       "--status-socket", str(d / "leader.sock")]}
+    for i, (data_port, control_port) in enumerate(follower_ports):
+        args[f"follower-{i}"] = [
+            "follower", "--leader", leader_addr, "--index", str(i),
+            "--listen", f"{host}:{control_port}", "--data-listen", f"{host}:{data_port}",
+            "--state-dir", str(d / "followers" / str(i)), "--tls", str(pki / f"follower-{i}"),
+            "--init", str(d / "init" / "model.safetensors"),
+            "--data-ipc", str(d / f"follower-{i}.ipc")]
+    for c in run.cfg.clusters:
+        args[f"cluster-{c.id}"] = [
+            "cluster", "--leader", leader_addr, "--cluster-id", c.id,
+            "--state-dir", str(d / "clusters" / c.id), "--tls", str(pki / f"cluster-{c.id}"),
+            "--cache-dir", str(run.cfg.data.cache_dir.resolve())]
+    return args
+
+
 def launch(cfg: RunConfig, run_dir: Path, max_time_s: float | None = None,
            console: Console | None = None, faults: FaultPlan | None = None,
            max_outer_steps: int | None = None) -> dict[str, Any]:
@@ -226,20 +220,22 @@ def launch(cfg: RunConfig, run_dir: Path, max_time_s: float | None = None,
 
     ``max_time_s`` and ``max_outer_steps`` (None: ``cfg.max_time_s``, ``cfg.max_outer_steps``)
     stop the run after that many seconds of training, or once the leader's status reports
-    that many outer steps, whichever comes first (the token budget too).
+    that many outer steps, whichever comes first (the token budget too). SIGINT and SIGTERM
+    (even when inherited as ignored, e.g. started with ``&``) stop it at any phase; the
+    summary is written all the same.
 
     Raises RuntimeError if a leader or follower process dies, TimeoutError on startup.
     """
     console = console or Console()
     run_dir.mkdir(parents=True, exist_ok=True)
     # A re-used run directory starts empty of the previous run's outputs (they are appended to).
-    for stale in ("leader.addr", "events.jsonl", "outer_steps.jsonl", "summary.json"):
-        (run_dir / stale).unlink(missing_ok=True)
-    for stale in ("leader.json", "leader_events.jsonl", "train_start", "leader.sock"):
+    for stale in ("leader.addr", "events.jsonl", "outer_steps.jsonl", "summary.json", "term",
+                  "leader.json", "leader_events.jsonl", "train_start", "leader.sock", "run.json",
+                  "config.json", "data_secret", "lock"):
         (run_dir / stale).unlink(missing_ok=True)
     for stale_ipc in run_dir.glob("follower-*.ipc"):
         stale_ipc.unlink(missing_ok=True)
-    for stale in ("followers", "clusters", "logs", "final", "init", "failpoints"):
+    for stale in ("followers", "clusters", "logs", "final", "init", "failpoints", "pki"):
         shutil.rmtree(run_dir / stale, ignore_errors=True)
     max_time_s = max_time_s if max_time_s is not None else cfg.max_time_s
     if max_outer_steps is not None:
@@ -252,34 +248,44 @@ def launch(cfg: RunConfig, run_dir: Path, max_time_s: float | None = None,
     summary: dict[str, Any] = {}
     client = None
     t_train = None
+    phase = "prepare"
+    previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         console.print(f"[bold]dips[/] preparing data and model for run {cfg.name!r} in {run_dir}")
-        bind_host = "127.0.0.1"
+        host = "127.0.0.1"
         if cfg.network == "netns":
             from dips.emu.netns import ShapedNetwork
 
             rates = {c.id: c.link.bps if c.link is not None else None for c in cfg.clusters}
             net = ShapedNetwork([c.id for c in cfg.clusters], rates)
             net.__enter__()
-            run.net, bind_host = net, net.hub_addr
+            run.net, host = net, net.hub_addr
             run.event("network", "launcher", mode="netns", hub=net.hub_addr, prefix=net.prefix,
                       rates_bps=rates)
-        spec = prepare(cfg, run_dir, bind_host)
+        init_pki(run_dir / "pki", cfg.followers, [c.id for c in cfg.clusters], run_name=cfg.name)
+        creds = Credentials.tls(run_dir / "pki" / "admin")
+        from dips.train.prepare import prepare
+
+        spec = prepare(cfg, run_dir)  # the leader finds it in its state directory
+        (run_dir / "config.json").write_text(cfg.model_dump_json(indent=1))
         console.print(f"model {spec.params:,} parameters; {spec.train_tokens:,} train / "
                       f"{spec.val_tokens:,} validation tokens; initial validation loss "
                       f"{spec.eval_loss_initial:.3f}")
-        secret = (run_dir / "secret").read_text().strip()
-        run.spawn("leader", ["_leader", "--run-dir", str(run_dir)])
-        _wait_for(lambda: (run_dir / "leader.addr").exists() and
-                         (run_dir / "leader.addr").read_text().strip(),
-                         cfg.timeouts.startup_s, "leader address", run)
-        client = leader_client(f"unix:{run_dir / 'leader.sock'}", secret)
+        # Ports free here (the servers' namespace, with netns, is another: a heuristic there).
+        args = _role_args(run, run_dir / "config.json", host, free_port(),
+                          [(free_port(), free_port()) for _ in range(cfg.followers)])
+        (run_dir / "leader.addr").write_text(args["leader"][args["leader"].index("--listen") + 1])
+        phase = "start-up"
+        run.spawn("leader", args["leader"])
+        client = leader_client(f"unix:{run_dir / 'leader.sock'}", creds)
+        _wait_for(lambda: _status(client) is not None, cfg.timeouts.startup_s, "leader serving",
+                  run)
         for i in range(cfg.followers):
-            run.spawn(f"follower-{i}", ["_follower", "--run-dir", str(run_dir), "--index", str(i)])
+            run.spawn(f"follower-{i}", args[f"follower-{i}"])
         _wait_for(lambda: (s := _status(client)) and len(s.followers) == cfg.followers,
                   cfg.timeouts.startup_s, "followers registered", run)
         for c in cfg.clusters:
-            run.spawn(f"cluster-{c.id}", ["_cluster", "--run-dir", str(run_dir), "--cluster-id", c.id])
+            run.spawn(f"cluster-{c.id}", args[f"cluster-{c.id}"])
         # Training starts when the first cluster has joined (it trains from there): fault
         # times, link schedules, transients and --max-time count from this moment, as the
         # time to the token budget does.
@@ -287,6 +293,7 @@ def launch(cfg: RunConfig, run_dir: Path, max_time_s: float | None = None,
                   cfg.timeouts.startup_s, "first cluster joined", run)
         t_train = time.monotonic()
         (run_dir / "train_start").write_text(repr(time.time()))
+        phase = "training"
         injector = None
         if faults is not None and faults.faults:
             injector = FaultInjector(faults, run.pid_of, run_dir / "failpoints", run.event,
@@ -296,19 +303,49 @@ def launch(cfg: RunConfig, run_dir: Path, max_time_s: float | None = None,
         links = LinkSchedule(cfg.clusters, run.net, run.event)
         interrupted = _train(run, client, Progress(cfg, console), t_train, max_time_s, injector,
                              links)
-        summary = _finish(run, client, spec, secret, t_start, t_train, interrupted)
-    except KeyboardInterrupt:
-        console.print("[yellow]interrupted: stopping every process[/]")
-        run.event("interrupt", "launcher")
-        if spec is not None:
-            summary = _finish(run, client, spec, (run_dir / "secret").read_text().strip(),
-                              t_start, t_train, True)
+        phase = "final export"
+        summary = _finish(run, client, creds, spec, t_start, t_train, interrupted)
+    except KeyboardInterrupt as exc:
+        for sig in previous:  # a second signal must not cut the clean-up short
+            signal.signal(sig, signal.SIG_IGN)
+        console.print(f"[yellow]interrupted ({exc or 'SIGINT'}) during {phase}: stopping every "
+                      "process[/]")
+        run.event("interrupt", "launcher", phase=phase)
+        summary = _interrupted_summary(run, client, spec, t_start, t_train, phase)
     finally:
+        for sig in previous:
+            signal.signal(sig, signal.SIG_IGN)
         run.stop(list(run.children), cfg.timeouts.shutdown_s)
         if client is not None:
             client.close()
         if run.net is not None:
             run.net.__exit__(None, None, None)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return summary
+
+
+def _interrupted_summary(run: Launch, client: Any, spec: RunSpec | None, t_start: float,
+                         t_train: float | None, phase: str) -> dict[str, Any]:
+    """The summary of a run interrupted at ``phase``: the final model when the followers
+    can still serve one, else ``eval_loss_final: null``."""
+    if spec is not None and client is not None and phase in ("training", "final export"):
+        try:
+            return _finish(run, client, Credentials.tls(run.run_dir / "pki" / "admin"), spec,
+                           t_start, t_train, True)
+        except Exception as exc:  # keep going: a summary is written in every case
+            run.event("export_failed", "launcher", error=f"{type(exc).__name__}: {exc}")
+    summary = {"method": "di-ps", "run_dir": str(run.run_dir), "interrupted": True,
+               "interrupted_phase": phase, "clusters": len(run.cfg.clusters),
+               "followers": run.cfg.followers, "outer_steps": 0, "eval_loss_final": None,
+               "eval_loss_initial": round(spec.eval_loss_initial, 5) if spec else None,
+               "wall_time_s": round(time.time() - t_start, 2), "model_dir": None}
+    status = _status(client) if client is not None else None
+    if status is not None:
+        summary.update(outer_steps=status.outer_steps, final_version=status.version,
+                       tokens_accepted=status.tokens_accepted)
+    (run.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    run.console.print(summary_table(summary))
     return summary
 
 
@@ -372,19 +409,22 @@ def _train(run: Launch, client: Any, progress: Progress, t_train: float,
                 if all(run.children[f"cluster-{c.id}"].proc.poll() is not None for c in cfg.clusters):
                     reason = "all clusters exited"
                     break
-    except KeyboardInterrupt:
-        run.console.print("[yellow]interrupted: stopping every process[/]")
-        run.event("interrupt", "launcher")
+    except KeyboardInterrupt as exc:
+        for sig in (signal.SIGINT, signal.SIGTERM):  # the clean-up runs to its end
+            signal.signal(sig, signal.SIG_IGN)
+        run.console.print(f"[yellow]interrupted ({exc or 'SIGINT'}): stopping every process[/]")
+        run.event("interrupt", "launcher", phase="training")
         return True
     run.event("stop", "launcher", reason=reason)
     run.console.print(f"stopping: {reason}")
     return False
 
 
-def _finish(run: Launch, client: Any, spec: RunSpec, secret: str, t_start: float,
+def _finish(run: Launch, client: Any, creds: Credentials, spec: RunSpec, t_start: float,
             t_train: float | None, interrupted: bool) -> dict[str, Any]:
     """Stop clusters, let the last round finish, export and evaluate the model, summarize."""
     from dips.emu.summary import export_and_summarize
+    from dips.wire.keys import MemberKey
 
     cfg = run.cfg
     clusters = [n for n in run.children if n.startswith("cluster-")]
@@ -397,8 +437,15 @@ def _finish(run: Launch, client: Any, spec: RunSpec, secret: str, t_start: float
             if status is None or status.phase == Phase.IDLE.value:
                 break
             time.sleep(0.2)
+    key = None
+    if status is not None:  # the operator's pull-only data-plane key
+        try:
+            reply = client.JoinCluster(pb.JoinRequest(), timeout=10.0)
+            key = MemberKey(reply.key_id, reply.key, reply.encrypt)
+        except grpc.RpcError as exc:
+            run.event("export_failed", "launcher", error=f"observer join: {exc.code().name}")
     train_s = time.monotonic() - t_train if t_train is not None else 0.0
-    summary = export_and_summarize(cfg, run.run_dir, spec, secret, status, t_start, train_s,
+    summary = export_and_summarize(cfg, run.run_dir, spec, key, status, t_start, train_s,
                                    interrupted)
     run.console.print(summary_table(summary))
     return summary

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from dips.spec import RunConfig, RunSpec
+from dips.wire.keys import MemberKey
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -53,10 +54,12 @@ def tokens_consumed(run_dir: Path, cfg: RunConfig) -> dict[str, int]:
     return out
 
 
-def export_and_summarize(cfg: RunConfig, run_dir: Path, spec: RunSpec, secret: str,
+def export_and_summarize(cfg: RunConfig, run_dir: Path, spec: RunSpec, key: MemberKey | None,
                          status: Any, t_start: float, train_s: float,
                          interrupted: bool) -> dict[str, Any]:
-    """Pull the final FP32 model, save it (HF safetensors + tokenizer), evaluate, summarize."""
+    """Pull the final FP32 model with the observer ``key`` (None: no model), save it (HF
+    safetensors + tokenizer), evaluate, summarize. A pull that fails leaves
+    ``eval_loss_final`` null (the error is in ``export_error``); the summary is written."""
     from dips.roles.cluster import fetch_global_model
     from dips.train.corpus import load_tokenizer, load_tokens, to_hf_tokenizer
     from dips.train.loop import eval_loss
@@ -65,24 +68,29 @@ def export_and_summarize(cfg: RunConfig, run_dir: Path, spec: RunSpec, secret: s
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    cache = spec.cache_dir
+    cache = (spec.cache_dir or cfg.data.cache_dir).resolve()
     data = load_tokens(cache, cfg.data.vocab_size, cfg.data.val_fraction, cfg.data.max_train_tokens)
     model = build_model(cfg.model, cfg.seed)
     final_loss = None
     model_dir = run_dir / "final"
     version = status.version if status is not None else 0
-    if status is not None:
+    export_error = None
+    if status is not None and key is not None:
         from dips.wire.pb import control_pb2 as pb
 
         # Through each follower's ipc endpoint: reachable from outside its network namespace.
         local = [pb.FollowerInfo(index=f.index, layers=list(f.layers),
                                  data_endpoint=f"ipc://{run_dir / f'follower-{f.index}.ipc'}")
                  for f in status.followers]
-        fetch_global_model(model, local, version, secret, timeout_s=cfg.timeouts.rpc_s)
-        final_loss = eval_loss(model, data.val, cfg.inner.seq_len, cfg.eval_batch_size,
-                               cfg.eval_batches)
-        model.save_pretrained(model_dir, safe_serialization=True)
-        to_hf_tokenizer(load_tokenizer(cache, cfg.data.vocab_size)).save_pretrained(model_dir)
+        try:
+            fetch_global_model(model, local, version, key, timeout_s=cfg.timeouts.rpc_s)
+        except (RuntimeError, ValueError, TimeoutError) as exc:
+            export_error = f"{type(exc).__name__}: {exc}"
+        else:
+            final_loss = eval_loss(model, data.val, cfg.inner.seq_len, cfg.eval_batch_size,
+                                   cfg.eval_batches)
+            model.save_pretrained(model_dir, safe_serialization=True)
+            to_hf_tokenizer(load_tokenizer(cache, cfg.data.vocab_size)).save_pretrained(model_dir)
     consumed = tokens_consumed(run_dir, cfg)
     total = sum(consumed.values())
     summary = {
@@ -103,7 +111,7 @@ def export_and_summarize(cfg: RunConfig, run_dir: Path, spec: RunSpec, secret: s
         "eval_loss_final": None if final_loss is None else round(final_loss, 5),
         "wall_time_s": round(time.time() - t_start, 2), "train_time_s": round(train_s, 2),
         "tokens_per_s": round(total / train_s, 1) if train_s > 0 else 0.0,
-        "interrupted": interrupted, "model_dir": str(model_dir) if final_loss is not None else None,
+        "interrupted": interrupted, "export_error": export_error, "model_dir": str(model_dir) if final_loss is not None else None,
         "torch_threads": torch.get_num_threads(),
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))

@@ -3,7 +3,7 @@
 Usage (see README "Use Di-PS from your own training loop")::
 
     client = ClusterClient(model, leader="127.0.0.1:50051", cluster_id="site-a",
-                           secret=secret, H=64, stages=2)
+                           creds=Credentials.tls("pki/cluster-site-a"), H=64, stages=2)
     client.join()                       # pulls one complete model of a single version
     for batch in data:
         loss = train_step(model, batch) # your inner AdamW step
@@ -49,6 +49,8 @@ from dips.roles.layers import group_layers
 from dips.roles.layers import layer_of as default_layer_of
 from dips.wire.pb import control_pb2 as pb
 from dips.wire.control import refusal_of
+from dips.wire.keys import MemberKey
+from dips.wire.security import Credentials
 from dips.wire.services import leader_client
 
 log = logging.getLogger(__name__)
@@ -70,7 +72,8 @@ class ClusterClient(SyncMixin):
         model: the cluster's model (FP32 parameters; overwritten in place on pull).
         leader: ``host:port`` of the leader's gRPC service.
         cluster_id: this cluster's id (unique in the run).
-        secret: the run secret (hex string) shared by every process of the run.
+        creds: this cluster's credentials (:class:`dips.wire.security.Credentials`: its TLS
+            bundle, whose certificate must name ``cluster_id``, or insecure).
         H: inner steps between two pushes (§3; default 64).
         stages: number of stage workers S pushing/pulling in parallel (threads here).
         layer_of: parameter name -> layer key (default :func:`dips.roles.layers.layer_of`).
@@ -82,17 +85,21 @@ class ClusterClient(SyncMixin):
             shaping, e.g. :meth:`dips.wire.shaping.TokenBucket.consume`); shared by all stages.
         stop: the process's stop request: once set, a transfer, an admission or a verdict
             wait in progress is given up within about 0.1 s (the push stays pending).
+        fingerprint: JSON of this model's :class:`dips.spec.fingerprint.Fingerprint`, sent
+            at join: the leader refuses a model that differs from the run's ("": none sent;
+            a leader with a fingerprint then refuses the join).
 
     Raises:
         ValueError: H < 1, or ``stages`` not in [1, number of layers].
     """
 
-    def __init__(self, model: torch.nn.Module, leader: str, cluster_id: str, secret: str, *,
+    def __init__(self, model: torch.nn.Module, leader: str, cluster_id: str,
+                 creds: Credentials, *,
                  H: int = 64, stages: int = 1, layer_of: Callable[[str], str] | None = None,
                  timeout_s: float = 120.0, admit_timeout_s: float = 30.0,
                  heartbeat_interval_s: float | None = None, data: LedgerData | None = None,
                  limiter: Callable[[int], object] | None = None,
-                 stop: threading.Event | None = None) -> None:
+                 stop: threading.Event | None = None, fingerprint: str = "") -> None:
         if H < 1:
             raise ValueError(f"H = {H} must be >= 1")
         layer_of = layer_of or default_layer_of
@@ -103,8 +110,9 @@ class ClusterClient(SyncMixin):
         self.admit_timeout_s = admit_timeout_s
         self.data = data
         self._limiter = limiter
-        self._key = bytes.fromhex(secret)
-        self._leader = leader_client(leader, secret, timeout_s=min(timeout_s, 10.0))
+        self._key: MemberKey | None = None  # issued at each join
+        self._fingerprint = fingerprint
+        self._leader = leader_client(leader, creds, timeout_s=min(timeout_s, 10.0))
         self._layers = group_layers(model, layer_of)
         sizes = [sum(p.numel() * 4 for _, p in params) for _, params in self._layers]
         self._push_bytes = sum(sizes) // 2  # BF16 on the wire
@@ -152,7 +160,9 @@ class ClusterClient(SyncMixin):
         for _ in range(attempts):
             reply = self._leader.JoinCluster(pb.JoinRequest(
                 cluster_id=self.cluster_id,
-                stages=[pb.StageLayers(layers=s) for s in self.stage_layers]))
+                stages=[pb.StageLayers(layers=s) for s in self.stage_layers],
+                fingerprint=self._fingerprint))
+            self._key = MemberKey(reply.key_id, reply.key, reply.encrypt)
             self._connect(reply.followers)
             self._leader_push_timeout_s = reply.push_timeout_s
             if self._hb_interval is None:

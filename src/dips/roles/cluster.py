@@ -19,6 +19,7 @@ import torch
 from dips.roles import failpoints
 from dips.roles.layers import group_layers
 from dips.roles.layers import layer_of as default_layer_of
+from dips.wire.keys import MemberKey
 from dips.wire.dataplane import DataClient
 from dips.wire.pb import control_pb2 as pb
 from dips.wire.stream import DEFAULT_CHUNK_BYTES
@@ -94,7 +95,8 @@ class StageWorker:
 
     Args:
         index: stage index. layers: ``{layer key: [(param name, parameter), ...]}``.
-        key: run secret. endpoints: follower index -> ``tcp://host:port``.
+        key: the cluster's data-plane key (:class:`dips.wire.keys.MemberKey`, from its join).
+        endpoints: follower index -> ``tcp://host:port``.
         timeout_s: deadline of each data-plane reply.
         limiter: called with each message's byte count before it is sent (link shaping).
     """
@@ -104,7 +106,7 @@ class StageWorker:
     depth = 2
 
     def __init__(self, index: int, layers: dict[str, list[tuple[str, torch.nn.Parameter]]],
-                 key: bytes, endpoints: dict[int, str], timeout_s: float,
+                 key: MemberKey, endpoints: dict[int, str], timeout_s: float,
                  limiter: Callable[[int], Any] | None = None) -> None:
         self.index = index
         self.layers = layers
@@ -230,15 +232,15 @@ class StageWorker:
 
 
 def fetch_global_model(model: torch.nn.Module, followers: list[pb.FollowerInfo], version: int,
-                       secret: str, layer_of: Callable[[str], str] | None = None,
+                       key: MemberKey, layer_of: Callable[[str], str] | None = None,
                        timeout_s: float = 60.0) -> None:
     """Load the global FP32 θ of ``version`` from the followers into ``model`` (eval, export).
 
-    Uses one stage worker and does not join the run. Every tensor is fetched and checked
-    before any parameter is written. Raises RuntimeError/ValueError/TimeoutError on failure.
+    Uses one stage worker and does not join the run (``key``: an observer's or a cluster's
+    data-plane key). Every tensor is fetched and checked before any parameter is written.
+    Raises RuntimeError/ValueError/TimeoutError on failure.
     """
     layer_of = layer_of or default_layer_of
-    key = bytes.fromhex(secret)
     layers = dict(group_layers(model, layer_of))
     owner = {l: f.index for f in followers for l in f.layers}
     if set(owner) != set(layers):

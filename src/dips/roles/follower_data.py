@@ -20,6 +20,7 @@ from dips.roles import failpoints
 from dips.roles.round_sum import RoundSum
 from dips.roles.staging import DeltaSink, RawSink, SnapshotSource, check_specs
 from dips.wire.frames import DTYPES, Message
+from dips.wire.pki import Identity
 from dips.wire.pool import TensorPool, VersionedSnapshots
 from dips.wire.stream import TensorSpec
 
@@ -44,6 +45,18 @@ class StagedPush:
 
 class DataPlaneSide:
     """Push and pull handlers of :class:`dips.roles.follower.FollowerShard`."""
+
+    @staticmethod
+    def authorize(sender: Identity, header: dict[str, Any]) -> None:
+        """Who may send what (the sender is the identity its data-plane key was issued to):
+        a push only by the cluster it names, a pull by a cluster or an observer (the
+        operator). Raises Refused(FORBIDDEN) naming both."""
+        op = header.get("op")
+        if op == "push" and (sender.role != "cluster" or header.get("cluster") != sender.id):
+            raise Refused(Refusal.FORBIDDEN, f"a push naming cluster {header.get('cluster')!r} "
+                                             f"under the key of {sender.name!r}")
+        if op == "pull" and sender.role not in ("cluster", "admin"):
+            raise Refused(Refusal.FORBIDDEN, f"{sender.name!r} may not pull")
 
     def handle(self, msg: Message) -> tuple[dict[str, Any], Sequence[tuple[str, torch.Tensor]]]:
         """Serve one data-plane message (see module docstring). Raises ValueError if malformed."""

@@ -40,7 +40,7 @@ from dips.roles import failpoints
 from dips.wire.control import describe
 from dips.roles.leader_members import Membership
 from dips.roles.leader_records import Records
-from dips.roles.leader_types import (ClusterEntry, FollowerEntry, Grant, LeaderConfig,
+from dips.roles.leader_types import (ClusterEntry, FollowerEntry, Grant, Issued, LeaderConfig,
                                      LeaderStatus, VerdictReply)
 from dips.roles.outer_step import FollowerControl, UpdateReport, abort_everywhere, run_update
 
@@ -64,13 +64,18 @@ class Leader(Membership, Records):
         clock: monotonic clock in seconds (injectable for tests).
         tokens_per_window: tokens a ledger window trains (the sequence length); with a ledger,
             each push's T_j is its windows since the last accepted push × this (§6, §12).
+        issued: term, data secret, run spec and fingerprint this leader hands out
+            (default: term 1, a fresh secret, no spec, no fingerprint check).
     """
 
     def __init__(self, cfg: LeaderConfig, connect: Callable[[FollowerEntry], FollowerControl],
                  run_dir: Path | None = None, ledger: ChunkLedger | None = None,
                  clock: Callable[[], float] = time.monotonic,
-                 tokens_per_window: int | None = None) -> None:
+                 tokens_per_window: int | None = None, issued: Issued | None = None) -> None:
         self.cfg = cfg
+        self.issued = issued or Issued()
+        self.fenced = threading.Event()  # set when this leader stepped down (see step_down)
+        self.fenced_reason = ""
         self.tokens_per_window = tokens_per_window
         self.policy = RoundPolicy(cfg.grace, cfg.timeouts.push_s, cfg.timeouts.pull_s)
         self._connect = connect
@@ -114,6 +119,24 @@ class Leader(Membership, Records):
     def rounds(self) -> int:
         """Rounds opened so far."""
         return self._state.rounds
+
+    @property
+    def term(self) -> int:
+        """This leader's term (fencing token)."""
+        return self.issued.term
+
+    def step_down(self, reason: str) -> None:
+        """Stop acting at once: a leader of a higher term leads (or holds) the followers.
+        The process exits when it sees :attr:`fenced` set. Safe from any thread."""
+        if self.fenced.is_set():
+            return
+        self.fenced_reason = reason
+        log.error("leader term %d steps down: %s", self.term, reason)
+        self.event("leader_stepped_down", term=self.term, reason=reason)
+        self._stop.set()
+        self.fenced.set()
+        with self._cond:
+            self._cond.notify_all()
 
     def start(self) -> "Leader":
         for t in self._threads:

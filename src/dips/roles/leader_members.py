@@ -11,7 +11,11 @@ from __future__ import annotations
 from dips.algo.ledger import ChunkLedger
 from dips.algo.refusal import Refusal, Refused
 from dips.algo.round import MemberGone, Phase
-from dips.roles.leader_types import ClusterEntry, FollowerEntry, HeartbeatAnswer
+from dips.roles.leader_types import ClusterEntry, FollowerEntry, HeartbeatAnswer, RegisterAnswer
+from dips.spec.fingerprint import mismatch
+from dips.wire import keys
+from dips.wire.keys import MemberKey
+from dips.wire.pki import Identity
 
 
 class Membership:
@@ -19,9 +23,17 @@ class Membership:
 
     ledger: ChunkLedger | None
 
-    def register_follower(self, entry: FollowerEntry) -> None:
+    def register_follower(self, entry: FollowerEntry) -> RegisterAnswer:
         """Add a follower or refresh its heartbeat. A new incarnation (restart) or a follower
-        that was down triggers reconciliation. Raises ValueError on overlapping layers."""
+        that was down triggers reconciliation. A follower that already follows a higher
+        leader term makes this leader step down (Refused STALE_TERM). Returns this leader's
+        term and the data secret. Raises ValueError on overlapping layers."""
+        if entry.leader_term > self.term:
+            self.step_down(f"follower {entry.index} follows leader term {entry.leader_term} > "
+                           f"{self.term}")
+            raise Refused(Refusal.STALE_TERM, f"leader term {self.term} stepped down: follower "
+                                              f"{entry.index} follows term {entry.leader_term}")
+        answer = RegisterAnswer(self.term, self.issued.data_secret)
         with self._cond:
             for f in self.followers.values():
                 if f.index != entry.index and set(f.layers) & set(entry.layers):
@@ -31,7 +43,7 @@ class Membership:
             old = self.followers.get(entry.index)
             if old is not None and old.incarnation == entry.incarnation and old.up:
                 old.last_seen = self._clock()
-                return
+                return answer
             entry.control = self._connect(entry)
             entry.last_seen = self._clock()
             self.followers[entry.index] = entry
@@ -41,6 +53,25 @@ class Membership:
             self._sync_ready(self._clock())
         self.event("follower_up", follower=entry.index, incarnation=entry.incarnation,
                    restarted=old is not None and old.incarnation != entry.incarnation)
+        return answer
+
+    def spec_json(self) -> tuple[str, str]:
+        """(run spec JSON, model fingerprint JSON) this leader serves."""
+        return self.issued.run_spec, self.issued.fingerprint
+
+    def _key(self, identity: Identity) -> MemberKey:
+        return keys.issue(self.issued.data_secret, identity, self.issued.encrypt)
+
+    def join_observer(self, name: str) -> tuple[int, list[FollowerEntry], MemberKey]:
+        """An observer (the operator's identity ``name``, e.g. a final pull or an evaluator):
+        the version, the followers and a pull-only data-plane key; no membership. Raises
+        Refused(NOT_READY) while followers are missing."""
+        with self._cond:
+            if len(self.followers) < self.cfg.followers:
+                raise Refused(Refusal.NOT_READY, f"{len(self.followers)}/{self.cfg.followers} "
+                                                 "followers registered")
+            version, followers = self.version, list(self.followers.values())
+        return version, followers, self._key(Identity.parse(name))
 
     def follower_list(self) -> list[FollowerEntry]:
         with self._cond:
@@ -52,16 +83,24 @@ class Membership:
         return (len(self.followers) == self.cfg.followers and not self.needs_reconcile
                 and all(f.up for f in self.followers.values()))
 
-    def join_cluster(self, cluster_id: str, stages: list[list[str]]) -> tuple[int, list[FollowerEntry]]:
-        """Admit (or re-admit) a cluster whose stage workers own ``stages`` (layer keys).
+    def join_cluster(self, cluster_id: str, stages: list[list[str]],
+                     fingerprint: str = "") -> tuple[int, list[FollowerEntry], MemberKey]:
+        """Admit (or re-admit) a cluster whose stage workers own ``stages`` (layer keys) and
+        whose model has ``fingerprint`` (JSON; checked when this leader has one).
 
         A re-joining cluster lost its local state: its chunks return to the ledger. Returns
-        the current version and the followers to pull from. Raises ValueError if the stages
-        do not cover every layer exactly once or the id is empty; Refused(NOT_READY) while
-        followers are missing.
+        the current version, the followers to pull from and the cluster's new data-plane
+        key. Raises ValueError if the stages do not cover every layer exactly once or the id
+        is empty; Refused(MODEL_MISMATCH) naming the differing fields; Refused(NOT_READY)
+        while followers are missing.
         """
         if not cluster_id:
             raise ValueError("join field 'cluster_id' is empty")
+        if self.issued.fingerprint:
+            diff = mismatch(self.issued.fingerprint, fingerprint)
+            if diff:
+                raise Refused(Refusal.MODEL_MISMATCH, f"cluster {cluster_id!r}: its model does "
+                                                      f"not match the run's: {diff}")
         with self._cond:
             if len(self.followers) < self.cfg.followers:
                 raise Refused(Refusal.NOT_READY, f"{len(self.followers)}/{self.cfg.followers} "
@@ -75,7 +114,7 @@ class Membership:
             self.clusters[cluster_id] = ClusterEntry(cluster_id, stages, last_seen=self._clock())
             version, followers = self.version, list(self.followers.values())
         self.event("cluster_joined", cluster=cluster_id, rejoin=rejoin, version=version)
-        return version, followers
+        return version, followers, self._key(Identity.cluster(cluster_id))
 
     def heartbeat(self, cluster_id: str, inner_step: int, tokens: int, loss: float) -> HeartbeatAnswer:
         """Record a cluster's progress (its own report, shown in the status only). Unknown

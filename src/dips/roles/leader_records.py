@@ -92,6 +92,9 @@ class Records:
                      "version_stats": {str(v): list(x) for v, x in self._version_stats.items()},
                      "grace": grace_rules.to_dict(self._state.grace),
                      "push_s": dict(self._state.push_s),
+                     # Where the followers are: a restarted leader takes their leases first.
+                     "followers": {str(f.index): f.control_endpoint
+                                   for f in self.followers.values()},
                      "verdicts": [{**asdict(v), "holdings": self._holdings.get(v.push_id, [])}
                                   for v in recent]}
         save_state(self._run_dir / "leader.json", state)

@@ -6,14 +6,43 @@ Split from :mod:`dips.roles.leader` to keep each module small; see it for the pr
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from dips.algo.round import Verdict
 from dips.spec import LeaderConfig
+from dips.wire.keys import new_secret
 
-__all__ = ["ClusterEntry", "FollowerEntry", "Grant", "HeartbeatAnswer", "LeaderConfig",
-           "LeaderStatus", "VerdictReply"]
+__all__ = ["ClusterEntry", "FollowerEntry", "Grant", "HeartbeatAnswer", "Issued", "LeaderConfig",
+           "LeaderStatus", "RegisterAnswer", "VerdictReply"]
+
+
+@dataclass(frozen=True)
+class Issued:
+    """What the leader process hands to members (from its state directory).
+
+    Attributes:
+        term: this leader's term (fencing token, :mod:`dips.algo.fencing`), >= 1.
+        data_secret: derives every member's data-plane key (:mod:`dips.wire.keys`); only
+            followers receive it.
+        run_spec: the run spec, JSON (``dips.spec.RunSpec``), served to members ("" in tests).
+        fingerprint: the model fingerprint, JSON (``dips.spec.fingerprint``); "" : no check.
+        encrypt: members encrypt tensor bytes on the data plane.
+    """
+
+    term: int = 1
+    data_secret: bytes = field(default_factory=new_secret, repr=False)
+    run_spec: str = ""
+    fingerprint: str = ""
+    encrypt: bool = False
+
+
+@dataclass(frozen=True)
+class RegisterAnswer:
+    """The leader's reply to a follower's registration: its term and the data secret."""
+
+    term: int
+    data_secret: bytes
 
 
 @dataclass
@@ -26,6 +55,7 @@ class FollowerEntry:
     layers: list[str]
     layer_bytes: list[int]
     incarnation: int = 0
+    leader_term: int = 0  # the highest leader term the follower has accepted
     control: Any = None  # a dips.roles.outer_step.FollowerControl once registered
     last_seen: float = 0.0
     up: bool = True

@@ -19,9 +19,16 @@ from pydantic import Field, field_validator, model_validator
 
 from dips.spec.base import Strict, load_yaml
 from dips.spec.cluster import ClusterConfig
+from dips.spec.fingerprint import Fingerprint
 from dips.spec.protocol import GraceConfig, MembershipConfig, Timeouts
-from dips.spec.training import (DataConfig, InnerConfig, ModelConfig, OuterConfig, PenaltyConfig,
-                                check_training)
+from dips.spec.training import (
+    DataConfig,
+    InnerConfig,
+    ModelConfig,
+    OuterConfig,
+    PenaltyConfig,
+    check_training,
+)
 
 __all__ = ["LeaderConfig", "RunConfig", "RunSpec", "TBF_MIN_BPS", "load_config"]
 
@@ -125,36 +132,36 @@ class LeaderConfig(Strict):
 
 
 class RunSpec(Strict):
-    """``RUN_DIR/run.json``: the resolved run config and what the launcher prepared.
+    """The run as the leader serves it to every member (``GetSpec``), kept as ``run.json`` in
+    the leader's state directory: the resolved config and what was prepared from it.
 
-    Written once by :func:`dips.emu.launcher.prepare`; read by the leader, the followers, the
-    clusters and the summary.  A layer is ``(layer key, [parameter names], FP32 bytes)`` in
-    model order (:func:`dips.train.model.layer_table`).
+    Written once by :func:`dips.emu.prepare.prepare` (the leader's first start, or
+    ``dips launch``); no path in it is used by another host. A layer is ``(layer key,
+    [parameter names], FP32 bytes)`` in model order (:func:`dips.train.model.layer_table`).
     """
 
     config: RunConfig = Field(description="the validated run config")
-    cache_dir: Path = Field(description="absolute tokenizer/corpus cache directory")
+    cache_dir: Path | None = Field(None, description="the preparing host's tokenizer/corpus "
+                                                     "cache (others use their own)")
     layers: list[tuple[str, list[str], int]] = Field(
         description="per layer: key, parameter names, FP32 bytes")
     follower_layers: list[list[str]] = Field(description="layer keys owned by each follower")
     init: str = Field("init/model.safetensors",
-                      description="version 0 of θ, relative to the run directory")
+                      description="version 0 of θ, relative to the preparing host's directory")
     eval_loss_initial: float = Field(description="validation loss of version 0, nats/token")
     train_tokens: int = Field(ge=0, description="training tokens (tokens)")
     val_tokens: int = Field(ge=0, description="validation tokens (tokens)")
     params: int = Field(ge=1, description="model parameters")
     windows_per_chunk: int = Field(ge=0, description="windows (seq_len + 1 tokens) per chunk")
-    leader_addr: str = Field(description="host:port of the leader's gRPC server")
-    bind_host: str = Field("127.0.0.1", description="address followers bind and publish")
-    follower_ports: list[tuple[int, int]] = Field(
-        description="per follower: (data-plane port, control port)")
+    fingerprint: Fingerprint | None = Field(None, description="the model's fingerprint "
+                                                              "(None: not checked at join)")
 
     @model_validator(mode="after")
     def _consistent(self) -> "RunSpec":
         n = self.config.followers
-        if len(self.follower_layers) != n or len(self.follower_ports) != n:
-            raise ValueError(f"follower_layers ({len(self.follower_layers)}) and follower_ports "
-                             f"({len(self.follower_ports)}) must list the {n} followers")
+        if len(self.follower_layers) != n:
+            raise ValueError(f"follower_layers ({len(self.follower_layers)}) must list the {n} "
+                             "followers")
         return self
 
     def write(self, path: Path) -> None:

@@ -17,11 +17,17 @@ from typing import Any
 
 import grpc
 
+from dips.algo.refusal import Refusal
 from dips.roles.client import ClusterClient
 from dips.roles.cluster import SyncResult
 from dips.train.trainer import ClusterTrainer, StepResult
+from dips.wire.control import describe, refusal_of
 
 __all__ = ["DiPSSync", "push_record"]
+
+
+#: Refusals of a join that no retry can change.
+FINAL = (Refusal.FORBIDDEN, Refusal.MODEL_MISMATCH)
 
 
 def push_record(res: SyncResult) -> dict[str, Any]:
@@ -50,13 +56,17 @@ class DiPSSync:
         ``retry_s`` seconds while the leader restarts or waits for its followers.
 
         Returns the version pulled.  Raises RuntimeError after ``timeout_s`` seconds or once
-        ``stop`` is set.
+        ``stop`` is set, and at once when the leader refuses this cluster for good (its
+        certificate, a revoked id, a model that differs from the run's).
         """
         deadline = time.monotonic() + timeout_s
         while True:
             try:
                 return self.client.join()
             except (grpc.RpcError, RuntimeError) as exc:
+                if isinstance(exc, grpc.RpcError) and refusal_of(exc) in FINAL:
+                    raise RuntimeError(f"cluster {self.client.cluster_id}: join refused: "
+                                       f"{describe(exc)}") from None
                 if stop.is_set() or time.monotonic() > deadline:
                     raise RuntimeError(f"cluster {self.client.cluster_id}: join failed: {exc}") from None
                 stop.wait(retry_s)

@@ -13,8 +13,9 @@ import torch
 
 from dips.roles.layers import layer_of, layer_table
 from dips.spec import ModelConfig
+from dips.spec.fingerprint import Fingerprint
 
-__all__ = ["build_model", "layer_of", "layer_table", "param_count"]
+__all__ = ["build_model", "fingerprint_of", "layer_of", "layer_table", "param_count"]
 
 def _hf_config(cfg: ModelConfig):
     """The ``transformers`` config (``LlamaConfig`` / ``Qwen3Config``) for ``cfg``; FP32, SDPA."""
@@ -86,3 +87,20 @@ def build_model(cfg: ModelConfig, seed: int):
 def param_count(model: torch.nn.Module) -> int:
     """Number of distinct parameters (scalars; tied weights counted once) of ``model``."""
     return sum(p.numel() for p in model.parameters())
+
+
+def fingerprint_of(model: torch.nn.Module, vocab: dict[str, int]) -> Fingerprint:
+    """The :class:`dips.spec.fingerprint.Fingerprint` of a ``transformers`` model (its
+    ``config``'s architecture keys, its parameters in order) and a tokenizer ``vocab``
+    (``tokenizers.Tokenizer.get_vocab()``: token -> id)."""
+    import hashlib
+    import json
+
+    from dips.spec.fingerprint import architecture_of
+
+    config = model.config.to_dict() if hasattr(model, "config") else {}
+    pairs = json.dumps(sorted(vocab.items()), separators=(",", ":")).encode()
+    return Fingerprint(architecture=json.loads(json.dumps(architecture_of(config))),
+                       vocab_sha256=hashlib.sha256(pairs).hexdigest(),
+                       tensors=[(n, list(p.shape), str(p.dtype).removeprefix("torch."))
+                                for n, p in model.named_parameters()])

@@ -1,15 +1,14 @@
-"""Thin gRPC plumbing for the control plane (§5 of the seed): servers, clients, auth, errors.
+"""Thin gRPC plumbing for the control plane (§5 of the seed): servers, clients, errors.
 
 Control messages are small metadata (< 1 KB per cluster); bulk tensors never travel here.
-Every call carries the run token in the ``x-dips-token`` metadata; a server built by
-:func:`make_server` refuses calls without it (``UNAUTHENTICATED``). Domain errors raised by a
-role map to gRPC status codes in :func:`grpc_errors`, and every client call has a deadline.
+Who may connect, and who called, is :mod:`dips.wire.security`'s (mutual TLS by default).
+Domain errors raised by a role map to gRPC status codes in :func:`grpc_errors`, and every
+client call has a deadline.
 """
 
 from __future__ import annotations
 
 import functools
-import hmac
 import logging
 from concurrent import futures
 from typing import Any, Callable
@@ -17,10 +16,11 @@ from typing import Any, Callable
 import grpc
 
 from dips.algo.refusal import Refusal, Refused
+from dips.wire.pki import Identity
+from dips.wire.security import Credentials
 
 log = logging.getLogger(__name__)
 
-TOKEN_KEY = "x-dips-token"
 MAX_MESSAGE_BYTES = 4 << 20
 
 
@@ -40,6 +40,10 @@ _STATUS = {
     Refusal.NO_LEDGER: grpc.StatusCode.FAILED_PRECONDITION,
     Refusal.LEDGER_CONFLICT: grpc.StatusCode.INVALID_ARGUMENT,
     Refusal.NOTHING_TRAINED: grpc.StatusCode.FAILED_PRECONDITION,
+    Refusal.FORBIDDEN: grpc.StatusCode.PERMISSION_DENIED,
+    Refusal.STALE_TERM: grpc.StatusCode.FAILED_PRECONDITION,
+    Refusal.LEASE_HELD: grpc.StatusCode.UNAVAILABLE,
+    Refusal.MODEL_MISMATCH: grpc.StatusCode.FAILED_PRECONDITION,
 }
 
 
@@ -59,23 +63,6 @@ def refusal_of(exc: grpc.RpcError) -> Refusal | None:
     return None
 
 
-class _AuthInterceptor(grpc.ServerInterceptor):
-    def __init__(self, token: str) -> None:
-        self._token = token.encode()
-
-        def deny(request: Any, context: grpc.ServicerContext) -> Any:
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong x-dips-token")
-
-        self._deny = grpc.unary_unary_rpc_method_handler(deny)
-
-    def intercept_service(self, continuation: Callable, details: grpc.HandlerCallDetails) -> Any:
-        meta = dict(details.invocation_metadata or ())
-        given = str(meta.get(TOKEN_KEY, "")).encode()
-        if hmac.compare_digest(given, self._token):
-            return continuation(details)
-        return self._deny
-
-
 def describe(exc: BaseException) -> str:
     """One line naming what failed, for logs and records: a gRPC error as its status code,
     refusal code and details (not its multi-line debug representation), anything else as
@@ -87,17 +74,16 @@ def describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def make_server(token: str, max_workers: int = 32) -> grpc.Server:
-    """A gRPC server that authenticates every call with ``token``.
+def make_server(max_workers: int = 32) -> grpc.Server:
+    """A gRPC server; bind it with :meth:`dips.wire.security.Credentials.add_port` (mutual
+    TLS unless insecure), and have its servicers check :func:`dips.wire.security.caller`.
 
     Args:
-        token: the run secret (hex string).
         max_workers: handler threads; leader handlers block (push admission), so keep it
             above the number of clusters times two.
     """
     return grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
-        interceptors=[_AuthInterceptor(token)],
         options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                  ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                  ("grpc.so_reuseport", 0)],
@@ -142,25 +128,28 @@ class CallCancelled(Exception):
 
 
 class Client:
-    """A stub wrapper adding the run token and a deadline to every call.
+    """A stub wrapper adding credentials, metadata and a deadline to every call.
 
-    ``Client(stub_cls, "127.0.0.1:5000", token).Method(request, timeout=s)``; the default
-    deadline is ``timeout_s`` seconds. Raises ``grpc.RpcError`` as gRPC does, and
-    :class:`CallCancelled` when given ``cancel=f`` and ``f()`` turned true first.
+    ``Client(stub_cls, "10.0.0.5:7000", creds, Identity.leader()).Method(request, timeout=s)``;
+    the server must prove it is ``peer`` (TLS); the default deadline is ``timeout_s`` seconds;
+    ``metadata`` is sent with every call (e.g. the leader's term). Raises ``grpc.RpcError`` as
+    gRPC does, and :class:`CallCancelled` when given ``cancel=f`` and ``f()`` turned true first.
     """
 
-    def __init__(self, stub_cls: type, target: str, token: str, timeout_s: float = 30.0) -> None:
+    def __init__(self, stub_cls: type, target: str, creds: Credentials, peer: Identity,
+                 timeout_s: float = 30.0,
+                 metadata: tuple[tuple[str, str], ...] = ()) -> None:
         self.target = target
         self.timeout_s = timeout_s
-        self._channel = grpc.insecure_channel(
-            target, options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                             ("grpc.enable_http_proxy", 0),
-                             # Find a restarted leader within about a second (§12).
-                             ("grpc.initial_reconnect_backoff_ms", 100),
-                             ("grpc.min_reconnect_backoff_ms", 100),
-                             ("grpc.max_reconnect_backoff_ms", 1000)])
+        self._channel = creds.channel(
+            target, peer, options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                                   ("grpc.enable_http_proxy", 0),
+                                   # Find a restarted leader within about a second (§12).
+                                   ("grpc.initial_reconnect_backoff_ms", 100),
+                                   ("grpc.min_reconnect_backoff_ms", 100),
+                                   ("grpc.max_reconnect_backoff_ms", 1000)])
         self._stub = stub_cls(self._channel)
-        self._meta = ((TOKEN_KEY, token),)
+        self._meta = (*creds.metadata(), *metadata)
 
     def __getattr__(self, name: str) -> Callable[..., Any]:
         rpc = getattr(self._stub, name)

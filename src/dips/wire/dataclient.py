@@ -4,6 +4,9 @@ One :class:`DataClient` is one DEALER connection to one follower's
 :class:`~dips.wire.dataplane.DataServer`; it runs one operation at a time (not thread-safe:
 each stage worker owns its clients). Message kinds (first frame):
 
+Every request carries the sender's key id in clear right after the kind (``[kind, key id,
+...]``, :mod:`dips.wire.keys`); replies are keyed with the same member key.
+
 * ``M``: a single authenticated message of :mod:`dips.wire.frames`; every reply is one.
 * ``B``/``C``/``E``: a chunked stream (:mod:`dips.wire.stream`); a push is answered by one
   ``M`` (ack or error) naming the stream's ``xfer`` id.
@@ -26,6 +29,7 @@ import zmq
 
 from dips.algo.refusal import Refusal
 from dips.wire.frames import FrameError, Message, decode, encode, tensor_bytes
+from dips.wire.keys import MemberKey
 from dips.wire.stream import (BEGIN, CHUNK, DEFAULT_CHUNK_BYTES, END, StreamReader, StreamWriter,
                               TensorSpec)
 
@@ -68,16 +72,17 @@ class DataClient:
     """A DEALER socket to one follower's data server.
 
     Args:
-        key: run secret.
+        key: this member's data-plane key (from its join).
         endpoint: ``tcp://host:port`` of the follower.
         timeout_s: seconds to wait for each reply or message before ``TimeoutError``.
         limiter: called with a byte count before each message or chunk is sent (e.g.
             :meth:`dips.wire.shaping.TokenBucket.consume`, to emulate a slower link).
     """
 
-    def __init__(self, key: bytes, endpoint: str, timeout_s: float = 60.0,
+    def __init__(self, key: MemberKey, endpoint: str, timeout_s: float = 60.0,
                  limiter: Callable[[int], Any] | None = None) -> None:
-        self._key = key
+        self._key = key.key
+        self._kid = key.key_id.encode()
         self.endpoint = endpoint
         self.timeout_s = timeout_s
         self.limiter = limiter
@@ -147,7 +152,7 @@ class DataClient:
         """
         def run() -> Message:
             frames = encode(self._key, header, tensors)
-            self._send([MSG, *frames], sum(memoryview(f).nbytes for f in frames))
+            self._send([MSG, self._kid, *frames], sum(memoryview(f).nbytes for f in frames))
             return self._reply(None, f"op {header.get('op')!r}")
         return self._guard(f"op {header.get('op')!r}", run)
 
@@ -161,7 +166,8 @@ class DataClient:
         def run() -> StreamWriter:
             w = StreamWriter(self._key, header, [TensorSpec.of(n, t) for n, t in tensors],
                              chunk_bytes)
-            self._send(w.begin(), len(w.head))
+            begin = w.begin()
+            self._send([begin[0], self._kid, *begin[1:]], len(w.head))
             for i, (_, t) in enumerate(tensors):
                 for parts in w.chunks(i, t):
                     self._send(parts, memoryview(parts[3]).nbytes)
@@ -200,7 +206,7 @@ class DataClient:
 
         def run() -> dict[str, Any]:
             req = encode(self._key, {**header, "xfer": xfer.hex(), "chunk": chunk_bytes})
-            self._send([PULL, *req], sum(memoryview(f).nbytes for f in req))
+            self._send([PULL, self._kid, *req], sum(memoryview(f).nbytes for f in req))
             sock = self._socket()
             parts = sock.recv_multipart()
             if parts[0] == MSG:
@@ -245,6 +251,12 @@ class DataClient:
         if msg.header.get("op") == "error":
             raise DataPlaneError.of(self.endpoint, msg.header)
         return msg.header
+
+    def __enter__(self) -> "DataClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def close(self) -> None:
         self._early.clear()

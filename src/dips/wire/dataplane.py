@@ -17,6 +17,11 @@ checkpoint writes need:
   follower converts the next layer to BF16 while libzmq sends the current one) and queues its
   chunks without copying them.
 
+Every request names its sender's key id in clear (``[kind, key id, ...]``); the server
+derives that member's key (:class:`~dips.wire.keys.Keyring`), verifies the request with it,
+answers with it, and asks ``authorize`` whether that member may do that (a follower lets a
+cluster push only as itself). Keys are per member: no two members share one.
+
 A :class:`DataClient` (one DEALER socket, one operation at a time) sends single messages
 (:meth:`~DataClient.request`, the codec of :mod:`dips.wire.frames`), pushes streams
 (:meth:`~DataClient.push`) and receives pull streams straight into caller-provided tensors
@@ -40,6 +45,8 @@ import zmq
 from dips.algo.refusal import Refusal, Refused
 from dips.wire.dataclient import MSG, PULL, DataClient, DataPlaneError, xfer_id as _xfer_id
 from dips.wire.frames import FrameError, Message, decode, encode
+from dips.wire.keys import Keyring, MemberKey
+from dips.wire.pki import Identity
 from dips.wire.stream import (BEGIN, CHUNK, END, MAX_CHUNK_BYTES, StreamReader, StreamWriter,
                               TensorSpec, check_chunk_bytes)
 
@@ -47,6 +54,12 @@ log = logging.getLogger(__name__)
 _OUTBOX_IDS = itertools.count()
 
 Handler = Callable[[Message], tuple[dict[str, Any], Sequence[tuple[str, torch.Tensor]]]]
+#: ``authorize(sender, header)``: raise Refused(FORBIDDEN) if ``sender`` may not send it.
+Authorize = Callable[[Identity, dict[str, Any]], None]
+
+
+def _allow_all(sender: Identity, header: dict[str, Any]) -> None:
+    return None
 
 
 class PushSink(Protocol):
@@ -95,15 +108,16 @@ def _error(key: bytes, ident: bytes, exc: BaseException, xfer: bytes | None = No
 
 
 class _Xfer:
-    def __init__(self, reader: StreamReader, sink: PushSink) -> None:
-        self.reader, self.sink, self.failed, self.seen = reader, sink, False, time.monotonic()
+    def __init__(self, reader: StreamReader, sink: PushSink, key: bytes) -> None:
+        self.reader, self.sink, self.key = reader, sink, key
+        self.failed, self.seen = False, time.monotonic()
 
 
 class DataServer:
     """A ROUTER socket served by three threads (see the module docstring).
 
     Args:
-        key: run secret used to authenticate every frame.
+        keys: the members' keys (a request under an unknown or malformed key id is dropped).
         handler: ``Message -> (reply header, reply tensors)`` for single-message requests; a
             raised ``ValueError``/``KeyError`` (including :class:`FrameError`) becomes an
             ``{"op": "error"}`` reply naming it.
@@ -114,15 +128,19 @@ class DataServer:
         ring_chunks: chunks (of at most :data:`~dips.wire.stream.MAX_CHUNK_BYTES`) received
             and not yet consumed, at most (the credits above).
         stale_s: a push stream idle this long is aborted (its sender died).
+        authorize: ``(sender identity, header) -> None``, raising Refused(FORBIDDEN) to refuse
+            a request (default: every member may do anything).
 
     Raises:
         ValueError: ``ring_chunks`` < 1. zmq.ZMQError: the address cannot be bound.
     """
 
-    def __init__(self, key: bytes, handler: Handler, host: str = "127.0.0.1", port: int = 0,
+    def __init__(self, keys: Keyring, handler: Handler, host: str = "127.0.0.1", port: int = 0,
                  poll_s: float = 0.1, *, streams: StreamHandler | None = None,
-                 ring_chunks: int = 8, stale_s: float = 120.0) -> None:
-        self._key = key
+                 ring_chunks: int = 8, stale_s: float = 120.0,
+                 authorize: Authorize = _allow_all) -> None:
+        self._keys = keys
+        self._authorize = authorize
         self._handler = handler
         self._streams = streams or _streams_of(handler)
         self._poll_s = poll_s
@@ -254,45 +272,66 @@ class DataServer:
                 elif kind == END:
                     self._end(out, xfers, ident, item[2])
                 else:
-                    out.send_multipart(self._single(ident, item[2]), copy=False)
+                    reply = self._single(ident, item[2])
+                    if reply:
+                        out.send_multipart(reply, copy=False)
         finally:
             for x in xfers.values():
                 if not x.failed:
                     x.sink.abort("data server stopped")
             out.close(0)
 
-    def _single(self, ident: bytes, frames: list) -> list:
+    def _member(self, frames: list) -> MemberKey | None:
+        """The sender's key from the key-id frame, or None (logged: the request is dropped,
+        as nothing could authenticate a reply to it)."""
         try:
-            msg = decode(self._key, frames)
+            if not frames:
+                raise FrameError("request has no key id frame")
+            return self._keys.get(bytes(frames[0]))
+        except FrameError as exc:
+            log.warning("data-plane request dropped: %s", exc)
+            return None
+
+    def _single(self, ident: bytes, frames: list) -> list:
+        mk = self._member(frames)
+        if mk is None:
+            return []
+        try:
+            msg = decode(mk.key, frames[1:])
+            self._authorize(mk.identity, msg.header)
             header, tensors = self._handler(msg)
         except REFUSED as exc:
             log.warning("data-plane request refused: %s", exc)
-            return _error(self._key, ident, exc)
+            return _error(mk.key, ident, exc)
         except Exception as exc:  # keep serving other peers; report the failure
             log.exception("data-plane handler failed")
-            return _error(self._key, ident, RuntimeError(f"internal: {exc}"))
-        return [ident, MSG, *encode(self._key, header, tensors)]
+            return _error(mk.key, ident, RuntimeError(f"internal: {exc}"))
+        return [ident, MSG, *encode(mk.key, header, tensors)]
 
     def _fail(self, out: zmq.Socket, ident: bytes, x: _Xfer, exc: BaseException) -> None:
         log.warning("data-plane push refused: %s", exc)
         x.failed = True
         x.sink.abort(str(exc))
-        out.send_multipart(_error(self._key, ident, exc, x.reader.xfer), copy=False)
+        out.send_multipart(_error(x.key, ident, exc, x.reader.xfer), copy=False)
 
     def _begin(self, out: zmq.Socket, xfers: dict, ident: bytes, frames: list) -> None:
+        mk = self._member(frames)
+        if mk is None:
+            return
         reader = None
         try:
-            if len(frames) != 2:
-                raise FrameError(f"begin message has {len(frames)} frames, expected 2")
+            if len(frames) != 3:
+                raise FrameError(f"begin message has {len(frames)} frames, expected 3")
             if self._streams is None:
                 raise ValueError("this data server does not accept streams")
-            reader = StreamReader(self._key, bytes(frames[0]), bytes(frames[1]))
+            reader = StreamReader(mk.key, bytes(frames[1]), bytes(frames[2]))
+            self._authorize(mk.identity, reader.header)
             sink = self._streams.open_push(reader.header, reader.specs)
         except REFUSED as exc:
             log.warning("data-plane push refused: %s", exc)
-            out.send_multipart(_error(self._key, ident, exc, reader and reader.xfer), copy=False)
+            out.send_multipart(_error(mk.key, ident, exc, reader and reader.xfer), copy=False)
             return
-        xfers[(ident, reader.xfer)] = _Xfer(reader, sink)
+        xfers[(ident, reader.xfer)] = _Xfer(reader, sink, mk.key)
 
     def _chunk(self, out: zmq.Socket, xfers: dict, ident: bytes, _kind: bytes, meta: bytes,
                tag: bytes, frame: zmq.Frame | None) -> None:
@@ -328,7 +367,7 @@ class DataServer:
         except REFUSED as exc:
             self._fail(out, ident, x, exc)
             return
-        out.send_multipart([ident, MSG, *encode(self._key, {**reply, "xfer": x.reader.xfer.hex()})],
+        out.send_multipart([ident, MSG, *encode(x.key, {**reply, "xfer": x.reader.xfer.hex()})],
                            copy=False)
 
     def _purge(self, xfers: dict) -> None:
@@ -355,15 +394,19 @@ class DataServer:
             out.close(0)
 
     def _serve_pull(self, out: zmq.Socket, ident: bytes, frames: list) -> None:
+        mk = self._member(frames)
+        if mk is None:
+            return
         xfer = None
         try:
-            msg = decode(self._key, frames)
+            msg = decode(mk.key, frames[1:])
             xfer = _xfer_id(msg.header.pop("xfer", None))
             chunk = check_chunk_bytes(msg.header.pop("chunk", None))
+            self._authorize(mk.identity, msg.header)
             if self._streams is None:
                 raise ValueError("this data server does not serve streams")
             src = self._streams.open_pull(msg.header)
-            writer = StreamWriter(self._key, src.header, src.specs, chunk, xfer=xfer)
+            writer = StreamWriter(mk.key, src.header, src.specs, chunk, xfer=xfer)
             out.send_multipart([ident, *writer.begin()])
             for i in range(len(src.specs)):
                 for parts in writer.chunks(i, src.tensor(i)):
@@ -372,10 +415,10 @@ class DataServer:
             out.send_multipart([ident, *writer.end()])
         except REFUSED as exc:
             log.warning("data-plane pull refused: %s", exc)
-            out.send_multipart(_error(self._key, ident, exc, xfer), copy=False)
+            out.send_multipart(_error(mk.key, ident, exc, xfer), copy=False)
         except Exception as exc:
             log.exception("data-plane pull failed")
-            out.send_multipart(_error(self._key, ident, RuntimeError(f"internal: {exc}"), xfer))
+            out.send_multipart(_error(mk.key, ident, RuntimeError(f"internal: {exc}"), xfer))
 
 
 __all__ = ["DataClient", "DataPlaneError", "DataServer", "FrameError", "PullSource", "PushSink",

@@ -1,21 +1,32 @@
-"""gRPC servicers and clients for the leader and followers (thin: decode, call, encode).
+"""gRPC servicers and clients for the leader and followers (thin: decode, check, call, encode).
 
 The servicers translate protobuf messages to plain Python calls on a role object (duck-typed,
 so this module imports nothing from :mod:`dips.roles`) and map domain errors to status codes
 through :func:`dips.wire.control.grpc_errors`. Blocking leader calls (push admission and the
 verdict) take their deadline from the gRPC context.
+
+Who may call what is decided here, from the caller's certificate
+(:func:`dips.wire.security.caller`), never from the request body: a cluster acts only as
+itself (a ``cluster_id`` in the body must be its own) and only while its id is not revoked;
+only follower *i* registers as follower *i*; only the leader calls a follower's control
+service, and only with a term the follower's fence admits (:mod:`dips.algo.fencing`).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Callable
 
 import grpc
 
-from dips.wire.control import Client, grpc_errors
+from dips.algo.refusal import Refusal, Refused
+from dips.wire.control import Client, grpc_errors, refusal_of
 from dips.wire.pb import control_pb2 as pb
 from dips.wire.pb import control_pb2_grpc as pbg
+from dips.wire.pki import Identity
+from dips.wire.security import Credentials, caller, require
+
+TERM_KEY = "dips-term"
 
 
 def _time_left(context: grpc.ServicerContext, default_s: float = 60.0) -> float:
@@ -29,37 +40,75 @@ def follower_info(f: Any) -> pb.FollowerInfo:
                            layer_bytes=list(f.layer_bytes), incarnation=f.incarnation)
 
 
+def _no_revocations() -> frozenset[str]:
+    return frozenset()
+
+
 class LeaderServicer(pbg.LeaderServicer):
     """Serves :class:`dips.roles.leader.Leader` over gRPC.
 
     Args:
         leader: the role object.
         make_follower_entry: ``pb.FollowerInfo -> FollowerEntry`` (the role's dataclass).
+        revoked: the cluster ids refused from now on (read at every cluster call, so an
+            operator's ``dips init --revoke`` takes effect without a restart).
     """
 
-    def __init__(self, leader: Any, make_follower_entry: Any) -> None:
+    def __init__(self, leader: Any, make_follower_entry: Any,
+                 revoked: Callable[[], frozenset[str]] = _no_revocations) -> None:
         self.leader = leader
         self._entry = make_follower_entry
+        self._revoked = revoked
+
+    def _cluster(self, context: Any, claimed: str, what: str) -> str:
+        """The calling cluster's id, from its certificate; a ``cluster_id`` in the body must
+        be the same. Raises Refused(FORBIDDEN)."""
+        who = caller(context)
+        require(who, "cluster", what)
+        if claimed and claimed != who.id:
+            raise Refused(Refusal.FORBIDDEN, f"{what}: field 'cluster_id' = {claimed!r}, but the "
+                                             f"caller's certificate is {who.name!r}")
+        if who.id in self._revoked():
+            raise Refused(Refusal.FORBIDDEN, f"{what}: cluster {who.id!r} is revoked")
+        return who.id
 
     @grpc_errors
-    def RegisterFollower(self, request: pb.FollowerInfo, context: Any) -> pb.Ack:
-        self.leader.register_follower(self._entry(request))
-        return pb.Ack(ok=True)
+    def RegisterFollower(self, request: pb.FollowerInfo, context: Any) -> pb.RegisterReply:
+        who = caller(context)
+        require(who, "follower", "RegisterFollower")
+        if who.index != request.index:
+            raise Refused(Refusal.FORBIDDEN, f"RegisterFollower: field 'index' = {request.index}, "
+                                             f"but the caller's certificate is {who.name!r}")
+        reply = self.leader.register_follower(self._entry(request))
+        return pb.RegisterReply(term=reply.term, data_secret=reply.data_secret)
+
+    @grpc_errors
+    def GetSpec(self, request: pb.SpecRequest, context: Any) -> pb.SpecReply:
+        caller(context)
+        spec, fingerprint = self.leader.spec_json()
+        return pb.SpecReply(run_spec=spec, fingerprint=fingerprint, term=self.leader.term)
 
     @grpc_errors
     def JoinCluster(self, request: pb.JoinRequest, context: Any) -> pb.JoinReply:
-        version, followers = self.leader.join_cluster(
-            request.cluster_id, [list(s.layers) for s in request.stages])
+        who = caller(context)
+        if who.role == "admin":  # an observer: pulls the model, never pushes (no membership)
+            version, followers, key = self.leader.join_observer(who.name)
+        else:
+            cid = self._cluster(context, request.cluster_id, "JoinCluster")
+            version, followers, key = self.leader.join_cluster(
+                cid, [list(s.layers) for s in request.stages], request.fingerprint)
         return pb.JoinReply(version=version, followers=[follower_info(f) for f in followers],
                             heartbeat_interval_s=self.leader.cfg.membership.heartbeat_interval_s,
-                            push_timeout_s=self.leader.cfg.timeouts.push_s)
+                            push_timeout_s=self.leader.cfg.timeouts.push_s,
+                            key_id=key.key_id, key=key.key, encrypt=key.encrypt)
 
     @grpc_errors
     def RequestPush(self, request: pb.PushRequest, context: Any) -> pb.PushGrant:
+        cid = self._cluster(context, request.cluster_id, "RequestPush")
         progress = {int(c.chunk): int(c.position) for c in request.progress}
         if len(progress) != len(request.progress):
             raise ValueError("push field 'progress' lists a chunk twice")
-        grant = self.leader.request_push(request.cluster_id, request.base_version, request.tokens,
+        grant = self.leader.request_push(cid, request.base_version, request.tokens,
                                          _time_left(context), progress,
                                          request.expected_push_s or None)
         steps = [pb.Step(transfers=[pb.Transfer(stage=s, layer=l, follower=f) for s, l, f in step])
@@ -70,7 +119,8 @@ class LeaderServicer(pbg.LeaderServicer):
 
     @grpc_errors
     def PushDone(self, request: pb.PushDoneRequest, context: Any) -> pb.PushVerdict:
-        reply = self.leader.push_done(request.cluster_id, request.push_id, request.ok,
+        cid = self._cluster(context, request.cluster_id, "PushDone")
+        reply = self.leader.push_done(cid, request.push_id, request.ok,
                                       request.error, _time_left(context))
         v = reply.verdict
         return pb.PushVerdict(accepted=v.accepted, has_score=v.score is not None,
@@ -83,23 +133,26 @@ class LeaderServicer(pbg.LeaderServicer):
 
     @grpc_errors
     def PullDone(self, request: pb.PullDoneRequest, context: Any) -> pb.Ack:
-        self.leader.pull_done(request.cluster_id, request.version)
+        self.leader.pull_done(self._cluster(context, request.cluster_id, "PullDone"),
+                              request.version)
         return pb.Ack(ok=True)
 
     @grpc_errors
     def Heartbeat(self, request: pb.HeartbeatRequest, context: Any) -> pb.HeartbeatReply:
-        a = self.leader.heartbeat(request.cluster_id, request.inner_step, request.tokens,
+        cid = self._cluster(context, request.cluster_id, "Heartbeat")
+        a = self.leader.heartbeat(cid, request.inner_step, request.tokens,
                                   request.last_loss)
         return pb.HeartbeatReply(version=a.version, known=a.known,
                                  followers_epoch=a.followers_epoch)
 
     @grpc_errors
     def LeaveCluster(self, request: pb.LeaveRequest, context: Any) -> pb.Ack:
-        self.leader.leave(request.cluster_id)
+        self.leader.leave(self._cluster(context, request.cluster_id, "LeaveCluster"))
         return pb.Ack(ok=True)
 
     @grpc_errors
     def GetStatus(self, request: pb.StatusRequest, context: Any) -> pb.StatusReply:
+        caller(context)  # any member or the operator
         s = self.leader.status()
         clusters = [pb.ClusterStatus(cluster_id=c.cluster_id, inner_step=c.inner_step,
                                      tokens=c.tokens, last_loss=c.last_loss,
@@ -122,19 +175,39 @@ class LeaderServicer(pbg.LeaderServicer):
     def Lease(self, request: pb.LeaseRequest, context: Any) -> pb.LeaseReply:
         if request.n < 0:
             raise ValueError(f"lease field 'n' = {request.n} must be >= 0")
-        holdings, windows, epoch = self.leader.lease(request.cluster_id, request.n)
+        cid = self._cluster(context, request.cluster_id, "Lease")
+        holdings, windows, epoch = self.leader.lease(cid, request.n)
         return pb.LeaseReply(holdings=[pb.ChunkPos(chunk=c, position=p) for c, p in holdings],
                              windows_per_chunk=windows, epoch=epoch)
 
 
 class FollowerServicer(pbg.FollowerServicer):
-    """Serves :class:`dips.roles.follower.FollowerShard` control calls over gRPC."""
+    """Serves :class:`dips.roles.follower.FollowerShard` control calls over gRPC: only to the
+    leader's certificate, and only with a term ``fence`` admits (a
+    :class:`dips.roles.fence.Fence`: ``check(term)`` raises Refused STALE_TERM/LEASE_HELD)."""
 
-    def __init__(self, shard: Any) -> None:
+    def __init__(self, shard: Any, fence: Any) -> None:
         self.shard = shard
+        self.fence = fence
+
+    def _admit(self, context: Any, what: str) -> None:
+        require(caller(context), "leader", what)
+        raw = dict(context.invocation_metadata() or ()).get(TERM_KEY, "0")
+        try:
+            term = int(raw)
+        except (TypeError, ValueError):
+            raise Refused(Refusal.INVALID_ARGUMENT, f"metadata {TERM_KEY!r} = {raw!r} is not "
+                                                    "an integer") from None
+        self.fence.check(term)
+
+    @grpc_errors
+    def Fence(self, request: pb.FenceRequest, context: Any) -> pb.FenceReply:
+        self._admit(context, "Fence")
+        return pb.FenceReply(term=self.fence.term)
 
     @grpc_errors
     def Score(self, request: pb.ScoreRequest, context: Any) -> pb.ScoreReply:
+        self._admit(context, "Score")
         norms = self.shard.score(request.round, list(request.cluster_ids),
                                  list(request.push_ids) or None)
         return pb.ScoreReply(version=self.shard.version, norms=[
@@ -142,11 +215,13 @@ class FollowerServicer(pbg.FollowerServicer):
 
     @grpc_errors
     def Aggregate(self, request: pb.AggregateRequest, context: Any) -> pb.AggregateReply:
+        self._admit(context, "Aggregate")
         return pb.AggregateReply(sq_norm=self.shard.aggregate(
             request.round, list(request.cluster_ids), list(request.weights)))
 
     @grpc_errors
     def Apply(self, request: pb.ApplyRequest, context: Any) -> pb.ApplyReply:
+        self._admit(context, "Apply")
         version, checksum = self.shard.apply(request.round, request.clip_factor,
                                              request.new_version, list(request.accepted),
                                              list(request.weights))
@@ -154,26 +229,31 @@ class FollowerServicer(pbg.FollowerServicer):
 
     @grpc_errors
     def Commit(self, request: pb.CommitRequest, context: Any) -> pb.ApplyReply:
+        self._admit(context, "Commit")
         version, checksum = self.shard.commit(request.new_version)
         return pb.ApplyReply(version=version, checksum=checksum)
 
     @grpc_errors
     def Abort(self, request: pb.DiscardRequest, context: Any) -> pb.Ack:
+        self._admit(context, "Abort")
         self.shard.abort(None if request.all_rounds else request.round)
         return pb.Ack(ok=True)
 
     @grpc_errors
     def Restore(self, request: pb.RestoreRequest, context: Any) -> pb.ApplyReply:
+        self._admit(context, "Restore")
         version, checksum = self.shard.restore(request.version)
         return pb.ApplyReply(version=version, checksum=checksum)
 
     @grpc_errors
     def Discard(self, request: pb.DiscardRequest, context: Any) -> pb.Ack:
+        self._admit(context, "Discard")
         self.shard.discard(request.round)
         return pb.Ack(ok=True)
 
     @grpc_errors
     def GetState(self, request: pb.FollowerStateRequest, context: Any) -> pb.FollowerState:
+        self._admit(context, "GetState")
         index, version, checksum = self.shard.state()
         return pb.FollowerState(index=index, version=version, checksum=checksum,
                                 prepared_version=self.shard.prepared_version,
@@ -181,10 +261,41 @@ class FollowerServicer(pbg.FollowerServicer):
 
 
 class FollowerControlClient:
-    """The leader's view of one follower, over gRPC (implements the leader's FollowerControl)."""
+    """The leader's view of one follower, over gRPC (implements the leader's FollowerControl).
 
-    def __init__(self, target: str, token: str, timeout_s: float = 60.0) -> None:
-        self._c = Client(pbg.FollowerStub, target, token, timeout_s)
+    Args:
+        target: the follower's control address. creds: the leader's credentials.
+        index: the follower's index (its certificate must say so). term: the leader's term,
+            sent with every call. timeout_s: default deadline, seconds.
+        on_fenced: called with a message when the follower answers STALE_TERM (a leader of a
+            higher term leads it): the leader steps down.
+    """
+
+    def __init__(self, target: str, creds: Credentials, index: int, term: int,
+                 timeout_s: float = 60.0,
+                 on_fenced: Callable[[str], None] | None = None) -> None:
+        self._c = Client(pbg.FollowerStub, target, creds, Identity.follower(index), timeout_s,
+                         metadata=((TERM_KEY, str(term)),))
+        self._index = index
+        self._on_fenced = on_fenced
+        for name in ("score", "aggregate", "apply", "commit", "abort", "restore", "discard",
+                     "report", "fence"):
+            setattr(self, name, self._watch(getattr(self, name)))
+
+    def _watch(self, method: Callable) -> Callable:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return method(*args, **kwargs)
+            except grpc.RpcError as exc:
+                if refusal_of(exc) is Refusal.STALE_TERM and self._on_fenced is not None:
+                    self._on_fenced(f"follower {self._index}: {exc.details()}")
+                raise
+        return call
+
+    def fence(self) -> int:
+        """Take or renew this follower's lease; returns the term it follows. Raises
+        grpc.RpcError (refusal LEASE_HELD or STALE_TERM, or unreachable)."""
+        return self._c.Fence(pb.FenceRequest()).term
 
     def score(self, rnd: int, clusters: list[str],
               push_ids: list[str] | None = None) -> list[tuple[str, bool, float, str]]:
@@ -225,6 +336,7 @@ class FollowerControlClient:
         self._c.close()
 
 
-def leader_client(target: str, token: str, timeout_s: float = 30.0) -> Client:
-    """A :class:`Client` for the Leader service at ``target`` (host:port)."""
-    return Client(pbg.LeaderStub, target, token, timeout_s)
+def leader_client(target: str, creds: Credentials, timeout_s: float = 30.0) -> Client:
+    """A :class:`Client` for the Leader service at ``target`` (``host:port`` or
+    ``unix:PATH``), whose server must hold the leader's certificate."""
+    return Client(pbg.LeaderStub, target, creds, Identity.leader(), timeout_s)

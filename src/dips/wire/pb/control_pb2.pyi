@@ -21,6 +21,10 @@ class Refusal(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     NO_LEDGER: _ClassVar[Refusal]
     LEDGER_CONFLICT: _ClassVar[Refusal]
     NOTHING_TRAINED: _ClassVar[Refusal]
+    FORBIDDEN: _ClassVar[Refusal]
+    STALE_TERM: _ClassVar[Refusal]
+    LEASE_HELD: _ClassVar[Refusal]
+    MODEL_MISMATCH: _ClassVar[Refusal]
 REFUSAL_UNSPECIFIED: Refusal
 NOT_JOINED: Refusal
 PUSH_IN_FLIGHT: Refusal
@@ -33,6 +37,10 @@ INVALID_ARGUMENT: Refusal
 NO_LEDGER: Refusal
 LEDGER_CONFLICT: Refusal
 NOTHING_TRAINED: Refusal
+FORBIDDEN: Refusal
+STALE_TERM: Refusal
+LEASE_HELD: Refusal
+MODEL_MISMATCH: Refusal
 
 class Ack(_message.Message):
     __slots__ = ("ok", "error")
@@ -43,7 +51,7 @@ class Ack(_message.Message):
     def __init__(self, ok: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
 
 class FollowerInfo(_message.Message):
-    __slots__ = ("index", "data_endpoint", "control_endpoint", "layers", "layer_bytes", "version", "prepared_version", "checkpoints", "incarnation")
+    __slots__ = ("index", "data_endpoint", "control_endpoint", "layers", "layer_bytes", "version", "prepared_version", "checkpoints", "incarnation", "leader_term")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     DATA_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     CONTROL_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
@@ -53,6 +61,7 @@ class FollowerInfo(_message.Message):
     PREPARED_VERSION_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    LEADER_TERM_FIELD_NUMBER: _ClassVar[int]
     index: int
     data_endpoint: str
     control_endpoint: str
@@ -62,7 +71,16 @@ class FollowerInfo(_message.Message):
     prepared_version: int
     checkpoints: _containers.RepeatedScalarFieldContainer[int]
     incarnation: int
-    def __init__(self, index: _Optional[int] = ..., data_endpoint: _Optional[str] = ..., control_endpoint: _Optional[str] = ..., layers: _Optional[_Iterable[str]] = ..., layer_bytes: _Optional[_Iterable[int]] = ..., version: _Optional[int] = ..., prepared_version: _Optional[int] = ..., checkpoints: _Optional[_Iterable[int]] = ..., incarnation: _Optional[int] = ...) -> None: ...
+    leader_term: int
+    def __init__(self, index: _Optional[int] = ..., data_endpoint: _Optional[str] = ..., control_endpoint: _Optional[str] = ..., layers: _Optional[_Iterable[str]] = ..., layer_bytes: _Optional[_Iterable[int]] = ..., version: _Optional[int] = ..., prepared_version: _Optional[int] = ..., checkpoints: _Optional[_Iterable[int]] = ..., incarnation: _Optional[int] = ..., leader_term: _Optional[int] = ...) -> None: ...
+
+class RegisterReply(_message.Message):
+    __slots__ = ("term", "data_secret")
+    TERM_FIELD_NUMBER: _ClassVar[int]
+    DATA_SECRET_FIELD_NUMBER: _ClassVar[int]
+    term: int
+    data_secret: bytes
+    def __init__(self, term: _Optional[int] = ..., data_secret: _Optional[bytes] = ...) -> None: ...
 
 class StageLayers(_message.Message):
     __slots__ = ("layers",)
@@ -71,24 +89,32 @@ class StageLayers(_message.Message):
     def __init__(self, layers: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("cluster_id", "stages")
+    __slots__ = ("cluster_id", "stages", "fingerprint")
     CLUSTER_ID_FIELD_NUMBER: _ClassVar[int]
     STAGES_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     cluster_id: str
     stages: _containers.RepeatedCompositeFieldContainer[StageLayers]
-    def __init__(self, cluster_id: _Optional[str] = ..., stages: _Optional[_Iterable[_Union[StageLayers, _Mapping]]] = ...) -> None: ...
+    fingerprint: str
+    def __init__(self, cluster_id: _Optional[str] = ..., stages: _Optional[_Iterable[_Union[StageLayers, _Mapping]]] = ..., fingerprint: _Optional[str] = ...) -> None: ...
 
 class JoinReply(_message.Message):
-    __slots__ = ("version", "followers", "heartbeat_interval_s", "push_timeout_s")
+    __slots__ = ("version", "followers", "heartbeat_interval_s", "push_timeout_s", "key_id", "key", "encrypt")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     FOLLOWERS_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
     PUSH_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    KEY_ID_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    ENCRYPT_FIELD_NUMBER: _ClassVar[int]
     version: int
     followers: _containers.RepeatedCompositeFieldContainer[FollowerInfo]
     heartbeat_interval_s: float
     push_timeout_s: float
-    def __init__(self, version: _Optional[int] = ..., followers: _Optional[_Iterable[_Union[FollowerInfo, _Mapping]]] = ..., heartbeat_interval_s: _Optional[float] = ..., push_timeout_s: _Optional[float] = ...) -> None: ...
+    key_id: str
+    key: bytes
+    encrypt: bool
+    def __init__(self, version: _Optional[int] = ..., followers: _Optional[_Iterable[_Union[FollowerInfo, _Mapping]]] = ..., heartbeat_interval_s: _Optional[float] = ..., push_timeout_s: _Optional[float] = ..., key_id: _Optional[str] = ..., key: _Optional[bytes] = ..., encrypt: _Optional[bool] = ...) -> None: ...
 
 class PushRequest(_message.Message):
     __slots__ = ("cluster_id", "base_version", "tokens", "inner_steps", "progress", "expected_push_s")
@@ -237,6 +263,30 @@ class LeaveRequest(_message.Message):
 class StatusRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class FenceRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class FenceReply(_message.Message):
+    __slots__ = ("term",)
+    TERM_FIELD_NUMBER: _ClassVar[int]
+    term: int
+    def __init__(self, term: _Optional[int] = ...) -> None: ...
+
+class SpecRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SpecReply(_message.Message):
+    __slots__ = ("run_spec", "fingerprint", "term")
+    RUN_SPEC_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    TERM_FIELD_NUMBER: _ClassVar[int]
+    run_spec: str
+    fingerprint: str
+    term: int
+    def __init__(self, run_spec: _Optional[str] = ..., fingerprint: _Optional[str] = ..., term: _Optional[int] = ...) -> None: ...
 
 class ClusterStatus(_message.Message):
     __slots__ = ("cluster_id", "inner_step", "tokens", "last_loss", "last_push", "pulled_version")

@@ -38,7 +38,7 @@ class LeaderStub:
         self.RegisterFollower = channel.unary_unary(
                 '/dips.v1.Leader/RegisterFollower',
                 request_serializer=dips_dot_wire_dot_pb_dot_control__pb2.FollowerInfo.SerializeToString,
-                response_deserializer=dips_dot_wire_dot_pb_dot_control__pb2.Ack.FromString,
+                response_deserializer=dips_dot_wire_dot_pb_dot_control__pb2.RegisterReply.FromString,
                 _registered_method=True)
         self.JoinCluster = channel.unary_unary(
                 '/dips.v1.Leader/JoinCluster',
@@ -75,6 +75,11 @@ class LeaderStub:
                 request_serializer=dips_dot_wire_dot_pb_dot_control__pb2.StatusRequest.SerializeToString,
                 response_deserializer=dips_dot_wire_dot_pb_dot_control__pb2.StatusReply.FromString,
                 _registered_method=True)
+        self.GetSpec = channel.unary_unary(
+                '/dips.v1.Leader/GetSpec',
+                request_serializer=dips_dot_wire_dot_pb_dot_control__pb2.SpecRequest.SerializeToString,
+                response_deserializer=dips_dot_wire_dot_pb_dot_control__pb2.SpecReply.FromString,
+                _registered_method=True)
         self.Lease = channel.unary_unary(
                 '/dips.v1.Leader/Lease',
                 request_serializer=dips_dot_wire_dot_pb_dot_control__pb2.LeaseRequest.SerializeToString,
@@ -87,7 +92,8 @@ class LeaderServicer:
     """
 
     def RegisterFollower(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """A follower's registration and heartbeat (only a follower certificate of that index).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -136,6 +142,13 @@ class LeaderServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetSpec(self, request, context):
+        """The run spec and model fingerprint (any member; a cluster builds its model from them).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Lease(self, request, context):
         """Data-chunk ledger: lease n more chunks (n = 0: just the current holdings).
         """
@@ -149,7 +162,7 @@ def add_LeaderServicer_to_server(servicer, server):
             'RegisterFollower': grpc.unary_unary_rpc_method_handler(
                     servicer.RegisterFollower,
                     request_deserializer=dips_dot_wire_dot_pb_dot_control__pb2.FollowerInfo.FromString,
-                    response_serializer=dips_dot_wire_dot_pb_dot_control__pb2.Ack.SerializeToString,
+                    response_serializer=dips_dot_wire_dot_pb_dot_control__pb2.RegisterReply.SerializeToString,
             ),
             'JoinCluster': grpc.unary_unary_rpc_method_handler(
                     servicer.JoinCluster,
@@ -186,6 +199,11 @@ def add_LeaderServicer_to_server(servicer, server):
                     request_deserializer=dips_dot_wire_dot_pb_dot_control__pb2.StatusRequest.FromString,
                     response_serializer=dips_dot_wire_dot_pb_dot_control__pb2.StatusReply.SerializeToString,
             ),
+            'GetSpec': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetSpec,
+                    request_deserializer=dips_dot_wire_dot_pb_dot_control__pb2.SpecRequest.FromString,
+                    response_serializer=dips_dot_wire_dot_pb_dot_control__pb2.SpecReply.SerializeToString,
+            ),
             'Lease': grpc.unary_unary_rpc_method_handler(
                     servicer.Lease,
                     request_deserializer=dips_dot_wire_dot_pb_dot_control__pb2.LeaseRequest.FromString,
@@ -219,7 +237,7 @@ class Leader:
             target,
             '/dips.v1.Leader/RegisterFollower',
             dips_dot_wire_dot_pb_dot_control__pb2.FollowerInfo.SerializeToString,
-            dips_dot_wire_dot_pb_dot_control__pb2.Ack.FromString,
+            dips_dot_wire_dot_pb_dot_control__pb2.RegisterReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -420,6 +438,33 @@ class Leader:
             _registered_method=True)
 
     @staticmethod
+    def GetSpec(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dips.v1.Leader/GetSpec',
+            dips_dot_wire_dot_pb_dot_control__pb2.SpecRequest.SerializeToString,
+            dips_dot_wire_dot_pb_dot_control__pb2.SpecReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
     def Lease(request,
             target,
             options=(),
@@ -497,6 +542,11 @@ class FollowerStub:
                 request_serializer=dips_dot_wire_dot_pb_dot_control__pb2.FollowerStateRequest.SerializeToString,
                 response_deserializer=dips_dot_wire_dot_pb_dot_control__pb2.FollowerState.FromString,
                 _registered_method=True)
+        self.Fence = channel.unary_unary(
+                '/dips.v1.Follower/Fence',
+                request_serializer=dips_dot_wire_dot_pb_dot_control__pb2.FenceRequest.SerializeToString,
+                response_deserializer=dips_dot_wire_dot_pb_dot_control__pb2.FenceReply.FromString,
+                _registered_method=True)
 
 
 class FollowerServicer:
@@ -553,6 +603,14 @@ class FollowerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Fence(self, request, context):
+        """Take (or renew) this follower's leader lease for the caller's term (a no-op otherwise):
+        a restarted leader calls it before it acts (fencing, see dips.algo.fencing).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_FollowerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -595,6 +653,11 @@ def add_FollowerServicer_to_server(servicer, server):
                     servicer.GetState,
                     request_deserializer=dips_dot_wire_dot_pb_dot_control__pb2.FollowerStateRequest.FromString,
                     response_serializer=dips_dot_wire_dot_pb_dot_control__pb2.FollowerState.SerializeToString,
+            ),
+            'Fence': grpc.unary_unary_rpc_method_handler(
+                    servicer.Fence,
+                    request_deserializer=dips_dot_wire_dot_pb_dot_control__pb2.FenceRequest.FromString,
+                    response_serializer=dips_dot_wire_dot_pb_dot_control__pb2.FenceReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -814,6 +877,33 @@ class Follower:
             '/dips.v1.Follower/GetState',
             dips_dot_wire_dot_pb_dot_control__pb2.FollowerStateRequest.SerializeToString,
             dips_dot_wire_dot_pb_dot_control__pb2.FollowerState.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Fence(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dips.v1.Follower/Fence',
+            dips_dot_wire_dot_pb_dot_control__pb2.FenceRequest.SerializeToString,
+            dips_dot_wire_dot_pb_dot_control__pb2.FenceReply.FromString,
             options,
             channel_credentials,
             insecure,

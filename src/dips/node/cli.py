@@ -1,0 +1,121 @@
+"""The role commands: ``dips leader``, ``dips follower``, ``dips cluster`` (one per host).
+
+Each takes its own ``--state-dir`` (nothing is shared between hosts), its TLS bundle from
+``dips init`` (``--tls DIR``) or ``--insecure``, and bind (``--listen``) and advertised
+(``--advertise``) addresses, as torchft's lighthouse and Flower's superlink/supernode do.
+SIGTERM or SIGINT stops a process cleanly. Exit codes: 0 stopped, 2 could not start (the
+message names the option or file), 3 a leader that stepped down for a leader of a higher term.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from dips.node.common import RoleError, credentials, setup_logging
+
+TLS_HELP = "directory of this process's bundle from `dips init` (ca.crt, tls.crt, tls.key)"
+INSECURE_HELP = "no TLS: plaintext, identities are claimed, not proven (trusted networks only)"
+
+Tls = Annotated[Optional[Path], typer.Option("--tls", help=TLS_HELP)]
+Insecure = Annotated[bool, typer.Option("--insecure", help=INSECURE_HELP)]
+StateDirOpt = Annotated[Path, typer.Option("--state-dir", help="this process's own directory")]
+LeaderAddr = Annotated[str, typer.Option("--leader", help="HOST:PORT of the leader")]
+
+
+def _fail(command: str, exc: Exception) -> None:
+    print(f"dips {command}: {exc}", file=sys.stderr, flush=True)
+    raise typer.Exit(2)
+
+
+def leader(config: Annotated[Path, typer.Option("--config", exists=True, dir_okay=False,
+                                                help="YAML run config")],
+           listen: Annotated[str, typer.Option("--listen", help="HOST:PORT to bind")],
+           state_dir: StateDirOpt,
+           advertise: Annotated[Optional[str], typer.Option(
+               "--advertise", help="HOST:PORT members reach (default: --listen)")] = None,
+           tls: Tls = None, insecure: Insecure = False,
+           cache_dir: Annotated[Optional[Path], typer.Option(
+               "--cache-dir", help="tokenizer/corpus cache (default: the config's)")] = None,
+           status_socket: Annotated[Optional[Path], typer.Option(
+               "--status-socket", help="also serve on this unix socket (a local operator)")] = None,
+           ) -> None:
+    """The leader (§5): membership, grace windows, verdicts, the version (metadata only)."""
+    from dips.node.leader import run_leader
+    from dips.spec import SpecError, load_config
+    from dips.train.run import stop_on_signals
+    from dips.wire.pki import Identity
+
+    setup_logging("leader")
+    stop = stop_on_signals()
+    try:
+        cfg = load_config(config)
+        creds = credentials(tls, insecure, Identity.leader())
+        code = run_leader(cfg, listen, state_dir.resolve(), creds, stop, advertise=advertise,
+                          cache_dir=cache_dir, status_socket=status_socket,
+                          revoked_file=tls / "revoked.txt" if tls is not None else None)
+    except (RoleError, SpecError, OSError) as exc:
+        _fail("leader", exc)
+    raise typer.Exit(code)
+
+
+def follower(leader_addr: LeaderAddr,
+             index: Annotated[int, typer.Option("--index", min=0, help="this follower's index")],
+             listen: Annotated[str, typer.Option("--listen", help="HOST:PORT of the control "
+                                                                 "service (gRPC)")],
+             data_listen: Annotated[str, typer.Option("--data-listen",
+                                                      help="HOST:PORT of the data plane (ZeroMQ)")],
+             state_dir: StateDirOpt,
+             advertise: Annotated[Optional[str], typer.Option(
+                 "--advertise", help="HOST:PORT the leader reaches the control service at")] = None,
+             data_advertise: Annotated[Optional[str], typer.Option(
+                 "--data-advertise", help="HOST:PORT clusters reach the data plane at")] = None,
+             tls: Tls = None, insecure: Insecure = False,
+             init: Annotated[Optional[Path], typer.Option(
+                 "--init", exists=True, dir_okay=False,
+                 help="version 0 as safetensors (default: built from the config's seed)")] = None,
+             data_ipc: Annotated[Optional[Path], typer.Option("--data-ipc", hidden=True)] = None,
+             ) -> None:
+    """A follower (§5): one shard of θ and its momentum; scores, aggregates, applies."""
+    from dips.node.common import advertised
+    from dips.node.follower import run_follower
+    from dips.train.run import stop_on_signals
+    from dips.wire.pki import Identity
+
+    setup_logging(f"follower-{index}")
+    stop = stop_on_signals()
+    try:
+        creds = credentials(tls, insecure, Identity.follower(index))
+        code = run_follower(leader_addr, index, listen, advertised(listen, advertise, "--advertise"),
+                            data_listen, advertised(data_listen, data_advertise, "--data-advertise"),
+                            state_dir.resolve(), creds, stop, init=init, data_ipc=data_ipc)
+    except (RoleError, OSError) as exc:
+        _fail("follower", exc)
+    raise typer.Exit(code)
+
+
+def cluster(leader_addr: LeaderAddr,
+            cluster_id: Annotated[str, typer.Option("--cluster-id", help="this cluster's id")],
+            state_dir: StateDirOpt, tls: Tls = None, insecure: Insecure = False,
+            cache_dir: Annotated[Optional[Path], typer.Option(
+                "--cache-dir", help="tokenizer/corpus cache (default: the config's)")] = None,
+            stages: Annotated[Optional[int], typer.Option(
+                "--stages", min=1, help="stage workers (default: the run config's)")] = None,
+            ) -> None:
+    """A cluster's built-in training loop (§3): H inner AdamW steps, push, verdict, pull."""
+    from dips.node.cluster import run_cluster
+    from dips.train.run import stop_on_signals
+    from dips.wire.pki import Identity
+
+    setup_logging(f"cluster-{cluster_id}")
+    stop = stop_on_signals()
+    try:
+        creds = credentials(tls, insecure, Identity.cluster(cluster_id))
+        code = run_cluster(leader_addr, cluster_id, state_dir.resolve(), creds, stop,
+                           cache_dir=cache_dir, stages=stages)
+    except (RoleError, OSError, ValueError, RuntimeError) as exc:  # incl. a refused join
+        _fail("cluster", exc)
+    raise typer.Exit(code)

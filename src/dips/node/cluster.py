@@ -1,0 +1,91 @@
+"""``dips cluster``: one cluster's built-in training loop (§3, §5), at its own site.
+
+It asks the leader for the run spec, builds the model and its data from it (the tokenizer
+and token stream from the bundled corpora, cached in ``--cache-dir``), joins with its model's
+fingerprint (a model that differs from the run's is refused at join, naming the fields), and
+trains: inner AdamW steps, a push every H steps, the verdict, the pull. Its state directory
+holds ``train.jsonl`` (a ``join`` record, then one line per inner step). A user's own
+training loop uses :class:`dips.roles.client.ClusterClient` with the same arguments.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+
+from dips.node.common import RoleError, StateDir, fetch_spec
+from dips.wire.pki import Identity
+from dips.wire.security import Credentials
+
+log = logging.getLogger(__name__)
+
+
+def run_cluster(leader_addr: str, cluster_id: str, state: Path, creds: Credentials,
+                stop: threading.Event, *, cache_dir: Path | None = None,
+                stages: int | None = None) -> int:
+    """Train cluster ``cluster_id`` until ``stop``; returns the exit code. Raises RoleError if
+    it cannot start."""
+    import torch
+
+    from dips.emu.pacing import Pacer
+    from dips.roles.client import ClusterClient
+    from dips.spec import ClusterConfig
+    from dips.train.corpus import load_tokenizer
+    from dips.train.dips_sync import DiPSSync
+    from dips.train.model import fingerprint_of
+    from dips.train.run import TrainLog, run_loop
+    from dips.train.trainer import build_trainer
+
+    if creds.identity != Identity.cluster(cluster_id):
+        raise RoleError(f"--cluster-id {cluster_id!r}, but the certificate is "
+                        f"{creds.identity.name!r}")
+    torch.set_num_threads(1)
+    StateDir(state).acquire()
+    spec, _ = fetch_spec(leader_addr, creds, stop, 180.0)
+    cfg = spec.config
+    listed = [c for c in cfg.clusters if c.id == cluster_id]
+    me = listed[0] if listed else ClusterConfig(id=cluster_id)  # added later (dips init --add-cluster)
+    if stages is not None:
+        me = me.model_copy(update={"stages": stages})
+    cache = (cache_dir or cfg.data.cache_dir).resolve()
+    trainer = build_trainer(cluster_id, cfg.model, cfg.data, cfg.inner, cfg.seed, cache_dir=cache)
+    fingerprint = fingerprint_of(trainer.model, load_tokenizer(cache, cfg.data.vocab_size).get_vocab())
+    bucket = None
+    # Application-level link shaping on loopback (emulation); in network namespaces the
+    # kernel's tbf shapes the link, so no second limit here.
+    if me.link is not None and cfg.network == "loopback":
+        from dips.emu.link_schedule import ScheduledBucket
+
+        bucket = ScheduledBucket(me)
+    client = ClusterClient(trainer.model, leader_addr, cluster_id, creds, H=cfg.inner.H,
+                           stages=me.stages, timeout_s=cfg.timeouts.push_s,
+                           admit_timeout_s=cfg.timeouts.admit_s,
+                           heartbeat_interval_s=cfg.membership.heartbeat_interval_s,
+                           data=trainer.batches,
+                           limiter=bucket.consume if bucket is not None else None, stop=stop,
+                           fingerprint=fingerprint.to_json())
+    sync = DiPSSync(client)
+    # The leader may be restarting or waiting for followers: the join is retried.
+    sync.join(stop, cfg.timeouts.startup_s)
+    # Injected delay per inner step (§13 emulation): transient slowdowns are timed from the
+    # launcher's training start when it publishes one (DIPS_TRAIN_START, one machine only).
+    pacer = Pacer(me.slowdown, cfg.step_s, me.transient_tuples())
+    start_file = os.environ.get("DIPS_TRAIN_START")
+    t_start = (float(Path(start_file).read_text()) if start_file and Path(start_file).exists()
+               else time.time())
+    if bucket is not None:
+        bucket.start(t_start)  # link.schedule times count from the training start
+    log.info("cluster %s joined at version %d, stages %s", cluster_id, client.version,
+             client.stage_layers)
+    out = TrainLog(state / "train.jsonl", stamp=time.time, delay=False)
+    out.write({"event": "join", "version": client.version, "stages": client.stage_layers})
+    try:
+        run_loop(trainer, sync, stop, pacer, out, clock=lambda: time.time() - t_start)
+    finally:
+        out.close()
+    log.info("cluster %s: %d paced steps overran step_s", cluster_id, pacer.overruns)
+    client.close()
+    return 0

@@ -1,0 +1,129 @@
+"""What every role process shares: its state directory, its credentials, addresses, and the
+run spec fetched from the leader (no shared filesystem between hosts).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+import grpc
+
+from dips.spec import RunSpec
+from dips.wire.pb import control_pb2 as pb
+from dips.wire.pki import Identity
+from dips.wire.security import INSECURE_WARNING, Credentials
+from dips.wire.services import leader_client
+
+log = logging.getLogger(__name__)
+
+
+class RoleError(RuntimeError):
+    """A role cannot start (locked state directory, bad address, no leader): the message
+    names what and where; the command prints it and exits 2."""
+
+
+def setup_logging(name: str) -> None:
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(levelname)s %(message)s")
+
+
+@dataclass
+class StateDir:
+    """A role's own directory (nothing in it is read by another host), locked for the life
+    of the process so that two processes never share one (``flock``; released on exit, also
+    when killed)."""
+
+    path: Path
+    _lock: IO | None = None
+
+    def acquire(self) -> "StateDir":
+        """Create and lock the directory. Raises RoleError if another process holds it."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        f = open(self.path / "lock", "a+")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            f.seek(0)
+            holder = f.read().strip() or "?"
+            f.close()
+            raise RoleError(f"state directory {self.path} is in use by another dips process "
+                            f"(pid {holder})") from None
+        f.seek(0)
+        f.truncate()
+        f.write(f"{os.getpid()}\n")
+        f.flush()
+        self._lock = f
+        return self
+
+
+def credentials(tls: Path | None, insecure: bool, identity: Identity) -> Credentials:
+    """The process's credentials: its TLS bundle (whose certificate must be ``identity``), or
+    ``--insecure`` (a warning on stderr). Raises RoleError for neither or both, or a bundle of
+    another identity."""
+    if insecure == (tls is not None):
+        raise RoleError("give exactly one of --tls DIR (a bundle from `dips init`) and "
+                        "--insecure")
+    if insecure:
+        print(f"WARNING: {INSECURE_WARNING}", file=sys.stderr, flush=True)
+        return Credentials.insecure(identity)
+    try:
+        creds = Credentials.tls(tls)
+    except ValueError as exc:
+        raise RoleError(f"--tls {tls}: {exc}") from None
+    if creds.identity != identity:
+        raise RoleError(f"--tls {tls} holds the certificate of {creds.identity.name!r}, this "
+                        f"process is {identity.name!r}")
+    return creds
+
+
+def split_address(address: str, option: str) -> tuple[str, int]:
+    """``host:port`` (IPv6 as ``[::1]:port``) -> (host, port). Raises RoleError naming the
+    option and value."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise RoleError(f"{option} = {address!r} is not HOST:PORT")
+    return host.strip("[]"), int(port)
+
+
+def advertised(listen: str, advertise: str | None, option: str) -> str:
+    """The address others use: ``advertise``, or ``listen`` when it names a host (a wildcard
+    bind such as 0.0.0.0 needs ``--advertise``). Raises RoleError."""
+    host, _ = split_address(listen, option.replace("advertise", "listen"))
+    if advertise is not None:
+        split_address(advertise, option)
+        return advertise
+    if host in ("0.0.0.0", "::", "*"):
+        raise RoleError(f"{option.replace('advertise', 'listen')} = {listen!r} binds every "
+                        f"interface: give {option} HOST:PORT, the address others reach")
+    return listen
+
+
+def fetch_spec(leader: str, creds: Credentials, stop: threading.Event,
+               timeout_s: float) -> tuple[RunSpec, str]:
+    """(run spec, fingerprint JSON) from the leader at ``leader``, retried until it answers
+    (it may be starting or restarting). Raises RoleError after ``timeout_s`` seconds or when
+    the leader refuses this identity."""
+    client = leader_client(leader, creds, timeout_s=5.0)
+    deadline = time.monotonic() + timeout_s
+    last = "no answer"
+    try:
+        while not stop.is_set() and time.monotonic() < deadline:
+            try:
+                reply = client.GetSpec(pb.SpecRequest(), timeout=5.0)
+                return RunSpec.model_validate_json(reply.run_spec), reply.fingerprint
+            except grpc.RpcError as exc:
+                if exc.code() == grpc.StatusCode.PERMISSION_DENIED:
+                    raise RoleError(f"leader {leader} refused {creds.identity.name!r}: "
+                                    f"{exc.details()}") from None
+                last = f"{exc.code().name}: {exc.details()}"
+            stop.wait(0.5)
+    finally:
+        client.close()
+    raise RoleError(f"no run spec from the leader at {leader} within {timeout_s} s ({last})")

@@ -1,0 +1,129 @@
+"""``dips follower``: one follower process (§5, §12), on its own host with its own state dir.
+
+It asks the leader for the run spec, serves its shard (version 0 from ``--init`` or built
+from the config's seed; after a restart, its newest complete checkpoint), binds its control
+service (gRPC, mutual TLS) and its data plane (ZeroMQ), and registers with the leader every
+heartbeat interval. The registration's reply carries the leader's term (its lease, see
+:mod:`dips.algo.fencing`) and the data secret from which members' keys derive. The state
+directory holds ``checkpoints/``, ``applied.jsonl`` and ``leader_term``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from pathlib import Path
+
+import grpc
+
+from dips.algo import fencing
+from dips.node.common import RoleError, StateDir, fetch_spec, split_address
+from dips.wire.pki import Identity
+from dips.wire.security import Credentials
+
+log = logging.getLogger(__name__)
+
+
+def _initial_params(spec, names: list[str], init: Path | None):
+    """Version 0 of this shard: from ``init`` (safetensors, e.g. the preparing host's
+    ``init/model.safetensors``) or built from the config's seed."""
+    if init is not None:
+        from safetensors import safe_open
+
+        with safe_open(str(init), framework="pt") as f:
+            missing = [n for n in names if n not in f.keys()]
+            if missing:
+                raise RoleError(f"--init {init}: parameters {missing[:3]} missing")
+            return {n: f.get_tensor(n).float() for n in names}
+    from dips.train.model import build_model
+
+    model = build_model(spec.config.model, spec.config.seed)
+    params = dict(model.named_parameters())
+    return {n: params[n].detach().float().contiguous() for n in names}
+
+
+def run_follower(leader_addr: str, index: int, listen: str, advertise: str, data_listen: str,
+                 data_advertise: str, state: Path, creds: Credentials, stop: threading.Event,
+                 *, init: Path | None = None, data_ipc: Path | None = None) -> int:
+    """Serve follower ``index`` until ``stop``; returns the exit code. Raises RoleError if it
+    cannot start (see :mod:`dips.node.common`)."""
+    import torch
+
+    from dips.roles import failpoints
+    from dips.roles.checkpoint import complete_versions, load_checkpoint
+    from dips.roles.fence import Fence
+    from dips.roles.follower import FollowerShard
+    from dips.wire.control import make_server
+    from dips.wire.dataplane import DataServer
+    from dips.wire.keys import Keyring
+    from dips.wire.pb import control_pb2 as pb
+    from dips.wire.pb import control_pb2_grpc as pbg
+    from dips.wire.services import FollowerServicer, leader_client
+
+    if creds.identity != Identity.follower(index):
+        raise RoleError(f"--index {index}, but the certificate is {creds.identity.name!r}")
+    torch.set_num_threads(1)
+    StateDir(state).acquire()
+    spec, _ = fetch_spec(leader_addr, creds, stop, 180.0)
+    cfg = spec.config
+    if not 0 <= index < cfg.followers:
+        raise RoleError(f"--index {index}: the run has {cfg.followers} followers")
+    table = {layer: names for layer, names, _ in spec.layers}
+    sizes = {layer: nbytes for layer, _, nbytes in spec.layers}
+    owned = spec.follower_layers[index]
+    layers = {l: table[l] for l in owned}
+    names = [n for ns in layers.values() for n in ns]
+    ckpt_dir = state / "checkpoints"
+    saved = complete_versions(ckpt_dir)
+    momenta, version = None, 0
+    if saved:  # a restart: resume from the newest complete checkpoint (§12)
+        params, momenta, _ = load_checkpoint(ckpt_dir, saved[-1], names)
+        version = saved[-1]
+    else:
+        params = _initial_params(spec, names, init)
+    shard = FollowerShard(index, layers, params, cfg.outer.lr, cfg.outer.momentum,
+                          log_dir=state, version=version, momenta=momenta, ckpt_dir=ckpt_dir,
+                          keep=cfg.checkpoint_keep)
+    fence = Fence(state / "leader_term", fencing.lease_seconds(
+        cfg.membership.heartbeat_interval_s, cfg.membership.missed_heartbeats))
+    keyring = Keyring()
+    data_host, data_port = split_address(data_listen, "--data-listen")
+    data = DataServer(keyring, shard.handle, host=data_host, port=data_port,
+                      authorize=shard.authorize)
+    if data_ipc is not None:  # a local reader outside the servers' network namespace
+        data.bind(f"ipc://{data_ipc}")
+    data.start()
+    server = make_server(max_workers=8)
+    pbg.add_FollowerServicer_to_server(FollowerServicer(shard, fence), server)
+    if creds.add_port(server, listen) == 0:
+        data.stop()
+        raise RoleError(f"--listen {listen}: cannot bind")
+    server.start()
+    leader = leader_client(leader_addr, creds)
+    incarnation = time.time_ns()
+    data_endpoint = f"tcp://{data_advertise}"
+    log.info("follower %d serving layers %s at version %d (control %s, data %s)", index, owned,
+             shard.version, advertise, data_endpoint)
+    interval = cfg.membership.heartbeat_interval_s
+    # Registration doubles as the heartbeat: the leader learns a restart from the incarnation,
+    # a restarted leader learns this follower within one interval (§12), and the reply renews
+    # the leader's lease on this follower.
+    while not stop.is_set():
+        failpoints.hit("idle")  # fault injection between transfers
+        info = pb.FollowerInfo(index=index, data_endpoint=data_endpoint,
+                               control_endpoint=advertise, layers=owned,
+                               layer_bytes=[sizes[l] for l in owned], version=shard.version,
+                               incarnation=incarnation, leader_term=fence.term)
+        try:
+            reply = leader.RegisterFollower(info, timeout=max(1.0, interval))
+            keyring.set_secret(reply.data_secret)
+            fence.heard(reply.term)
+        except grpc.RpcError as exc:
+            log.debug("heartbeat to leader failed: %s", exc.code().name)
+        stop.wait(interval)
+    server.stop(grace=2.0).wait(5.0)
+    data.stop()
+    shard.close()
+    leader.close()
+    return 0

@@ -1,0 +1,192 @@
+"""``dips leader``: the leader process (§5, §12), on its own host with its own state directory.
+
+On its first start it prepares the run (:func:`dips.train.prepare.prepare`) into the state
+directory; later starts reuse that spec (and refuse a config that changed). Every start takes
+a new term (fencing token, :mod:`dips.algo.fencing`), persisted before the leader acts, and
+first takes the lease of every follower it knew: a follower still led by a live leader keeps
+refusing, and this process then steps down (exit code 3) without having changed anything.
+The state directory holds ``run.json``, ``term``, ``data_secret`` (0600), ``leader.json``,
+``outer_steps.jsonl`` and ``leader_events.jsonl``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from dips.algo import fencing
+from dips.algo.refusal import Refusal
+from dips.node.common import RoleError, StateDir
+from dips.spec import RunConfig, RunSpec
+from dips.wire.control import refusal_of
+from dips.wire.keys import SECRET_BYTES, new_secret
+from dips.wire.pki import read_revoked
+from dips.wire.security import Credentials
+
+log = logging.getLogger(__name__)
+
+EXIT_FENCED = 3
+
+
+def next_term(state: Path) -> int:
+    """Read ``state/term``, write it + 1 (fsynced, atomically) and return the new term."""
+    path = state / "term"
+    term = int(path.read_text().strip() or 0) + 1 if path.exists() else 1
+    tmp = path.with_suffix(".tmp")
+    with open(tmp, "w") as f:
+        f.write(f"{term}\n")
+        f.flush()
+        os.fsync(f.fileno())
+    tmp.replace(path)
+    return term
+
+
+def data_secret(state: Path) -> bytes:
+    """The run's data secret, created once (0600, ``O_EXCL``) in ``state/data_secret``."""
+    path = state / "data_secret"
+    if not path.exists():
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(new_secret())
+            f.flush()
+            os.fsync(f.fileno())
+    secret = path.read_bytes()
+    if len(secret) != SECRET_BYTES:
+        raise RoleError(f"{path}: {len(secret)} bytes, expected {SECRET_BYTES}")
+    return secret
+
+
+def load_or_prepare(cfg: RunConfig, state: Path, cache_dir: Path | None) -> RunSpec:
+    """The run spec in ``state/run.json``, or a new one prepared from ``cfg``. Raises
+    RoleError if the state directory holds another config's spec (naming the fields)."""
+    path = state / "run.json"
+    if not path.exists():
+        from dips.train.prepare import prepare
+
+        return prepare(cfg, state, cache_dir)
+    spec = RunSpec.read(path)
+    if spec.config != cfg:
+        old, new = spec.config.model_dump(), cfg.model_dump()
+        fields = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+        raise RoleError(f"{path} was prepared from another config (fields {fields} differ): "
+                        "use a new --state-dir for a new run")
+    return spec
+
+
+def take_leases(endpoints: dict[int, str], connect: Any, lease_s: float,
+                stop: threading.Event) -> str | None:
+    """Take the lease of every follower in ``endpoints`` (index -> control address) before
+    acting. Returns None when done (a follower that does not answer is skipped: it takes the
+    lease when it registers), or why this leader must step down: a follower follows a higher
+    term, or stayed leased to another leader for 2 lease periods (a live one renews it)."""
+    pending = dict(endpoints)
+    held_since: float | None = None
+    while pending and not stop.is_set():
+        for index in list(pending):
+            control = connect(index, pending[index])
+            try:
+                control.fence()
+                del pending[index]
+            except grpc.RpcError as exc:
+                code = refusal_of(exc)
+                if code is Refusal.STALE_TERM:
+                    return f"follower {index}: {exc.details()}"
+                if code is not Refusal.LEASE_HELD:
+                    del pending[index]  # unreachable now: it takes the lease at registration
+                    continue
+                held_since = held_since if held_since is not None else time.monotonic()
+                if fencing.give_up(held_since, time.monotonic(), lease_s):
+                    return (f"follower {index} stays leased to another live leader: "
+                            f"{exc.details()}")
+            finally:
+                control.close()
+        if pending:
+            stop.wait(min(0.25, lease_s / 4))
+    return None
+
+
+def run_leader(cfg: RunConfig, listen: str, state: Path, creds: Credentials,
+               stop: threading.Event, *, advertise: str | None = None,
+               cache_dir: Path | None = None, status_socket: Path | None = None,
+               revoked_file: Path | None = None) -> int:
+    """Serve the leader until ``stop`` is set or it steps down; returns the exit code (0, or
+    :data:`EXIT_FENCED`). Raises RoleError if it cannot start (state directory in use, a
+    config that differs from the prepared spec, an address that cannot be bound)."""
+    from dips.algo.ledger import ChunkLedger
+    from dips.roles.leader import FollowerEntry, Leader, LeaderConfig
+    from dips.roles.leader_types import Issued
+    from dips.wire.control import make_server
+    from dips.wire.pb import control_pb2_grpc as pbg
+    from dips.wire.services import FollowerControlClient, LeaderServicer
+
+    StateDir(state).acquire()
+    spec = load_or_prepare(cfg, state, cache_dir)
+    term = next_term(state)
+    issued = Issued(term=term, data_secret=data_secret(state), run_spec=spec.model_dump_json(),
+                    fingerprint=spec.fingerprint.to_json() if spec.fingerprint else "",
+                    encrypt=False)
+    lease_s = fencing.lease_seconds(cfg.membership.heartbeat_interval_s,
+                                    cfg.membership.missed_heartbeats)
+    holder: dict[str, Leader] = {}
+
+    def on_fenced(reason: str) -> None:
+        if "leader" in holder:
+            holder["leader"].step_down(reason)
+
+    def connect(index: int, endpoint: str) -> FollowerControlClient:
+        return FollowerControlClient(endpoint, creds, index, term, cfg.timeouts.rpc_s,
+                                     on_fenced=on_fenced)
+
+    previous = _known_followers(state / "leader.json")
+    reason = take_leases(previous, connect, lease_s, stop)
+    if reason is not None:
+        log.error("leader term %d steps down before acting: %s", term, reason)
+        return EXIT_FENCED
+    ledger = ChunkLedger(cfg.data.num_chunks, spec.windows_per_chunk)
+    leader = Leader(LeaderConfig.from_run(cfg), lambda e: connect(e.index, e.control_endpoint),
+                    state, ledger=ledger, tokens_per_window=cfg.inner.seq_len, issued=issued)
+    holder["leader"] = leader
+
+    def entry(info: Any) -> FollowerEntry:
+        return FollowerEntry(info.index, info.data_endpoint, info.control_endpoint,
+                             list(info.layers), list(info.layer_bytes), info.incarnation,
+                             leader_term=info.leader_term)
+
+    def revoked() -> frozenset[str]:
+        return read_revoked(revoked_file) if revoked_file is not None else frozenset()
+
+    server = make_server(max_workers=8 + 4 * len(cfg.clusters))
+    pbg.add_LeaderServicer_to_server(LeaderServicer(leader, entry, revoked), server)
+    if creds.add_port(server, listen) == 0:
+        raise RoleError(f"--listen {listen}: cannot bind (in use, or not an address of this host)")
+    if status_socket is not None:  # for a local operator outside the servers' namespaces
+        status_socket.unlink(missing_ok=True)
+        creds.add_port(server, f"unix:{status_socket}")
+    server.start()
+    leader.start()
+    log.info("leader term %d serving on %s (advertised as %s), version %d", term, listen,
+             advertise or listen, leader.version)
+    while not stop.is_set() and not leader.fenced.is_set():
+        stop.wait(0.2)
+    leader.stop()
+    server.stop(grace=2.0).wait(5.0)
+    if leader.fenced.is_set():
+        log.error("leader term %d stepped down: %s", term, leader.fenced_reason)
+        return EXIT_FENCED
+    return 0
+
+
+def _known_followers(path: Path) -> dict[int, str]:
+    """Follower index -> control address from a previous ``leader.json`` (empty if none)."""
+    try:
+        state = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return {int(i): str(ep) for i, ep in (state.get("followers") or {}).items()}

@@ -1,0 +1,59 @@
+"""Prepare a run once, on the host that holds the leader's state: the tokenizer, the token
+stream and its data chunks, version 0 of the model, the layer ownership, the fingerprint.
+
+Written into a directory (the leader's state directory): ``run.json`` (a :class:`RunSpec`)
+and ``init/model.safetensors`` (version 0 of θ, for a follower started with ``--init`` on the
+same host; followers elsewhere build the same θ from the config's seed).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from dips.algo import partition_contiguous
+from dips.spec import RunConfig, RunSpec
+
+
+def prepare(cfg: RunConfig, out: Path, cache_dir: Path | None = None) -> RunSpec:
+    """Build the run spec of ``cfg`` into ``out`` (see the module docstring); returns it.
+
+    ``cache_dir``: tokenizer/corpus cache (default ``cfg.data.cache_dir``, relative to the
+    working directory). Takes seconds (tokenizer training is cached).
+    """
+    import torch
+    from safetensors.torch import save_file
+
+    from dips.train.corpus import load_tokenizer, load_tokens
+    from dips.train.loop import eval_loss
+    from dips.train.model import build_model, fingerprint_of, layer_table
+    from dips.train.sampler import make_chunks
+
+    cache = (cache_dir or cfg.data.cache_dir).resolve()
+    tok = load_tokenizer(cache, cfg.data.vocab_size)
+    data = load_tokens(cache, cfg.data.vocab_size, cfg.data.val_fraction, cfg.data.max_train_tokens)
+    model = build_model(cfg.model, cfg.seed)
+    table = layer_table(model)
+    parts = partition_contiguous([nbytes for _, _, nbytes in table], cfg.followers)
+    (out / "init").mkdir(parents=True, exist_ok=True)
+    save_file({n: p.detach().contiguous() for n, p in model.named_parameters()},
+              str(out / "init" / "model.safetensors"))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    try:
+        initial = eval_loss(model, data.val, cfg.inner.seq_len, cfg.eval_batch_size,
+                            cfg.eval_batches)
+    finally:
+        torch.set_num_threads(threads)
+    spec = RunSpec(
+        config=cfg, cache_dir=cache,
+        layers=[(l, list(names), int(nbytes)) for l, names, nbytes in table],
+        follower_layers=[[table[i][0] for i in r] for r in parts],
+        init="init/model.safetensors", eval_loss_initial=initial,
+        train_tokens=int(len(data.train)), val_tokens=int(len(data.val)),
+        params=int(sum(p.numel() for p in model.parameters())),
+        windows_per_chunk=min(e - s for s, e in make_chunks(len(data.train), cfg.data.num_chunks))
+        // (cfg.inner.seq_len + 1),
+        fingerprint=fingerprint_of(model, tok.get_vocab()))
+    spec.write(out / "run.json")
+    return spec

@@ -1,0 +1,112 @@
+"""Per-member data-plane keys: never shared between members, never sent in clear under TLS.
+
+The leader holds a random 32-byte *data secret* (kept 0600 in its state directory) and hands
+it to followers only, in the reply to their registration over mutual TLS. When a cluster (or
+an observer, such as the launcher's final pull) joins, the leader issues it a fresh key id
+``"<identity>/<16 random hex bytes>"`` and its key ``HMAC-SHA256(data secret, "dips/member/"
++ key id)`` over the same TLS channel. A follower derives the key from the key id, which
+travels in clear with each request, so it needs no list of members to serve one that joined a
+moment ago; the identity in the key id is the one the leader issued it to, so a follower knows
+who sent a push (a cluster cannot push as another) or a pull. Without TLS (``--insecure``)
+these keys travel in clear: integrity against accidents only.
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+from dataclasses import dataclass
+from functools import lru_cache
+
+from dips.wire.frames import FrameError
+from dips.wire.pki import Identity
+
+SECRET_BYTES = 32
+
+
+@dataclass(frozen=True)
+class MemberKey:
+    """One member's data-plane key.
+
+    Attributes:
+        key_id: ``"<identity name>/<32 hex>"``, sent in clear with each request.
+        key: 32 bytes.
+        encrypt: tensor bytes are encrypted (AES-GCM) as well as authenticated.
+    """
+
+    key_id: str
+    key: bytes
+    encrypt: bool = False
+
+    @property
+    def identity(self) -> Identity:
+        return identity_of(self.key_id)
+
+
+def new_secret() -> bytes:
+    """A fresh data secret (32 random bytes)."""
+    return os.urandom(SECRET_BYTES)
+
+
+def derive(secret: bytes, key_id: str) -> bytes:
+    """The key of ``key_id`` under the data ``secret`` (32 bytes). Raises ValueError for a
+    secret shorter than 16 bytes."""
+    if len(secret) < 16:
+        raise ValueError(f"data secret is {len(secret)} bytes, need >= 16")
+    return hmac.digest(secret, b"dips/member/" + key_id.encode(), "sha256")
+
+
+def issue(secret: bytes, identity: Identity, encrypt: bool) -> MemberKey:
+    """A new key for ``identity`` (a fresh id at every join, so a re-joined member's old key
+    names an old id)."""
+    key_id = f"{identity.name}/{os.urandom(16).hex()}"
+    return MemberKey(key_id, derive(secret, key_id), encrypt)
+
+
+def identity_of(key_id: str) -> Identity:
+    """The identity a key id was issued to. Raises FrameError naming the value."""
+    name, sep, nonce = key_id.partition("/")
+    if not sep or len(nonce) != 32 or any(c not in "0123456789abcdef" for c in nonce):
+        raise FrameError(f"key id {key_id[:80]!r} is not '<identity>/<32 hex digits>'")
+    try:
+        return Identity.parse(name)
+    except ValueError as exc:
+        raise FrameError(f"key id {key_id[:80]!r}: {exc}") from None
+
+
+class Keyring:
+    """A follower's view of the members' keys: derives a key from its id (cached).
+
+    Args:
+        secret: the data secret from the leader (None until the follower registered: every
+            request is refused until then).
+        encrypt: whether members encrypt (from the run spec).
+    """
+
+    def __init__(self, secret: bytes | None = None, encrypt: bool = False) -> None:
+        self.encrypt = encrypt
+        self._secret = secret
+        self._lookup = lru_cache(maxsize=4096)(self._derive)
+
+    def set_secret(self, secret: bytes) -> None:
+        """Take the leader's data secret (a restarted leader keeps the same one)."""
+        if secret != self._secret:
+            self._secret = secret
+            self._lookup.cache_clear()
+
+    def _derive(self, key_id: str) -> MemberKey:
+        identity_of(key_id)
+        if self._secret is None:
+            raise FrameError("this follower has no data secret yet (not registered)")
+        return MemberKey(key_id, derive(self._secret, key_id), self.encrypt)
+
+    def get(self, key_id: bytes | str) -> MemberKey:
+        """The member key of ``key_id``. Raises FrameError (malformed id, no secret yet)."""
+        if isinstance(key_id, (bytes, bytearray, memoryview)):
+            try:
+                key_id = bytes(key_id).decode("ascii")
+            except UnicodeDecodeError:
+                raise FrameError("key id is not ASCII") from None
+        if len(key_id) > 200:
+            raise FrameError(f"key id of {len(key_id)} characters exceeds 200")
+        return self._lookup(key_id)

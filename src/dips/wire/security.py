@@ -1,0 +1,126 @@
+"""Who a process is on the control plane, and who called it (mutual TLS, or ``--insecure``).
+
+Secure by default: every role holds a :class:`~dips.wire.pki.TlsBundle` made by ``dips init``
+(the run CA, its certificate, its key). Its gRPC servers require a client certificate from
+the same CA (``grpc.ssl_server_credentials(..., require_client_auth=True)``), and its clients
+verify the server's certificate against the CA and against the identity they expect
+(``grpc.ssl_target_name_override``: "leader", "follower-0"; no host names in certificates,
+so a certificate works at any address). A server learns who called from the peer
+certificate (``context.auth_context()``), never from the request body: :func:`caller`.
+
+``--insecure`` (:meth:`Credentials.insecure`): plaintext gRPC; the caller's identity is
+whatever it claims in the ``x-dips-identity`` metadata. For a trusted network only; the
+commands print a warning (as Flower's ``--insecure`` does).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import grpc
+
+from dips.algo.refusal import Refusal, Refused
+from dips.wire.pki import Identity, TlsBundle
+
+log = logging.getLogger(__name__)
+
+IDENTITY_KEY = "x-dips-identity"
+INSECURE_WARNING = ("running WITHOUT TLS (--insecure): anyone who can reach these ports can "
+                    "read the model and act as any member. Use only on a trusted network.")
+
+
+@dataclass(frozen=True)
+class Credentials:
+    """This process's identity and how it proves it.
+
+    Attributes:
+        identity: who this process is (leader, follower-i, cluster-ID, admin).
+        bundle: its TLS bundle (PEM CA, certificate, key); None: insecure.
+
+    Raises:
+        ValueError: the identity differs from the certificate's.
+    """
+
+    identity: Identity
+    bundle: TlsBundle | None = None
+
+    def __post_init__(self) -> None:
+        if self.bundle is not None and self.bundle.identity != self.identity:
+            raise ValueError(f"identity {self.identity.name!r} does not match the certificate's "
+                             f"{self.bundle.identity.name!r}")
+
+    @classmethod
+    def tls(cls, directory: Path | str) -> "Credentials":
+        """Load the bundle in ``directory`` (``ca.crt``, ``tls.crt``, ``tls.key``; the identity
+        is the certificate's). Raises :class:`dips.wire.pki.PkiError` naming the problem."""
+        bundle = TlsBundle.load(Path(directory))
+        return cls(bundle.identity, bundle)
+
+    @classmethod
+    def insecure(cls, identity: Identity) -> "Credentials":
+        """Plaintext, claimed identity (see the module docstring)."""
+        return cls(identity, None)
+
+    @property
+    def secure(self) -> bool:
+        return self.bundle is not None
+
+    def server_credentials(self) -> grpc.ServerCredentials:
+        """Server credentials requiring a client certificate from the run CA."""
+        if self.bundle is None:
+            raise ValueError("insecure credentials have no TLS server credentials")
+        return grpc.ssl_server_credentials([(self.bundle.key, self.bundle.cert)],
+                                           root_certificates=self.bundle.ca,
+                                           require_client_auth=True)
+
+    def add_port(self, server: grpc.Server, address: str) -> int:
+        """Bind ``server`` to ``address`` (``host:port`` or ``unix:PATH``) with these
+        credentials; returns the port (0 if it could not bind, as gRPC does)."""
+        if self.bundle is None:
+            return server.add_insecure_port(address)
+        return server.add_secure_port(address, self.server_credentials())
+
+    def channel(self, target: str, peer: Identity, options: Sequence[tuple[str, Any]]) -> grpc.Channel:
+        """A channel to ``target`` whose server must prove it is ``peer`` (TLS)."""
+        if self.bundle is None:
+            return grpc.insecure_channel(target, options=list(options))
+        creds = grpc.ssl_channel_credentials(root_certificates=self.bundle.ca,
+                                             private_key=self.bundle.key,
+                                             certificate_chain=self.bundle.cert)
+        return grpc.secure_channel(target, creds, options=[
+            *options, ("grpc.ssl_target_name_override", peer.name)])
+
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        """Call metadata: the claimed identity when insecure (TLS proves it instead)."""
+        return () if self.bundle is not None else ((IDENTITY_KEY, self.identity.name),)
+
+
+def caller(context: grpc.ServicerContext) -> Identity:
+    """The identity of the peer of a call: its certificate's (TLS), else the one it claims
+    (an ``--insecure`` server; a TLS server never accepts a call without a certificate).
+
+    Raises Refused(FORBIDDEN) when there is neither, or the name is not a dips identity.
+    """
+    auth = context.auth_context() or {}
+    names = auth.get("x509_common_name")
+    if names:
+        raw = names[0]
+    else:
+        claimed = dict(context.invocation_metadata() or ()).get(IDENTITY_KEY)
+        if claimed is None:
+            raise Refused(Refusal.FORBIDDEN, "the call carries no certificate and no identity")
+        raw = claimed.encode() if isinstance(claimed, str) else claimed
+    try:
+        return Identity.parse(raw.decode("utf-8", "replace"))
+    except ValueError as exc:
+        raise Refused(Refusal.FORBIDDEN, f"caller: {exc}") from None
+
+
+def require(who: Identity, role: str, what: str) -> None:
+    """Raise Refused(FORBIDDEN) unless ``who`` has ``role`` (``what``: the call, for the
+    message)."""
+    if who.role != role:
+        raise Refused(Refusal.FORBIDDEN, f"{what}: only a {role} may call it, not {who.name!r}")
