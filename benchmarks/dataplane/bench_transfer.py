@@ -13,6 +13,10 @@ penalty, aggregate, clip, Nesterov; penalty off so every round applies), pull (B
    plane's framing (DEALER → ROUTER push, ROUTER → DEALER pull, ``[C, meta, tag, data]``
    multipart, ``copy=False``, the same chunk size; no conversion, no authentication, no Δ),
    both measured in this run (best of 5 transfers, before and after the rounds).
+   Measured twice in the same run: ``--insecure`` (plaintext gRPC, chunks authenticated with
+   Poly1305) and secure (as ``dips launch`` runs: mutual TLS, per-member keys, every chunk
+   encrypted with AES-256-GCM), streamed; the secure rate is also given as a share of the
+   insecure one (issue 11: target >= 90%).
 2. push_s / wait_s (the update, seen by the cluster) / pull_s with ``StageWorker.mode =
    "stream"`` (chunked, pooled, pipelined) against ``"single"`` (one message per layer, fresh
    buffers, Δ formed at scoring, pull converted per request); rounds alternate the modes.
@@ -64,14 +68,20 @@ def main(argv: list[str] | None = None) -> dict:
           f"chunks of {chunk / (1 << 20):g} MiB", flush=True)
     raw = [harness.raw_tcp_bytes_per_s(2 * nbytes, reps=5)]
     zmq_runs = [harness.zmq_bytes_per_s(nbytes, chunk, reps=5)]
+    times: dict[str, list[tuple[float, float, float]]] = {"stream": [], "single": [], "secure": []}
+    secure_model = harness.synthetic_model(args.layers, args.width, seed=0)
     ps = harness.PS(("synthetic", args.layers, args.width, 0), args.followers)
-    times: dict[str, list[tuple[float, float, float]]] = {"stream": [], "single": []}
+    sps = harness.PS(("synthetic", args.layers, args.width, 0), args.followers, secure=True)
     try:
-        client = ps.client("c0", args.stages, model)
-        for r in range(-1, args.rounds):  # round -1 warms both paths up (first touch), unmeasured
-            for mode in (("stream", "single") if r % 2 == 0 else ("single", "stream")):
-                StageWorker.mode = mode
-                harness.perturb(model, seed=100 + r)
+        clients = {"plain": ps.client("c0", args.stages, model),
+                   "secure": sps.client("c1", args.stages, secure_model)}
+        order = ["secure", "stream", "single"]
+        for r in range(-1, args.rounds):  # round -1 warms every path up (first touch), unmeasured
+            for mode in order[r % 3:] + order[:r % 3]:  # rotated: no mode always first
+                StageWorker.mode = "single" if mode == "single" else "stream"
+                m, client = ((secure_model, clients["secure"]) if mode == "secure"
+                             else (model, clients["plain"]))
+                harness.perturb(m, seed=100 + r)
                 res = client.sync()
                 if not (res.ok and res.accepted):
                     raise RuntimeError(f"round {r} ({mode}) failed: {res.reason}")
@@ -79,10 +89,12 @@ def main(argv: list[str] | None = None) -> dict:
                     times[mode].append((res.push_s, res.wait_s, res.pull_s))
                 print(f"  round {r} {mode:6s}: push {res.push_s:.3f} s, update (wait) "
                       f"{res.wait_s:.3f} s, pull {res.pull_s:.3f} s", flush=True)
-        client.close()
+        for c in clients.values():
+            c.close()
     finally:
         StageWorker.mode = "stream"
         ps.close()
+        sps.close()
     raw.append(harness.raw_tcp_bytes_per_s(2 * nbytes, reps=5))
     zmq_runs.append(harness.zmq_bytes_per_s(nbytes, chunk, reps=5))
     raw_bps = max(raw)
@@ -91,7 +103,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     med = {m: [statistics.median(x[i] for x in t) for i in range(3)] for m, t in times.items()}
     rate = {m: 2 * nbytes / (med[m][0] + med[m][2]) for m in med}
-    total = {m: sum(med[m]) for m in med}
+    total = {m: sum(med[m]) for m in med if m != "secure"}
     out = {
         "model_fp32_bytes": 2 * nbytes, "wire_bytes_per_direction": nbytes,
         "raw_tcp_gbps": raw_bps / 1e9, "raw_tcp_runs_gbps": [x / 1e9 for x in raw],
@@ -105,6 +117,7 @@ def main(argv: list[str] | None = None) -> dict:
         "zmq_vs_raw_tcp": zmq_bps / raw_bps,
         "median_s": {m: dict(zip(("push", "update", "pull"), med[m])) for m in med},
         "outer_loop_s": total, "speedup_stream_vs_single": total["single"] / total["stream"],
+        "secure_vs_insecure": rate["secure"] / rate["stream"],
     }
     print("\n1. push + pull through leader and followers vs raw TCP loopback and vs ZeroMQ alone "
           "(same bytes, same run)")
@@ -112,10 +125,12 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"   ZeroMQ alone, data-plane framing: {zmq_bps / 1e9:.2f} GB/s = {zmq_bps / raw_bps:.0%} "
           f"of raw TCP (push {zmq_push / 1e9:.2f}, pull {zmq_pull / 1e9:.2f} GB/s; runs: "
           f"{', '.join(f'{a / 1e9:.2f}/{b / 1e9:.2f}' for a, b in zmq_runs)})")
-    for m in ("stream", "single"):
+    for m in ("secure", "stream", "single"):
         print(f"   {m:6s}: {rate[m] / 1e9:.2f} GB/s (push {out['push_gbps'][m]:.2f}, pull "
               f"{out['pull_gbps'][m]:.2f}) = {rate[m] / raw_bps:.0%} of raw TCP, "
-              f"{rate[m] / zmq_bps:.0%} of ZeroMQ alone (target >= 60% of raw TCP for stream)")
+              f"{rate[m] / zmq_bps:.0%} of ZeroMQ alone")
+    print(f"   secure (TLS + AES-GCM chunks) / insecure stream: {out['secure_vs_insecure']:.0%} "
+          f"(target >= 90%); secure / raw TCP: {rate['secure'] / raw_bps:.0%} (target >= 35%)")
     print("\n3. outer loop (median s)      push    update    pull    total")
     for m in ("single", "stream"):
         p, u, q = med[m]

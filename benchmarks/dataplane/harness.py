@@ -98,9 +98,9 @@ HEARTBEAT_S, MISSED_HEARTBEATS = 0.5, 20
 
 
 def _follower_main(index: int, spec: tuple, owned: list[str], leader_addr: str,
-                   ready: Any, stop: Any) -> None:
-    """One follower process, as ``dips follower`` runs it but without TLS (the benchmarks
-    measure the data plane): it learns the leader's term and data secret by registering."""
+                   ready: Any, stop: Any, pki: str | None = None) -> None:
+    """One follower process, as ``dips follower`` runs it (with TLS from ``pki``, else
+    insecure): it learns the leader's term, data secret and encryption by registering."""
     import grpc
 
     from dips.algo import fencing
@@ -116,7 +116,8 @@ def _follower_main(index: int, spec: tuple, owned: list[str], leader_addr: str,
     from dips.wire.services import FollowerServicer, leader_client
 
     torch.set_num_threads(1)
-    creds = Credentials.insecure(Identity.follower(index))
+    creds = (Credentials.tls(Path(pki) / f"follower-{index}") if pki
+             else Credentials.insecure(Identity.follower(index)))
     layers, params = shard_params(spec, owned)
     shard = FollowerShard(index, layers, params)
     fence = Fence(None, lease_s=fencing.lease_seconds(HEARTBEAT_S, MISSED_HEARTBEATS))
@@ -137,7 +138,7 @@ def _follower_main(index: int, spec: tuple, owned: list[str], leader_addr: str,
                                incarnation=incarnation, leader_term=fence.term)
         try:
             reply = leader.RegisterFollower(info, timeout=2.0)
-            keyring.set_secret(reply.data_secret)
+            keyring.set_secret(reply.data_secret, reply.encrypt)
             fence.heard(reply.term)
         except grpc.RpcError:
             pass
@@ -148,8 +149,9 @@ def _follower_main(index: int, spec: tuple, owned: list[str], leader_addr: str,
 
 
 class PS:
-    """The leader (in process, real gRPC service) and M follower processes on loopback, all
-    with insecure credentials (the benchmarks measure the data plane, not TLS).
+    """The leader (in process, real gRPC service) and M follower processes on loopback, with
+    insecure credentials, or (``secure``) as ``dips launch`` runs them: mutual TLS from a
+    fresh ``dips init`` PKI and the data plane encrypted (AES-GCM per chunk).
 
     ``owners``: layer -> follower; default contiguous blocks balanced by bytes.
     :attr:`data_secret`: the leader's data secret (:meth:`member_key` derives a key from it,
@@ -158,7 +160,8 @@ class PS:
 
     def __init__(self, spec: tuple, followers: int, *, grace_s: float = 0.0,
                  grace_mode: str = "fixed", grace_max_s: float = 30.0,
-                 run_dir: Path | None = None, owners: dict[str, int] | None = None) -> None:
+                 run_dir: Path | None = None, owners: dict[str, int] | None = None,
+                 secure: bool = False) -> None:
         from dips.algo import partition_contiguous
         from dips.roles.leader import FollowerEntry, Leader
         from dips.roles.leader_types import Issued
@@ -169,9 +172,20 @@ class PS:
         from dips.wire.security import Credentials
         from dips.wire.services import FollowerControlClient, LeaderServicer
 
-        issued = Issued()  # term 1, a fresh data secret
+        self.secure = secure
+        self.pki: str | None = None
+        if secure:
+            import tempfile
+
+            from dips.wire.pki import init_pki
+
+            self._tmp = tempfile.TemporaryDirectory(prefix="dips-bench-pki-")
+            self.pki = self._tmp.name
+            init_pki(Path(self.pki), followers, [f"c{i}" for i in range(16)])
+        issued = Issued(encrypt=secure)  # term 1, a fresh data secret
         self.data_secret = issued.data_secret
-        creds = Credentials.insecure(Identity.leader())
+        creds = (Credentials.tls(Path(self.pki) / "leader") if secure
+                 else Credentials.insecure(Identity.leader()))
         table = model_layers(spec)
         names = [l for l, _, _ in table]
         if owners is None:
@@ -197,7 +211,8 @@ class PS:
         for i in range(followers):
             ready = MP.Event()
             p = MP.Process(target=_follower_main, daemon=True, args=(
-                i, spec, [l for l in names if owners[l] == i], self.addr, ready, self._stop))
+                i, spec, [l for l in names if owners[l] == i], self.addr, ready, self._stop,
+                self.pki))
             p.start()
             self.procs.append((p, ready))
         deadline = time.monotonic() + 180
@@ -215,7 +230,7 @@ class PS:
         from dips.wire.keys import issue
         from dips.wire.pki import Identity
 
-        return issue(self.data_secret, Identity.cluster(cluster_id), False)
+        return issue(self.data_secret, Identity.cluster(cluster_id), self.secure)
 
     def client(self, cluster_id: str, stages: int, model: torch.nn.Module) -> Any:
         """A joined ClusterClient for a synthetic ``model`` (H = 1: sync() is called directly)."""
@@ -223,8 +238,9 @@ class PS:
         from dips.wire.pki import Identity
         from dips.wire.security import Credentials
 
-        c = ClusterClient(model, self.addr, cluster_id,
-                          Credentials.insecure(Identity.cluster(cluster_id)), H=1, stages=stages,
+        creds = (Credentials.tls(Path(self.pki) / f"cluster-{cluster_id}") if self.pki
+                 else Credentials.insecure(Identity.cluster(cluster_id)))
+        c = ClusterClient(model, self.addr, cluster_id, creds, H=1, stages=stages,
                           layer_of=layer_of, timeout_s=300, admit_timeout_s=300,
                           heartbeat_interval_s=1.0)
         c.join()
@@ -238,6 +254,8 @@ class PS:
                 p.kill()
         self.leader.stop()
         self.grpc.stop(0)
+        if self.pki is not None:
+            self._tmp.cleanup()
 
 
 def _raw_receiver(port: Any, nbytes: int, reps: int) -> None:

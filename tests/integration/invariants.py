@@ -23,8 +23,9 @@ def effective_history(lines: list[dict]) -> list[dict]:
     return hist
 
 
-def check_run(run_dir: Path, followers: int = 2, seq_len: int = 64) -> dict:
-    """Assert the invariants; returns figures for the caller's own checks."""
+def check_run(run_dir: Path, followers: int = 2, seq_len: int = 64, evaluated: bool = True) -> dict:
+    """Assert the invariants; returns figures for the caller's own checks. ``evaluated``:
+    the summary holds a final evaluation that must be below the initial one."""
     summary = json.loads((run_dir / "summary.json").read_text())
     hists = [effective_history(jsonl(run_dir / "followers" / str(i) / "applied.jsonl"))
              for i in range(followers)]
@@ -73,5 +74,6 @@ def check_run(run_dir: Path, followers: int = 2, seq_len: int = 64) -> dict:
     # Every decision line carries the ledger's T_j: windows x tokens per window.
     for v in versions:
         assert all(t % seq_len == 0 and t > 0 for t in lead[v]["tokens"].values()), lead[v]
-    assert summary["eval_loss_final"] < summary["eval_loss_initial"] - 0.3
+    if evaluated:
+        assert summary["eval_loss_final"] < summary["eval_loss_initial"] - 0.3
     return {"summary": summary, "final_version": final, "state": state}

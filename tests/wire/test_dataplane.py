@@ -259,7 +259,7 @@ def test_bad_chunk_frames_never_reach_the_sink(streams, case):
             altered[5] ^= 0x40
             parts = [kind, meta, tag, bytes(altered)]
         else:
-            parts = [kind, meta, tag, bytes(MAX_CHUNK_BYTES + 4)]
+            parts = [kind, meta, tag, bytes(MAX_CHUNK_BYTES + 20)]  # beyond a chunk + GCM tag
         sock.send_multipart(parts)
         reply = decode(KEY.key, sock.recv_multipart()[1:])
     finally:

@@ -117,7 +117,7 @@ def run_follower(leader_addr: str, index: int, listen: str, advertise: str, data
                                incarnation=incarnation, leader_term=fence.term)
         try:
             reply = leader.RegisterFollower(info, timeout=max(1.0, interval))
-            keyring.set_secret(reply.data_secret)
+            keyring.set_secret(reply.data_secret, reply.encrypt)
             fence.heard(reply.term)
         except grpc.RpcError as exc:
             log.debug("heartbeat to leader failed: %s", exc.code().name)

@@ -131,7 +131,7 @@ def run_leader(cfg: RunConfig, listen: str, state: Path, creds: Credentials,
     term = next_term(state)
     issued = Issued(term=term, data_secret=data_secret(state), run_spec=spec.model_dump_json(),
                     fingerprint=spec.fingerprint.to_json() if spec.fingerprint else "",
-                    encrypt=False)
+                    encrypt=creds.secure and cfg.data_encryption == "aes-gcm")
     lease_s = fencing.lease_seconds(cfg.membership.heartbeat_interval_s,
                                     cfg.membership.missed_heartbeats)
     holder: dict[str, Leader] = {}

@@ -33,7 +33,7 @@ class Membership:
                            f"{self.term}")
             raise Refused(Refusal.STALE_TERM, f"leader term {self.term} stepped down: follower "
                                               f"{entry.index} follows term {entry.leader_term}")
-        answer = RegisterAnswer(self.term, self.issued.data_secret)
+        answer = RegisterAnswer(self.term, self.issued.data_secret, self.issued.encrypt)
         with self._cond:
             for f in self.followers.values():
                 if f.index != entry.index and set(f.layers) & set(entry.layers):

@@ -43,6 +43,7 @@ class RegisterAnswer:
 
     term: int
     data_secret: bytes
+    encrypt: bool = False
 
 
 @dataclass

@@ -74,6 +74,9 @@ class RunConfig(Strict):
         None, ge=1, description="stop once the leader reports this many outer steps (versions "
                                 "applied); None: no limit. Stops on the event, not on a "
                                 "duration: tests use it with max_time_s as a safety limit")
+    data_encryption: Literal["aes-gcm", "off"] = Field(
+        "aes-gcm", description="aes-gcm: members encrypt tensor bytes on the data plane "
+                               "(with TLS; --insecure never does); off: authenticated only")
     eval_batches: int = Field(8, ge=1, description="validation batches per evaluation")
     eval_batch_size: int = Field(16, ge=1, description="sequences per validation batch")
     timeouts: Timeouts = Field(default_factory=Timeouts, description="seconds per blocking phase")

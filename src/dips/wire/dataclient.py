@@ -30,8 +30,15 @@ import zmq
 from dips.algo.refusal import Refusal
 from dips.wire.frames import FrameError, Message, decode, encode, tensor_bytes
 from dips.wire.keys import MemberKey
-from dips.wire.stream import (BEGIN, CHUNK, DEFAULT_CHUNK_BYTES, END, StreamReader, StreamWriter,
-                              TensorSpec)
+from dips.wire.stream import (
+    BEGIN,
+    CHUNK,
+    DEFAULT_CHUNK_BYTES,
+    END,
+    StreamReader,
+    StreamWriter,
+    TensorSpec,
+)
 
 MSG, PULL = b"M", b"R"
 
@@ -83,6 +90,7 @@ class DataClient:
                  limiter: Callable[[int], Any] | None = None) -> None:
         self._key = key.key
         self._kid = key.key_id.encode()
+        self._encrypt = key.encrypt
         self.endpoint = endpoint
         self.timeout_s = timeout_s
         self.limiter = limiter
@@ -132,7 +140,8 @@ class DataClient:
             if not frames or frames[0].bytes != MSG:
                 raise FrameError(f"expected a reply from {self.endpoint}, got kind "
                                  f"{frames[0].bytes[:8] if frames else b''!r} ({what})")
-            msg = decode(self._key, [f.buffer for f in frames[1:]])
+            msg = decode(self._key, [f.buffer for f in frames[1:]],
+                         require_encrypted=self._encrypt)
             got = msg.header.pop("xfer", None)
             if xfer is not None and got is not None and got != xfer.hex():
                 self._early[got] = msg  # the reply to another stream still in flight
@@ -151,7 +160,7 @@ class DataClient:
             FrameError: bad input, or the reply failed verification.
         """
         def run() -> Message:
-            frames = encode(self._key, header, tensors)
+            frames = encode(self._key, header, tensors, encrypt=self._encrypt)
             self._send([MSG, self._kid, *frames], sum(memoryview(f).nbytes for f in frames))
             return self._reply(None, f"op {header.get('op')!r}")
         return self._guard(f"op {header.get('op')!r}", run)
@@ -165,7 +174,7 @@ class DataClient:
         """
         def run() -> StreamWriter:
             w = StreamWriter(self._key, header, [TensorSpec.of(n, t) for n, t in tensors],
-                             chunk_bytes)
+                             chunk_bytes, encrypt=self._encrypt)
             begin = w.begin()
             self._send([begin[0], self._kid, *begin[1:]], len(w.head))
             for i, (_, t) in enumerate(tensors):
@@ -215,7 +224,8 @@ class DataClient:
             if parts[0] != BEGIN or len(parts) != 3:
                 raise FrameError(f"expected a stream begin from {self.endpoint}, got kind "
                                  f"{parts[0][:8]!r} with {len(parts)} frames")
-            reader = StreamReader(self._key, parts[1], parts[2])
+            reader = StreamReader(self._key, parts[1], parts[2],
+                                  require_encrypted=self._encrypt)
             if reader.xfer != xfer:
                 raise FrameError(f"stream {reader.xfer.hex()} answers another request")
             if reader.specs != want:
@@ -229,6 +239,9 @@ class DataClient:
                     i, off, n = reader.expect(meta)
                     tag = sock.recv()
                     view = dests[i][off:off + n]
+                    if reader.encrypted:  # decrypted straight into the destination
+                        reader.open_into(meta, sock.recv(copy=False).buffer, view)
+                        continue
                     got = sock.recv_into(view)
                     if got != n:
                         raise FrameError(f"chunk {reader.received} of tensor {want[i].name!r} is "

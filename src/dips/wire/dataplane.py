@@ -43,12 +43,22 @@ import torch
 import zmq
 
 from dips.algo.refusal import Refusal, Refused
-from dips.wire.dataclient import MSG, PULL, DataClient, DataPlaneError, xfer_id as _xfer_id
+from dips.wire.dataclient import MSG, PULL, DataClient, DataPlaneError
+from dips.wire.dataclient import xfer_id as _xfer_id
 from dips.wire.frames import FrameError, Message, decode, encode
 from dips.wire.keys import Keyring, MemberKey
 from dips.wire.pki import Identity
-from dips.wire.stream import (BEGIN, CHUNK, END, MAX_CHUNK_BYTES, StreamReader, StreamWriter,
-                              TensorSpec, check_chunk_bytes)
+from dips.wire.seal import TAG_BYTES
+from dips.wire.stream import (
+    BEGIN,
+    CHUNK,
+    END,
+    MAX_CHUNK_BYTES,
+    StreamReader,
+    StreamWriter,
+    TensorSpec,
+    check_chunk_bytes,
+)
 
 log = logging.getLogger(__name__)
 _OUTBOX_IDS = itertools.count()
@@ -170,6 +180,7 @@ class DataServer:
         for _ in range(ring_chunks):
             self._credits.put(None)
         self._inq: queue.SimpleQueue[tuple] = queue.SimpleQueue()
+        self._scratch = memoryview(bytearray(MAX_CHUNK_BYTES))  # the consumer's decryptions
         self._pullq: queue.SimpleQueue[tuple] = queue.SimpleQueue()
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=f, name=n, daemon=True) for f, n in
@@ -297,7 +308,7 @@ class DataServer:
         if mk is None:
             return []
         try:
-            msg = decode(mk.key, frames[1:])
+            msg = decode(mk.key, frames[1:], require_encrypted=mk.encrypt)
             self._authorize(mk.identity, msg.header)
             header, tensors = self._handler(msg)
         except REFUSED as exc:
@@ -306,7 +317,7 @@ class DataServer:
         except Exception as exc:  # keep serving other peers; report the failure
             log.exception("data-plane handler failed")
             return _error(mk.key, ident, RuntimeError(f"internal: {exc}"))
-        return [ident, MSG, *encode(mk.key, header, tensors)]
+        return [ident, MSG, *encode(mk.key, header, tensors, encrypt=mk.encrypt)]
 
     def _fail(self, out: zmq.Socket, ident: bytes, x: _Xfer, exc: BaseException) -> None:
         log.warning("data-plane push refused: %s", exc)
@@ -324,7 +335,8 @@ class DataServer:
                 raise FrameError(f"begin message has {len(frames)} frames, expected 3")
             if self._streams is None:
                 raise ValueError("this data server does not accept streams")
-            reader = StreamReader(mk.key, bytes(frames[1]), bytes(frames[2]))
+            reader = StreamReader(mk.key, bytes(frames[1]), bytes(frames[2]),
+                                  require_encrypted=mk.encrypt)
             self._authorize(mk.identity, reader.header)
             sink = self._streams.open_push(reader.header, reader.specs)
         except REFUSED as exc:
@@ -343,12 +355,13 @@ class DataServer:
             try:
                 if frame is None:
                     raise FrameError("chunk message is not [kind, meta, tag, data]")
-                if len(frame) > MAX_CHUNK_BYTES:
+                if len(frame) > MAX_CHUNK_BYTES + TAG_BYTES:
                     raise FrameError(f"chunk data is {len(frame)} bytes, the limit is "
-                                     f"{MAX_CHUNK_BYTES}")
-                view = frame.buffer
-                index, offset = x.reader.verify(meta, tag, view)
-                x.sink.write(index, offset, view)  # verified bytes, straight from the frame
+                                     f"{MAX_CHUNK_BYTES + TAG_BYTES}")
+                # Verified bytes straight from the frame; decrypted into the scratch buffer
+                # when the member encrypts (the sink copies them out before the next chunk).
+                index, offset, view = x.reader.receive(meta, tag, frame.buffer, self._scratch)
+                x.sink.write(index, offset, view)
             except REFUSED as exc:
                 self._fail(out, ident, x, exc)
         finally:
@@ -406,7 +419,8 @@ class DataServer:
             if self._streams is None:
                 raise ValueError("this data server does not serve streams")
             src = self._streams.open_pull(msg.header)
-            writer = StreamWriter(mk.key, src.header, src.specs, chunk, xfer=xfer)
+            writer = StreamWriter(mk.key, src.header, src.specs, chunk, xfer=xfer,
+                                  encrypt=mk.encrypt)
             out.send_multipart([ident, *writer.begin()])
             for i in range(len(src.specs)):
                 for parts in writer.chunks(i, src.tensor(i)):

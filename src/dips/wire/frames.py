@@ -4,9 +4,11 @@ A message is a ZeroMQ multipart: ``[header, mac, payload_0, ..., payload_{n-1}]`
 
 * ``header``: UTF-8 JSON object, small (< a few KB): ``{"v": 1, "op": str, ...,
   "tensors": [{"name": str, "dtype": "bf16"|"fp32", "shape": [int, ...]}, ...]}``.
-* ``mac``: HMAC-SHA256 over the header and every payload, keyed with the run secret, so
-  an unauthenticated or altered message is refused before anything is decoded.
-* ``payload_k``: the raw little-endian bytes of tensor k (contiguous, C order).
+* ``mac``: HMAC-SHA256 over the header and every payload, keyed with the sender's member key
+  (:mod:`dips.wire.keys`), so an unauthenticated or altered message is refused before
+  anything is decoded.
+* ``payload_k``: the raw little-endian bytes of tensor k (contiguous, C order), or, with
+  ``"enc": 1`` in the header, those bytes encrypted with AES-256-GCM (:mod:`dips.wire.seal`).
 
 Nothing is ever unpickled. Decoding checks the frame count, the MAC, each dtype, each
 shape against the byte length, and (optionally) that values are finite; any failure raises
@@ -23,6 +25,9 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
+from cryptography.exceptions import InvalidTag
+
+from dips.wire import seal
 
 PROTOCOL_VERSION = 1
 MAX_HEADER_BYTES = 1 << 20
@@ -63,13 +68,17 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
 
 
 def encode(key: bytes, header: dict[str, Any],
-           tensors: Sequence[tuple[str, torch.Tensor]] = ()) -> list[bytes | memoryview]:
+           tensors: Sequence[tuple[str, torch.Tensor]] = (),
+           encrypt: bool = False) -> list[bytes | memoryview]:
     """Encode a header and named tensors into multipart frames.
 
     Args:
-        key: the run's shared secret (bytes, >= 16).
-        header: JSON-serializable fields; must contain ``op``; must not contain ``tensors``.
+        key: the sender's member key (bytes, >= 16; :mod:`dips.wire.keys`).
+        header: JSON-serializable fields; must contain ``op``; must not contain ``tensors``,
+            ``v``, ``enc`` or ``nonce``.
         tensors: (name, tensor) pairs; dtype BF16 or FP32, any shape, on CPU.
+        encrypt: encrypt each payload (AES-256-GCM, :mod:`dips.wire.seal`; +16 bytes each);
+            the header stays readable and authenticated.
 
     Returns:
         ``[header, mac, payload...]`` ready for ``socket.send_multipart(..., copy=False)``.
@@ -79,8 +88,8 @@ def encode(key: bytes, header: dict[str, Any],
     """
     if "op" not in header:
         raise FrameError("header field 'op' is missing")
-    if "tensors" in header or "v" in header:
-        raise FrameError("header fields 'tensors' and 'v' are reserved")
+    if {"tensors", "v", "enc", "nonce"} & set(header):
+        raise FrameError("header fields 'tensors', 'v', 'enc' and 'nonce' are reserved")
     meta = []
     payloads: list[memoryview] = []
     for name, t in tensors:
@@ -88,19 +97,25 @@ def encode(key: bytes, header: dict[str, Any],
             raise FrameError(f"tensor {name!r}: dtype {t.dtype} is not one of {sorted(DTYPES)}")
         meta.append({"name": name, "dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape)})
         payloads.append(tensor_bytes(t))
-    head = json.dumps({"v": PROTOCOL_VERSION, **header, "tensors": meta},
+    sealed = {"enc": 1, "nonce": seal.fresh()} if encrypt else {}
+    head = json.dumps({"v": PROTOCOL_VERSION, **header, **sealed, "tensors": meta},
                       separators=(",", ":")).encode()
+    if encrypt:
+        aead = seal.cipher(key, b"msg", head)
+        payloads = [aead.encrypt(seal.nonce(i), p, None) for i, p in enumerate(payloads)]
     return [head, _mac(key, [head, *payloads]), *payloads]
 
 
 def decode(key: bytes, frames: Sequence[bytes | memoryview], *,
-           require_finite: bool = True) -> Message:
+           require_finite: bool = True, require_encrypted: bool = False) -> Message:
     """Decode and verify multipart frames produced by :func:`encode`.
 
     Args:
-        key: the run's shared secret.
+        key: the sender's member key.
         frames: the received frames (bytes, memoryviews or zmq.Frame buffers).
         require_finite: refuse NaN/Inf values in floating tensors.
+        require_encrypted: refuse a message with payloads that are not encrypted (a
+            header-only message, e.g. an ack or an error, needs no encryption).
 
     Returns:
         The :class:`Message`; tensors are fresh CPU tensors of the sent dtype and shape.
@@ -127,9 +142,15 @@ def decode(key: bytes, frames: Sequence[bytes | memoryview], *,
         raise FrameError(f"header field 'v' = {header.get('v')!r}, expected {PROTOCOL_VERSION}")
     meta = header.pop("tensors", [])
     header.pop("v")
+    encrypted = header.pop("enc", 0) == 1
+    header.pop("nonce", None)
+    if require_encrypted and payloads and not encrypted:
+        raise FrameError("message payloads are not encrypted, and this member's must be")
     if not isinstance(meta, list) or len(meta) != len(payloads):
         n = len(meta) if isinstance(meta, list) else meta
         raise FrameError(f"header lists {n} tensors but {len(payloads)} payload frames arrived")
+    if encrypted:
+        payloads = _open(key, head, payloads)
     tensors: dict[str, torch.Tensor] = {}
     for m, payload in zip(meta, payloads):
         name, t = _decode_tensor(m, payload)
@@ -139,6 +160,19 @@ def decode(key: bytes, frames: Sequence[bytes | memoryview], *,
             raise FrameError(f"tensor {name!r} appears twice")
         tensors[name] = t
     return Message(header=header, tensors=tensors)
+
+
+def _open(key: bytes, head: bytes, payloads: list[memoryview]) -> list[memoryview]:
+    aead = seal.cipher(key, b"msg", head)
+    out = []
+    for i, p in enumerate(payloads):
+        if p.nbytes < seal.TAG_BYTES:
+            raise FrameError(f"encrypted payload {i} is {p.nbytes} bytes, shorter than a tag")
+        try:
+            out.append(memoryview(aead.decrypt(seal.nonce(i), p, None)))
+        except InvalidTag:
+            raise FrameError(f"encrypted payload {i}: tag does not match (altered)") from None
+    return out
 
 
 def _decode_tensor(meta: Any, payload: memoryview) -> tuple[str, torch.Tensor]:

@@ -88,10 +88,12 @@ class Keyring:
         self._secret = secret
         self._lookup = lru_cache(maxsize=4096)(self._derive)
 
-    def set_secret(self, secret: bytes) -> None:
-        """Take the leader's data secret (a restarted leader keeps the same one)."""
-        if secret != self._secret:
+    def set_secret(self, secret: bytes, encrypt: bool | None = None) -> None:
+        """Take the leader's data secret (a restarted leader keeps the same one) and whether
+        members encrypt (None: unchanged)."""
+        if secret != self._secret or (encrypt is not None and encrypt != self.encrypt):
             self._secret = secret
+            self.encrypt = self.encrypt if encrypt is None else encrypt
             self._lookup.cache_clear()
 
     def _derive(self, key_id: str) -> MemberKey:

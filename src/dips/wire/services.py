@@ -80,7 +80,8 @@ class LeaderServicer(pbg.LeaderServicer):
             raise Refused(Refusal.FORBIDDEN, f"RegisterFollower: field 'index' = {request.index}, "
                                              f"but the caller's certificate is {who.name!r}")
         reply = self.leader.register_follower(self._entry(request))
-        return pb.RegisterReply(term=reply.term, data_secret=reply.data_secret)
+        return pb.RegisterReply(term=reply.term, data_secret=reply.data_secret,
+                                encrypt=reply.encrypt)
 
     @grpc_errors
     def GetSpec(self, request: pb.SpecRequest, context: Any) -> pb.SpecReply:

@@ -8,7 +8,9 @@ k+1 is still on the wire (a single multipart message is delivered only once comp
   "chunk": bytes, "tensors": [{"name", "dtype", "shape"}, ...], ...}``;
   ``mac = HMAC-SHA256(key, b"dips/begin" + head)``.
 * ``CHUNK  [b"C", meta, tag, data]``: ``meta = xfer (16 bytes) + seq (uint32 LE)``; ``data`` is
-  1 chunk of raw little-endian tensor bytes. Each tensor is cut on its own into pieces of
+  1 chunk of raw little-endian tensor bytes. With ``"enc": 1`` in the header the chunk is
+  ``[b"C", meta, b"", ciphertext + GCM tag]`` (AES-256-GCM under a key bound to the header,
+  nonce = seq, associated data = meta; :mod:`dips.wire.seal`) and its tag is the GCM tag. Each tensor is cut on its own into pieces of
   ``chunk`` bytes (the last may be shorter; an empty tensor has none), in tensor order.
   ``tag = Poly1305(k_seq, data)`` with the one-time key ``k_seq = HMAC-SHA256(key,
   b"dips/chunk" + xfer + seq)``: the HMAC binds every chunk to its transfer and position, and
@@ -34,10 +36,17 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
 import torch
-from cryptography.exceptions import InvalidSignature
+from cryptography.exceptions import InvalidSignature, InvalidTag
 from cryptography.hazmat.primitives.poly1305 import Poly1305
 
-from dips.wire.frames import DTYPE_NAMES, DTYPES, MAX_HEADER_BYTES, FrameError, tensor_bytes
+from dips.wire import seal
+from dips.wire.frames import (
+    DTYPE_NAMES,
+    DTYPES,
+    MAX_HEADER_BYTES,
+    FrameError,
+    tensor_bytes,
+)
 
 STREAM_VERSION = 2
 BEGIN, CHUNK, END = b"B", b"C", b"E"
@@ -103,17 +112,18 @@ class StreamWriter:
         key: the run secret. header: JSON fields (must contain ``op``; ``v``, ``xfer``,
             ``chunk`` and ``tensors`` are reserved). specs: the tensors, in sending order.
         chunk_bytes: piece size (see :func:`check_chunk_bytes`). xfer: 16-byte transfer id
-            (default: random).
+            (default: random). encrypt: encrypt each chunk (see the module docstring).
 
     Raises:
         FrameError: a reserved or missing header field, a bad chunk size.
     """
 
     def __init__(self, key: bytes, header: dict[str, Any], specs: Sequence[TensorSpec],
-                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, xfer: bytes | None = None) -> None:
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, xfer: bytes | None = None,
+                 encrypt: bool = False) -> None:
         if "op" not in header:
             raise FrameError("header field 'op' is missing")
-        reserved = {"v", "xfer", "chunk", "tensors"} & set(header)
+        reserved = {"v", "xfer", "chunk", "tensors", "enc", "nonce"} & set(header)
         if reserved:
             raise FrameError(f"header fields {sorted(reserved)} are reserved")
         self._key = key
@@ -122,11 +132,13 @@ class StreamWriter:
         self.specs = list(specs)
         self.plan = plan_chunks(self.specs, self.chunk_bytes)
         self._starts = [sum(1 for c in self.plan if c[0] < i) for i in range(len(self.specs))]
-        self.head = json.dumps({"v": STREAM_VERSION, **header, "xfer": self.xfer.hex(),
+        sealed = {"enc": 1, "nonce": seal.fresh()} if encrypt else {}
+        self.head = json.dumps({"v": STREAM_VERSION, **header, **sealed, "xfer": self.xfer.hex(),
                                 "chunk": self.chunk_bytes,
                                 "tensors": [{"name": s.name, "dtype": s.dtype, "shape": list(s.shape)}
                                             for s in self.specs]}, separators=(",", ":")).encode()
         self._tags: list[bytes] = []
+        self._aead = seal.cipher(key, b"stream", self.head) if encrypt else None
 
     def begin(self) -> list[bytes]:
         return [BEGIN, self.head, hmac.digest(self._key, b"dips/begin" + self.head, "sha256")]
@@ -149,9 +161,16 @@ class StreamWriter:
             if i != index:
                 break
             data = raw[off:off + n]
+            meta = _META.pack(self.xfer, seq)
+            if self._aead is not None:
+                sealed = bytearray(n + seal.TAG_BYTES)  # referenced by ZeroMQ until sent
+                self._aead.encrypt_into(seal.nonce(seq), data, meta, sealed)
+                self._tags.append(bytes(sealed[n:]))
+                yield [CHUNK, meta, b"", sealed]
+                continue
             tag = Poly1305.generate_tag(_chunk_key(self._key, self.xfer, seq), data)
             self._tags.append(tag)
-            yield [CHUNK, _META.pack(self.xfer, seq), tag, data]
+            yield [CHUNK, meta, tag, data]
 
     def end(self) -> list[bytes]:
         """The END message. Raises FrameError if some chunk was not produced."""
@@ -165,7 +184,8 @@ class StreamReader:
     """Verifies one incoming transfer (receiver side); see the module docstring.
 
     Args:
-        key: the run secret. head, mac: the BEGIN message's JSON and MAC.
+        key: the sender's member key. head, mac: the BEGIN message's JSON and MAC.
+        require_encrypted: refuse a stream whose chunks are not encrypted.
 
     Attributes:
         header: JSON fields other than the reserved ones. specs: the announced tensors.
@@ -175,7 +195,7 @@ class StreamReader:
         FrameError: unauthenticated or malformed header (field and value named).
     """
 
-    def __init__(self, key: bytes, head: bytes, mac: bytes) -> None:
+    def __init__(self, key: bytes, head: bytes, mac: bytes, require_encrypted: bool = False) -> None:
         if len(head) > MAX_HEADER_BYTES:
             raise FrameError(f"header length {len(head)} exceeds {MAX_HEADER_BYTES} bytes")
         if not hmac.compare_digest(hmac.digest(key, b"dips/begin" + head, "sha256"), mac):
@@ -197,6 +217,11 @@ class StreamReader:
         if len({s.name for s in self.specs}) != len(self.specs):
             raise FrameError(f"stream header lists a tensor twice: {[s.name for s in self.specs]}")
         h.pop("v")
+        self.encrypted = h.pop("enc", 0) == 1
+        h.pop("nonce", None)
+        if require_encrypted and not self.encrypted:
+            raise FrameError("stream chunks are not encrypted, and this member's must be")
+        self._aead = seal.cipher(key, b"stream", head) if self.encrypted else None
         self.header = h
         self.plan = plan_chunks(self.specs, self.chunk_bytes)
         self._key = key
@@ -222,11 +247,42 @@ class StreamReader:
                              f"(reordered or lost)")
         return self.plan[seq]
 
+    def receive(self, meta: bytes, tag: bytes, data: memoryview,
+                scratch: memoryview) -> tuple[int, int, memoryview]:
+        """Verify (and decrypt into ``scratch``, at least :data:`MAX_CHUNK_BYTES`) the next
+        chunk; return ``(tensor index, byte offset, plaintext)`` (``data`` itself when not
+        encrypted). Raises FrameError as :meth:`verify` and :meth:`open_into`."""
+        if self._aead is None:
+            i, off = self.verify(meta, tag, data)
+            return i, off, data
+        i, off, n = self.expect(meta)
+        out = scratch[:n]
+        self.open_into(meta, data, out)
+        return i, off, out
+
+    def open_into(self, meta: bytes, data: memoryview | bytes, out: memoryview) -> tuple[int, int]:
+        """Decrypt the next (encrypted) chunk ``data`` (ciphertext + tag) into ``out``; return
+        ``(tensor index, byte offset)``. Raises FrameError: out of order, wrong size, tag
+        mismatch (altered, or a chunk of another transfer or position)."""
+        i, off, n = self.expect(meta)
+        if len(data) != n + seal.TAG_BYTES or len(out) != n:
+            raise FrameError(f"chunk {len(self._tags)} of tensor {self.specs[i].name!r} is "
+                             f"{len(data)} bytes, expected {n + seal.TAG_BYTES}")
+        try:
+            self._aead.decrypt_into(seal.nonce(len(self._tags)), data, meta, out)
+        except InvalidTag:
+            raise FrameError(f"chunk {len(self._tags)} of tensor {self.specs[i].name!r}: tag "
+                             f"does not match (altered, or replayed from elsewhere)") from None
+        self._tags.append(bytes(data[n:]))
+        return i, off
+
     def verify(self, meta: bytes, tag: bytes, data: memoryview | bytes) -> tuple[int, int]:
-        """Verify the next chunk; return ``(tensor index, byte offset)`` where it belongs.
+        """Verify the next (unencrypted) chunk; return ``(tensor index, byte offset)``.
 
         Raises FrameError: out of order, wrong size, or tag mismatch (unauthenticated/altered).
         """
+        if self._aead is not None:
+            raise FrameError("an encrypted stream's chunk must be opened, not verified")
         i, off, n = self.expect(meta)
         if len(data) != n:
             raise FrameError(f"chunk {len(self._tags)} of tensor {self.specs[i].name!r} is "
