@@ -75,8 +75,9 @@ def follower(leader_addr: LeaderAddr,
                  "--data-advertise", help="HOST:PORT clusters reach the data plane at")] = None,
              tls: Tls = None, insecure: Insecure = False,
              init: Annotated[Optional[Path], typer.Option(
-                 "--init", exists=True, dir_okay=False,
-                 help="version 0 as safetensors (default: built from the config's seed)")] = None,
+                 "--init", exists=True,
+                 help="version 0: a safetensors file or an HF checkpoint directory "
+                      "(default: built from the config's seed)")] = None,
              data_ipc: Annotated[Optional[Path], typer.Option("--data-ipc", hidden=True)] = None,
              ) -> None:
     """A follower (§5): one shard of θ and its momentum; scores, aggregates, applies."""

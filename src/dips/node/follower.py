@@ -26,16 +26,30 @@ log = logging.getLogger(__name__)
 
 
 def _initial_params(spec, names: list[str], init: Path | None):
-    """Version 0 of this shard: from ``init`` (safetensors, e.g. the preparing host's
-    ``init/model.safetensors``) or built from the config's seed."""
+    """Version 0 of this shard: from ``init`` — a safetensors file (e.g. the preparing host's
+    ``init/model.safetensors``) or an HF checkpoint directory (``save_pretrained``: one or
+    several ``*.safetensors`` files) — or, without it, built from the config's seed. Raises
+    RoleError naming the parameters missing or of another shape."""
     if init is not None:
         from safetensors import safe_open
 
-        with safe_open(str(init), framework="pt") as f:
-            missing = [n for n in names if n not in f.keys()]
-            if missing:
-                raise RoleError(f"--init {init}: parameters {missing[:3]} missing")
-            return {n: f.get_tensor(n).float() for n in names}
+        files = sorted(init.glob("*.safetensors")) if init.is_dir() else [init]
+        params = {}
+        for path in files:
+            with safe_open(str(path), framework="pt") as f:
+                for n in set(names) & set(f.keys()):
+                    params[n] = f.get_tensor(n).float().contiguous()
+        missing = [n for n in names if n not in params]
+        if missing:
+            raise RoleError(f"--init {init}: parameters {missing[:3]} missing "
+                            f"({len(missing)} in all)")
+        want = {n: tuple(shape) for n, shape, _ in (spec.fingerprint.tensors
+                                                     if spec.fingerprint else [])}
+        wrong = [n for n in names if n in want and tuple(params[n].shape) != want[n]]
+        if wrong:
+            raise RoleError(f"--init {init}: {wrong[0]} has shape {tuple(params[wrong[0]].shape)}, "
+                            f"the run's model {want[wrong[0]]}")
+        return params
     from dips.train.model import build_model
 
     model = build_model(spec.config.model, spec.config.seed)
