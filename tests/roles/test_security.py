@@ -67,7 +67,8 @@ class Site:
         self.lserver = make_server(max_workers=8)
         pbg.add_LeaderServicer_to_server(LeaderServicer(
             self.leader, lambda i: FollowerEntry(i.index, i.data_endpoint, i.control_endpoint,
-                                                 list(i.layers), list(i.layer_bytes)),
+                                                 list(i.layers), list(i.layer_bytes),
+                                                 i.incarnation, leader_term=i.leader_term),
             revoked=lambda: read_revoked(self.pki / "leader" / "revoked.txt")), self.lserver)
         self.leader_addr = f"127.0.0.1:{leader_creds.add_port(self.lserver, '127.0.0.1:0')}"
         self.lserver.start()
@@ -222,3 +223,18 @@ def test_insecure_needs_the_flag_and_warns(capsys, tmp_path):
     init_pki(tmp_path, 1, ["a"])
     with pytest.raises(RoleError, match="cluster-a"):
         credentials(tmp_path / "cluster-a", False, Identity.cluster("b"))
+
+
+def test_a_second_process_as_follower_0_supersedes_the_first_which_is_refused(site):
+    f0 = site.leader_as("follower-0")
+    info = pb.FollowerInfo(index=0, data_endpoint=site.data.endpoint,
+                           control_endpoint=site.follower_addr, layers=site.stages[0],
+                           layer_bytes=[4] * len(site.stages[0]), incarnation=111)
+    f0.RegisterFollower(info)  # replaces the in-process registration (a restart)
+    second = pb.FollowerInfo()
+    second.CopyFrom(info)
+    second.incarnation = 222
+    f0.RegisterFollower(second)  # another process with the same certificate
+    assert site.leader.followers[0].incarnation == 222
+    assert "superseded" in _refused(lambda: f0.RegisterFollower(info), Refusal.FORBIDDEN)
+    assert site.leader.followers[0].incarnation == 222 and site.theta_unchanged()

@@ -18,6 +18,7 @@ from pathlib import Path
 import grpc
 
 from dips.algo import fencing
+from dips.algo.refusal import Refusal
 from dips.node.common import RoleError, StateDir, fetch_spec, split_address
 from dips.wire.pki import Identity
 from dips.wire.security import Credentials
@@ -68,7 +69,7 @@ def run_follower(leader_addr: str, index: int, listen: str, advertise: str, data
     from dips.roles.checkpoint import complete_versions, load_checkpoint
     from dips.roles.fence import Fence
     from dips.roles.follower import FollowerShard
-    from dips.wire.control import make_server
+    from dips.wire.control import make_server, refusal_of
     from dips.wire.dataplane import DataServer
     from dips.wire.keys import Keyring
     from dips.wire.pb import control_pb2 as pb
@@ -120,6 +121,7 @@ def run_follower(leader_addr: str, index: int, listen: str, advertise: str, data
     log.info("follower %d serving layers %s at version %d (control %s, data %s)", index, owned,
              shard.version, advertise, data_endpoint)
     interval = cfg.membership.heartbeat_interval_s
+    code = 0
     # Registration doubles as the heartbeat: the leader learns a restart from the incarnation,
     # a restarted leader learns this follower within one interval (§12), and the reply renews
     # the leader's lease on this follower.
@@ -134,10 +136,14 @@ def run_follower(leader_addr: str, index: int, listen: str, advertise: str, data
             keyring.set_secret(reply.data_secret, reply.encrypt)
             fence.heard(reply.term)
         except grpc.RpcError as exc:
+            if refusal_of(exc) is Refusal.FORBIDDEN:  # another process serves this index
+                log.error("follower %d stops: %s", index, exc.details())
+                code = 3
+                break
             log.debug("heartbeat to leader failed: %s", exc.code().name)
         stop.wait(interval)
     server.stop(grace=2.0).wait(5.0)
     data.stop()
     shard.close()
     leader.close()
-    return 0
+    return code

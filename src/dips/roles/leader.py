@@ -91,6 +91,7 @@ class Leader(Membership, Records):
         self._recorded: dict[str, Any] = {}          # its verdicts, until the machine has them
         self._leaving: set[str] = set()              # removed; ledger release after the verdicts
         self.followers: dict[int, FollowerEntry] = {}
+        self._superseded: dict[int, list[int]] = {}  # index -> incarnations replaced since
         self.clusters: dict[str, ClusterEntry] = {}
         self.version = 0
         self.penalty = PenaltyState()

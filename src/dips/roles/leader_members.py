@@ -44,6 +44,15 @@ class Membership:
             if old is not None and old.incarnation == entry.incarnation and old.up:
                 old.last_seen = self._clock()
                 return answer
+            gone = self._superseded.setdefault(entry.index, [])
+            if entry.incarnation in gone:
+                # The process this one replaced is still alive (one identity, two processes):
+                # the newer process serves the index, the older one is told to stop.
+                raise Refused(Refusal.FORBIDDEN, f"follower {entry.index}: incarnation "
+                                                 f"{entry.incarnation} was superseded by another "
+                                                 "process serving this index")
+            if old is not None and old.incarnation != entry.incarnation:
+                gone[:] = [*gone[-15:], old.incarnation]
             entry.control = self._connect(entry)
             entry.last_seen = self._clock()
             self.followers[entry.index] = entry
