@@ -99,3 +99,21 @@ def test_an_encrypting_member_pushes_and_pulls_through_a_data_server():
                 c.push({"op": "push", "layer": "L"}, _layer(), chunk_bytes=1024)
     finally:
         server.stop()
+
+
+def test_the_ring_reuses_a_buffer_only_once_zeromq_released_it():
+    from dips.wire.seal import SealRing
+
+    class Tracker:
+        def __init__(self, done):
+            self.done = done
+
+    ring = SealRing(slots=2)
+    a = ring.take(8)
+    ring.track(Tracker(done=False))  # still in flight
+    b = ring.take(8)
+    ring.track(Tracker(done=True))
+    a2 = ring.take(8)  # slot 0 again: its buffer is in flight, so a fresh one
+    assert a2.obj is not a.obj
+    b2 = ring.take(4)  # slot 1: released, reused
+    assert b2.obj is b.obj and len(b2) == 4

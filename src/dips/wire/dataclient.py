@@ -30,6 +30,7 @@ import zmq
 from dips.algo.refusal import Refusal
 from dips.wire.frames import FrameError, Message, decode, encode, tensor_bytes
 from dips.wire.keys import MemberKey
+from dips.wire.seal import SealRing
 from dips.wire.stream import (
     BEGIN,
     CHUNK,
@@ -91,6 +92,7 @@ class DataClient:
         self._key = key.key
         self._kid = key.key_id.encode()
         self._encrypt = key.encrypt
+        self._ring = SealRing() if key.encrypt else None
         self.endpoint = endpoint
         self.timeout_s = timeout_s
         self.limiter = limiter
@@ -117,10 +119,12 @@ class DataClient:
             self._sock = sock
         return self._sock
 
-    def _send(self, parts: list, nbytes: int) -> None:
+    def _send(self, parts: list, nbytes: int, track: bool = False) -> None:
         if self.limiter is not None:
             self.limiter(nbytes)
-        self._socket().send_multipart(parts, copy=False)
+        tracker = self._socket().send_multipart(parts, copy=False, track=track)
+        if track:
+            self._ring.track(tracker)  # the ring's buffer is reused once ZeroMQ released it
 
     def _guard(self, what: str, fn: Callable[[], Any]) -> Any:
         try:
@@ -174,12 +178,12 @@ class DataClient:
         """
         def run() -> StreamWriter:
             w = StreamWriter(self._key, header, [TensorSpec.of(n, t) for n, t in tensors],
-                             chunk_bytes, encrypt=self._encrypt)
+                             chunk_bytes, encrypt=self._encrypt, ring=self._ring)
             begin = w.begin()
             self._send([begin[0], self._kid, *begin[1:]], len(w.head))
             for i, (_, t) in enumerate(tensors):
                 for parts in w.chunks(i, t):
-                    self._send(parts, memoryview(parts[3]).nbytes)
+                    self._send(parts, memoryview(parts[3]).nbytes, track=w.encrypted)
             self._send(w.end(), 64)
             return w
         return self._guard(f"push {header.get('op')!r}", run)

@@ -48,7 +48,7 @@ from dips.wire.dataclient import xfer_id as _xfer_id
 from dips.wire.frames import FrameError, Message, decode, encode
 from dips.wire.keys import Keyring, MemberKey
 from dips.wire.pki import Identity
-from dips.wire.seal import TAG_BYTES
+from dips.wire.seal import TAG_BYTES, SealRing
 from dips.wire.stream import (
     BEGIN,
     CHUNK,
@@ -392,6 +392,7 @@ class DataServer:
 
     # ----- data-producer -------------------------------------------------------------
     def _produce(self) -> None:
+        self._ring = SealRing()  # this thread's buffers for encrypted pull chunks
         out = self._ctx.socket(zmq.PUSH)
         out.setsockopt(zmq.LINGER, 0)
         out.setsockopt(zmq.SNDHWM, 0)
@@ -420,11 +421,14 @@ class DataServer:
                 raise ValueError("this data server does not serve streams")
             src = self._streams.open_pull(msg.header)
             writer = StreamWriter(mk.key, src.header, src.specs, chunk, xfer=xfer,
-                                  encrypt=mk.encrypt)
+                                  encrypt=mk.encrypt, ring=self._ring)
             out.send_multipart([ident, *writer.begin()])
             for i in range(len(src.specs)):
                 for parts in writer.chunks(i, src.tensor(i)):
-                    out.send_multipart([ident, *parts], copy=False)
+                    tracker = out.send_multipart([ident, *parts], copy=False,
+                                                 track=writer.encrypted)
+                    if writer.encrypted:
+                        self._ring.track(tracker)
             src.finish()
             out.send_multipart([ident, *writer.end()])
         except REFUSED as exc:

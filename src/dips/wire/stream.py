@@ -113,6 +113,9 @@ class StreamWriter:
             ``chunk`` and ``tensors`` are reserved). specs: the tensors, in sending order.
         chunk_bytes: piece size (see :func:`check_chunk_bytes`). xfer: 16-byte transfer id
             (default: random). encrypt: encrypt each chunk (see the module docstring).
+        ring: where encrypted chunks are written (:class:`dips.wire.seal.SealRing`; the
+            sender must :meth:`~dips.wire.seal.SealRing.track` each send); None: a fresh
+            buffer per chunk.
 
     Raises:
         FrameError: a reserved or missing header field, a bad chunk size.
@@ -120,7 +123,7 @@ class StreamWriter:
 
     def __init__(self, key: bytes, header: dict[str, Any], specs: Sequence[TensorSpec],
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, xfer: bytes | None = None,
-                 encrypt: bool = False) -> None:
+                 encrypt: bool = False, ring: seal.SealRing | None = None) -> None:
         if "op" not in header:
             raise FrameError("header field 'op' is missing")
         reserved = {"v", "xfer", "chunk", "tensors", "enc", "nonce"} & set(header)
@@ -139,6 +142,11 @@ class StreamWriter:
                                             for s in self.specs]}, separators=(",", ":")).encode()
         self._tags: list[bytes] = []
         self._aead = seal.cipher(key, b"stream", self.head) if encrypt else None
+        self._ring = ring
+
+    @property
+    def encrypted(self) -> bool:
+        return self._aead is not None
 
     def begin(self) -> list[bytes]:
         return [BEGIN, self.head, hmac.digest(self._key, b"dips/begin" + self.head, "sha256")]
@@ -163,7 +171,8 @@ class StreamWriter:
             data = raw[off:off + n]
             meta = _META.pack(self.xfer, seq)
             if self._aead is not None:
-                sealed = bytearray(n + seal.TAG_BYTES)  # referenced by ZeroMQ until sent
+                sealed = (self._ring.take(n + seal.TAG_BYTES) if self._ring is not None
+                          else bytearray(n + seal.TAG_BYTES))  # ZeroMQ holds it until sent
                 self._aead.encrypt_into(seal.nonce(seq), data, meta, sealed)
                 self._tags.append(bytes(sealed[n:]))
                 yield [CHUNK, meta, b"", sealed]
