@@ -1,4 +1,4 @@
-"""``make bench-dataplane``: the six data-plane benchmarks of issue 5, one after the other.
+"""``make bench-dataplane``: the data-plane benchmarks of issues 5 and 11, one after the other.
 
 Each benchmark runs in its own process (memory is returned between them), prints its own
 table and ratios against a limit measured in the same run, and a ``RESULT {json}`` line;
@@ -67,6 +67,7 @@ def main() -> None:
             "--max-time", "60" if q else "150", "--grace-mode", "dynamic",
             "--run-dir", "runs/bench-dataplane/sync-h64-dynamic"], 900) if _launch_has_grace() else None,
         "grace": _run("bench_grace.py", ["--seconds", "30" if q else "75"], 900),
+        "secure": _run("bench_secure.py", ["--quick"] if q else [], 300),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(res, indent=1))
@@ -77,6 +78,9 @@ def main() -> None:
               f"{t['ratio_vs_raw_tcp']['stream']:.0%} of raw TCP {t['raw_tcp_gbps']:.2f} GB/s "
               f"(target >= 60%), {t['ratio_vs_zmq']['stream']:.0%} of ZeroMQ alone "
               f"{t['zmq_gbps']:.2f} GB/s")
+        print(f"1. secure (mutual TLS, AES-GCM chunks) {t['push_pull_gbps']['secure']:.2f} GB/s = "
+              f"{t['secure_vs_insecure']:.0%} of --insecure (target >= 90%), "
+              f"{t['ratio_vs_raw_tcp']['secure']:.0%} of raw TCP (target >= 35%)")
     if u:
         print(f"2. follower update {u['follower_gbps']:.2f} GB/s of state = "
               f"{u['ratio_follower_vs_sgd']:.0%} of fused SGD {u['sgd_gbps']:.2f} GB/s (target >= 50%)")
@@ -98,6 +102,12 @@ def main() -> None:
     if res["sync_overhead_dynamic"] is None:
         print("5. (dynamic grace through dips launch skipped: the launcher does not pass "
               "grace_mode to the leader yet; see benchmark 6 for the dynamic window)")
+    sec = res["secure"]
+    if sec:
+        m = sec["median_gbps"]
+        print(f"7. one connection, 2 MiB chunks: CurveZMQ {m['4 CurveZMQ + ZAP']:.2f}, AES-GCM "
+              f"{m['5b AES-GCM, encrypt_into ring']:.2f}, Poly1305 (insecure) "
+              f"{m['3 ZeroMQ+Poly1305 (insecure)']:.2f}, raw TCP {m['1 raw TCP']:.2f} GB/s")
     g = res["grace"]
     if g:
         for w, r in g.items():
