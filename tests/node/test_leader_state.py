@@ -10,14 +10,23 @@ import pytest
 
 from dips.algo.refusal import Refusal
 from dips.node.common import RoleError, StateDir
+from dips.algo.fencing import starts_of
 from dips.node.leader import data_secret, load_or_prepare, next_term, take_leases
 from dips.spec import RunConfig, RunSpec
 from dips.wire.control import REFUSAL_KEY
 
 
-def test_each_start_takes_a_higher_term_and_keeps_one_secret(tmp_path):
-    assert [next_term(tmp_path) for _ in range(3)] == [1, 2, 3]
+def test_each_start_takes_a_higher_unique_term_and_keeps_one_secret(tmp_path):
+    terms = [next_term(tmp_path) for _ in range(3)]
+    assert [starts_of(t) for t in terms] == [1, 2, 3] and terms == sorted(terms)
     assert (tmp_path / "term").read_text().strip() == "3"
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    again = set()
+    for _ in range(8):  # copies of one state directory: the same start count each time
+        (copy / "term").write_text("3\n")
+        again.add(next_term(copy))
+    assert len(again) == 8 and all(starts_of(t) == 4 for t in again)  # never the same term
     s = data_secret(tmp_path)
     assert len(s) == 32 and data_secret(tmp_path) == s
     assert stat.S_IMODE((tmp_path / "data_secret").stat().st_mode) == 0o600
@@ -33,12 +42,17 @@ def test_a_state_dir_prepared_for_another_config_is_refused(tmp_path):
         load_or_prepare(cfg.model_copy(update={"seed": 1}), tmp_path, None)
 
 
-def test_a_state_dir_is_held_by_one_process(tmp_path):
-    held = StateDir(tmp_path).acquire()
+def test_a_state_dir_is_held_by_one_process_for_its_life(tmp_path):
+    import gc
+
+    StateDir(tmp_path).acquire()  # as the role processes call it: the result is not kept
+    gc.collect()
     with pytest.raises(RoleError, match="in use by another dips process"):
         StateDir(tmp_path).acquire()
-    held._lock.close()
-    StateDir(tmp_path).acquire()
+    from dips.node import common
+
+    common._HELD.pop().close()  # what exiting does
+    StateDir(tmp_path).acquire().release()
 
 
 class _Refusal(grpc.RpcError):

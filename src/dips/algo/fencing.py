@@ -78,6 +78,20 @@ def offer(lease: LeaderLease, term: int, now: float, lease_s: float) -> Offer:
     return Offer(LeaderLease(term, now), adopted=True)
 
 
+def term_of(starts: int, nonce: int) -> int:
+    """The term of a leader's ``starts``-th start (>= 1) with a random ``nonce`` in
+    [0, 2**31): ordered by starts first, and unique across processes started from copies of
+    one state directory (same count, different nonce). Raises ValueError out of range."""
+    if not 1 <= starts < 2**31 or not 0 <= nonce < 2**31:
+        raise ValueError(f"term_of({starts}, {nonce}): starts in [1, 2**31), nonce in [0, 2**31)")
+    return (starts << 31) | nonce
+
+
+def starts_of(term: int) -> int:
+    """The start count of a term made by :func:`term_of`."""
+    return term >> 31
+
+
 def give_up(held_since: float, now: float, lease_s: float) -> bool:
     """Whether a leader refused with LEASE_HELD continuously since ``held_since`` should step
     down: past two lease periods, the lease it waits for is being renewed by a live leader

@@ -25,6 +25,11 @@ from dips.wire.services import leader_client
 log = logging.getLogger(__name__)
 
 
+#: Locks of the state directories this process holds, kept open for its whole life (a lock
+#: file closed by the garbage collector would release the flock).
+_HELD: list[IO] = []
+
+
 class RoleError(RuntimeError):
     """A role cannot start (locked state directory, bad address, no leader): the message
     names what and where; the command prints it and exits 2."""
@@ -60,7 +65,15 @@ class StateDir:
         f.write(f"{os.getpid()}\n")
         f.flush()
         self._lock = f
+        _HELD.append(f)
         return self
+
+    def release(self) -> None:
+        """Give the directory up (tests; a process releases it by exiting)."""
+        if self._lock is not None:
+            _HELD.remove(self._lock)
+            self._lock.close()
+            self._lock = None
 
 
 def credentials(tls: Path | None, insecure: bool, identity: Identity) -> Credentials:

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import grpc
+import zmq
 
 from dips.algo import fencing
 from dips.algo.refusal import Refusal
@@ -104,8 +105,11 @@ def run_follower(leader_addr: str, index: int, listen: str, advertise: str, data
         cfg.membership.heartbeat_interval_s, cfg.membership.missed_heartbeats))
     keyring = Keyring()
     data_host, data_port = split_address(data_listen, "--data-listen")
-    data = DataServer(keyring, shard.handle, host=data_host, port=data_port,
-                      authorize=shard.authorize)
+    try:
+        data = DataServer(keyring, shard.handle, host=data_host, port=data_port,
+                          authorize=shard.authorize)
+    except zmq.ZMQError as exc:
+        raise RoleError(f"--data-listen {data_listen}: cannot bind ({exc})") from None
     if data_ipc is not None:  # a local reader outside the servers' network namespace
         data.bind(f"ipc://{data_ipc}")
     data.start()
@@ -113,7 +117,8 @@ def run_follower(leader_addr: str, index: int, listen: str, advertise: str, data
     pbg.add_FollowerServicer_to_server(FollowerServicer(shard, fence), server)
     if creds.add_port(server, listen) == 0:
         data.stop()
-        raise RoleError(f"--listen {listen}: cannot bind")
+        raise RoleError(f"--listen {listen}: cannot bind (in use, or not an address of this "
+                        "host)")
     server.start()
     leader = leader_client(leader_addr, creds)
     incarnation = time.time_ns()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import secrets
 import threading
 import time
 from pathlib import Path
@@ -36,16 +37,19 @@ EXIT_FENCED = 3
 
 
 def next_term(state: Path) -> int:
-    """Read ``state/term``, write it + 1 (fsynced, atomically) and return the new term."""
+    """Read the start counter in ``state/term``, write it + 1 (fsynced, atomically) and return
+    this start's term: the counter in the high bits and 31 random bits below, so two leaders
+    started from copies of one state directory never hold the same term (the lower one is
+    refused as stale, :mod:`dips.algo.fencing`)."""
     path = state / "term"
-    term = int(path.read_text().strip() or 0) + 1 if path.exists() else 1
+    count = int(path.read_text().strip() or 0) + 1 if path.exists() else 1
     tmp = path.with_suffix(".tmp")
     with open(tmp, "w") as f:
-        f.write(f"{term}\n")
+        f.write(f"{count}\n")
         f.flush()
         os.fsync(f.fileno())
     tmp.replace(path)
-    return term
+    return fencing.term_of(count, secrets.randbits(31))
 
 
 def data_secret(state: Path) -> bytes:

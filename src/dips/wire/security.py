@@ -78,10 +78,14 @@ class Credentials:
 
     def add_port(self, server: grpc.Server, address: str) -> int:
         """Bind ``server`` to ``address`` (``host:port`` or ``unix:PATH``) with these
-        credentials; returns the port (0 if it could not bind, as gRPC does)."""
-        if self.bundle is None:
-            return server.add_insecure_port(address)
-        return server.add_secure_port(address, self.server_credentials())
+        credentials; returns the port, 0 if it cannot bind (in use, not an address of this
+        host), whether gRPC says so by returning 0 or by raising."""
+        try:
+            if self.bundle is None:
+                return server.add_insecure_port(address)
+            return server.add_secure_port(address, self.server_credentials())
+        except RuntimeError:
+            return 0
 
     def channel(self, target: str, peer: Identity, options: Sequence[tuple[str, Any]]) -> grpc.Channel:
         """A channel to ``target`` whose server must prove it is ``peer`` (TLS)."""
