@@ -8,6 +8,8 @@ follower (shard, control servicer with its fence, ZeroMQ data server) in this pr
 
 from __future__ import annotations
 
+import time
+
 import grpc
 import pytest
 import torch
@@ -238,3 +240,46 @@ def test_a_second_process_as_follower_0_supersedes_the_first_which_is_refused(si
     assert site.leader.followers[0].incarnation == 222
     assert "superseded" in _refused(lambda: f0.RegisterFollower(info), Refusal.FORBIDDEN)
     assert site.leader.followers[0].incarnation == 222 and site.theta_unchanged()
+
+
+def test_a_departed_members_key_stops_working_and_a_revoked_cluster_stops(site):
+    from dips.roles.client import ClusterClient
+    from dips.algo.refusal import Refused
+    from dips.wire.keys import MemberKey
+
+    b = ClusterClient(build_model(CFG, seed=0), site.leader_addr, "b", site.creds("cluster-b"),
+                      fingerprint=site.fingerprint, timeout_s=10)
+    try:
+        b.join()
+        old = b._key
+        ring = site.data._keys
+
+        def refresh():  # what a follower's next registration brings
+            ans = site.leader.register_follower(site.leader.followers[0])
+            ring.set_members(list(ans.member_keys), ans.next_key_seq)
+
+        refresh()
+        layer = site.stages[0][0]
+        pull = {"op": "pull", "version": 0, "layers": [layer], "dtype": "bf16"}
+        with DataClient(old, site.data.endpoint, timeout_s=10) as c:
+            assert c.request(pull).header["op"] == "model"
+        site.leader.leave("b")  # departed (or removed): its key is no member's any more
+        refresh()
+        with DataClient(old, site.data.endpoint, timeout_s=10) as c:
+            with pytest.raises(DataPlaneError) as info:
+                c.request(pull)
+            assert info.value.code is Refusal.NOT_JOINED
+        b.join()  # a new key, and it works
+        assert b._key.key_id != old.key_id
+        with DataClient(MemberKey(b._key.key_id, b._key.key, b._key.encrypt), site.data.endpoint,
+                        timeout_s=10) as c:
+            assert c.request(pull).header["op"] == "model"
+        revoke(site.pki, "b")
+        deadline = time.monotonic() + 30  # its next heartbeat is refused: it must re-join...
+        while not b._rejoin.is_set() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with pytest.raises(Refused) as info:  # ...which is refused for good: the process stops
+            b.maintain()
+        assert info.value.code is Refusal.FORBIDDEN and "revoked" in info.value.message
+    finally:
+        b.close()

@@ -117,3 +117,14 @@ def test_the_ring_reuses_a_buffer_only_once_zeromq_released_it():
     assert a2.obj is not a.obj
     b2 = ring.take(4)  # slot 1: released, reused
     assert b2.obj is b.obj and len(b2) == 4
+
+
+def test_a_follower_serves_current_members_keys_and_those_issued_since():
+    from dips.wire.keys import seq_of
+
+    ring = Keyring(SECRET)
+    old, now = issue(SECRET, Identity.cluster("a"), False, 3), issue(SECRET, Identity.cluster("b"), False, 7)
+    assert seq_of(old.key_id) == 3 and ring.current(old.key_id)  # no list yet: every key
+    ring.set_members([now.key_id], next_seq=8)
+    assert ring.current(now.key_id) and not ring.current(old.key_id)
+    assert ring.current(issue(SECRET, Identity.cluster("c"), False, 8).key_id)  # joined since

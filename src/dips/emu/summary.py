@@ -60,12 +60,12 @@ def export_and_summarize(cfg: RunConfig, run_dir: Path, spec: RunSpec, key: Memb
     """Pull the final FP32 model with the observer ``key`` (None: no model), save it (HF
     safetensors + tokenizer), evaluate, summarize. A pull that fails leaves
     ``eval_loss_final`` null (the error is in ``export_error``); the summary is written."""
+    from transformers.utils import logging as hf_logging
+
     from dips.roles.cluster import fetch_global_model
     from dips.train.corpus import load_tokenizer, load_tokens, to_hf_tokenizer
     from dips.train.loop import eval_loss
     from dips.train.model import build_model
-
-    from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
     cache = (spec.cache_dir or cfg.data.cache_dir).resolve()

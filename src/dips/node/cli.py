@@ -15,6 +15,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from dips.algo.refusal import Refused
 from dips.node.common import RoleError, credentials, setup_logging
 
 TLS_HELP = "directory of this process's bundle from `dips init` (ca.crt, tls.crt, tls.key)"
@@ -117,6 +118,6 @@ def cluster(leader_addr: LeaderAddr,
         creds = credentials(tls, insecure, Identity.cluster(cluster_id))
         code = run_cluster(leader_addr, cluster_id, state_dir.resolve(), creds, stop,
                            cache_dir=cache_dir, stages=stages)
-    except (RoleError, OSError, ValueError, RuntimeError) as exc:  # incl. a refused join
+    except (RoleError, OSError, ValueError, RuntimeError, Refused) as exc:  # refused for good
         _fail("cluster", exc)
     raise typer.Exit(code)

@@ -139,6 +139,7 @@ def run_follower(leader_addr: str, index: int, listen: str, advertise: str, data
         try:
             reply = leader.RegisterFollower(info, timeout=max(1.0, interval))
             keyring.set_secret(reply.data_secret, reply.encrypt)
+            keyring.set_members(list(reply.member_keys), reply.next_key_seq)
             fence.heard(reply.term)
         except grpc.RpcError as exc:
             if refusal_of(exc) is Refusal.FORBIDDEN:  # another process serves this index

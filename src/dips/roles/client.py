@@ -41,15 +41,21 @@ import grpc
 import torch
 
 from dips.algo import partition_contiguous
-from dips.algo.refusal import Refusal
+from dips.algo.refusal import Refusal, Refused
 from dips.roles import failpoints
-from dips.roles.client_sync import (REASK_S, PendingVerdict, PullFailed, SyncMixin, TransferTimes)
+from dips.roles.client_sync import (
+    REASK_S,
+    PendingVerdict,
+    PullFailed,
+    SyncMixin,
+    TransferTimes,
+)
 from dips.roles.cluster import StageWorker, SyncResult
 from dips.roles.layers import group_layers
 from dips.roles.layers import layer_of as default_layer_of
-from dips.wire.pb import control_pb2 as pb
 from dips.wire.control import refusal_of
 from dips.wire.keys import MemberKey
+from dips.wire.pb import control_pb2 as pb
 from dips.wire.security import Credentials
 from dips.wire.services import leader_client
 
@@ -63,6 +69,11 @@ class LedgerData(Protocol):
     def merge_holdings(self, holdings: list[tuple[int, int]]) -> None: ...
     def positions(self) -> dict[int, int]: ...
     def wanted(self) -> int: ...
+
+
+#: Refusals no retry can change (a revoked or foreign certificate, a model that differs):
+#: a re-join refused so raises them as :class:`~dips.algo.refusal.Refused`.
+FINAL_REFUSALS = (Refusal.FORBIDDEN, Refusal.MODEL_MISMATCH)
 
 
 class ClusterClient(SyncMixin):
@@ -206,8 +217,8 @@ class ClusterClient(SyncMixin):
             reply = self._leader.Lease(pb.LeaseRequest(cluster_id=self.cluster_id,
                                                        n=self.data.wanted()), timeout=5.0)
         except grpc.RpcError as exc:
-            if refusal_of(exc) is Refusal.NOT_JOINED:
-                self._rejoin.set()
+            if refusal_of(exc) in (Refusal.NOT_JOINED, Refusal.FORBIDDEN):
+                self._rejoin.set()  # forgotten, or revoked: the re-join tells which
             return False
         self.data.merge_holdings([(h.chunk, h.position) for h in reply.holdings])
         return True
@@ -263,6 +274,9 @@ class ClusterClient(SyncMixin):
                 self.join(attempts=1)
                 self._backoff_s = 0.5
             except (grpc.RpcError, RuntimeError) as exc:
+                if isinstance(exc, grpc.RpcError) and refusal_of(exc) in FINAL_REFUSALS:
+                    raise Refused(refusal_of(exc), f"cluster {self.cluster_id!r}: the leader "
+                                                   f"refuses it for good: {exc.details()}") from None
                 self._fail(f"re-join failed: {exc}")
                 return False
         if self._pending_verdict is not None:
@@ -282,7 +296,8 @@ class ClusterClient(SyncMixin):
                                                          version=self._pending_pull), timeout=2.0)
                 self._pending_pull = None
             except (ValueError, TimeoutError, RuntimeError, grpc.RpcError) as exc:
-                if isinstance(exc, PullFailed) and Refusal.VERSION_GONE in exc.failures.refusals():
+                if isinstance(exc, PullFailed) and exc.failures.refusals() & {
+                        Refusal.VERSION_GONE, Refusal.NOT_JOINED}:
                     self._pending_pull = None  # a newer version exists: re-join to get it
                     self._rejoin.set()
                 self._fail(f"pull retry failed: {exc}")
@@ -319,6 +334,8 @@ class ClusterClient(SyncMixin):
                     failing = False
                 except grpc.RpcError as exc:
                     failing = True
+                    if refusal_of(exc) is Refusal.FORBIDDEN:
+                        self._rejoin.set()  # revoked? the re-join says so for good
                     log.debug("heartbeat failed: %s", exc.code().name)
 
         self._hb_thread = threading.Thread(target=beat, name="heartbeat", daemon=True)

@@ -109,7 +109,7 @@ class SyncMixin:
         except grpc.RpcError as exc:
             code = refusal_of(exc)
             reason = f"push request failed: {exc.code().name}: {exc.details()}"
-            if code is Refusal.NOT_JOINED:
+            if code in (Refusal.NOT_JOINED, Refusal.FORBIDDEN):
                 self._rejoin.set()
             if code is Refusal.NOTHING_TRAINED:  # not a failure: push after more training
                 self._last_sync_step = self.inner_step
@@ -145,7 +145,7 @@ class SyncMixin:
                               reason="stopping")
         except grpc.RpcError as exc:
             code = refusal_of(exc)
-            if code in (Refusal.UNKNOWN_PUSH, Refusal.NOT_JOINED):
+            if code in (Refusal.UNKNOWN_PUSH, Refusal.NOT_JOINED, Refusal.FORBIDDEN):
                 # The leader has no verdict for it (lost with a crashed leader, or this
                 # cluster was removed): give it up, pull one complete model, continue from the
                 # ledger's positions (the push's windows are trained again, counted once).
@@ -185,6 +185,9 @@ class SyncMixin:
             result.ok = False
             result.reason += f"; pull failed: {exc}"
             self._pending_pull = v.version
+            if isinstance(exc, PullFailed) and Refusal.NOT_JOINED in exc.failures.refusals():
+                self._pending_pull = None  # this key is no member's any more: join again
+                self._rejoin.set()
             self._fail("pull failed")
             try:  # tell the leader not to wait for this pull (version -1: gave up)
                 self._leader.PullDone(pb.PullDoneRequest(cluster_id=self.cluster_id, version=-1),
@@ -209,6 +212,8 @@ class SyncMixin:
             [lambda s=s, p=p: s.push(self.cluster_id, grant.round, grant.push_id, p, tokens,
                                      stage=grant.stage_first)
              for s, p in zip(self._stages, plans)], limit, self._abandoned()))
+        if failures is not None and Refusal.NOT_JOINED in failures.refusals():
+            self._rejoin.set()  # the followers no longer take this key: join again
         if failures is not None and not failures.aborted:
             # Learn the link from what got through, so the next push is predicted (and, if
             # hopeless, sent ahead of its round): the whole push at the rate the followers

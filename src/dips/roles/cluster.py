@@ -19,10 +19,11 @@ import torch
 from dips.roles import failpoints
 from dips.roles.layers import group_layers
 from dips.roles.layers import layer_of as default_layer_of
-from dips.wire.keys import MemberKey
 from dips.wire.dataplane import DataClient
+from dips.wire.keys import MemberKey
 from dips.wire.pb import control_pb2 as pb
 from dips.wire.stream import DEFAULT_CHUNK_BYTES
+
 
 @dataclass
 class SyncResult:

@@ -32,17 +32,45 @@ from dips.algo.ledger import ChunkLedger, LedgerError
 from dips.algo.penalty import PenaltyState
 from dips.algo.reconcile import FollowerReport, reconcile_target
 from dips.algo.refusal import Refusal, Refused
-from dips.algo.round import (Decided, Phase, PullDone, PushReported, PushRequested,
-                             PushWithdrawn, ReadyChanged, RoundEnded, RoundOpened, RoundPolicy,
-                             RoundState, StartUpdate, Tick, UpdateFinished, WindowClosed,
-                             next_deadline, slot_of, step)
+from dips.algo.round import (
+    Decided,
+    Phase,
+    PullDone,
+    PushReported,
+    PushRequested,
+    PushWithdrawn,
+    ReadyChanged,
+    RoundEnded,
+    RoundOpened,
+    RoundPolicy,
+    RoundState,
+    StartUpdate,
+    Tick,
+    UpdateFinished,
+    WindowClosed,
+    next_deadline,
+    slot_of,
+    step,
+)
 from dips.roles import failpoints
-from dips.wire.control import describe
 from dips.roles.leader_members import Membership
 from dips.roles.leader_records import Records
-from dips.roles.leader_types import (ClusterEntry, FollowerEntry, Grant, Issued, LeaderConfig,
-                                     LeaderStatus, VerdictReply)
-from dips.roles.outer_step import FollowerControl, UpdateReport, abort_everywhere, run_update
+from dips.roles.leader_types import (
+    ClusterEntry,
+    FollowerEntry,
+    Grant,
+    Issued,
+    LeaderConfig,
+    LeaderStatus,
+    VerdictReply,
+)
+from dips.roles.outer_step import (
+    FollowerControl,
+    UpdateReport,
+    abort_everywhere,
+    run_update,
+)
+from dips.wire.control import describe
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +120,8 @@ class Leader(Membership, Records):
         self._leaving: set[str] = set()              # removed; ledger release after the verdicts
         self.followers: dict[int, FollowerEntry] = {}
         self._superseded: dict[int, list[int]] = {}  # index -> incarnations replaced since
+        self._member_keys: dict[str, str] = {}  # identity -> its current data-plane key id
+        self._key_seq = 0                       # the next key's issue sequence number
         self.clusters: dict[str, ClusterEntry] = {}
         self.version = 0
         self.penalty = PenaltyState()

@@ -11,11 +11,19 @@ from __future__ import annotations
 from dips.algo.ledger import ChunkLedger
 from dips.algo.refusal import Refusal, Refused
 from dips.algo.round import MemberGone, Phase
-from dips.roles.leader_types import ClusterEntry, FollowerEntry, HeartbeatAnswer, RegisterAnswer
+from dips.roles.leader_types import (
+    ClusterEntry,
+    FollowerEntry,
+    HeartbeatAnswer,
+    RegisterAnswer,
+)
 from dips.spec.fingerprint import mismatch
 from dips.wire import keys
 from dips.wire.keys import MemberKey
 from dips.wire.pki import Identity
+
+#: Observers (the operator's final pulls, evaluators) whose keys are kept at once.
+OBSERVER_KEYS = 4
 
 
 class Membership:
@@ -33,8 +41,9 @@ class Membership:
                            f"{self.term}")
             raise Refused(Refusal.STALE_TERM, f"leader term {self.term} stepped down: follower "
                                               f"{entry.index} follows term {entry.leader_term}")
-        answer = RegisterAnswer(self.term, self.issued.data_secret, self.issued.encrypt)
         with self._cond:
+            answer = RegisterAnswer(self.term, self.issued.data_secret, self.issued.encrypt,
+                                    tuple(self._member_keys.values()), self._key_seq)
             for f in self.followers.values():
                 if f.index != entry.index and set(f.layers) & set(entry.layers):
                     raise ValueError(f"follower {entry.index}: layers "
@@ -69,7 +78,15 @@ class Membership:
         return self.issued.run_spec, self.issued.fingerprint
 
     def _key(self, identity: Identity) -> MemberKey:
-        return keys.issue(self.issued.data_secret, identity, self.issued.encrypt)
+        """A new data-plane key for ``identity``, which replaces its previous one (lock
+        held). An observer's key is kept among the last few observers' (``admin#n``)."""
+        key = keys.issue(self.issued.data_secret, identity, self.issued.encrypt, self._key_seq)
+        self._key_seq += 1
+        slot = identity.name
+        if identity.role == "admin":
+            slot = f"{identity.name}#{self._key_seq % OBSERVER_KEYS}"
+        self._member_keys[slot] = key.key_id
+        return key
 
     def join_observer(self, name: str) -> tuple[int, list[FollowerEntry], MemberKey]:
         """An observer (the operator's identity ``name``, e.g. a final pull or an evaluator):
@@ -80,7 +97,7 @@ class Membership:
                 raise Refused(Refusal.NOT_READY, f"{len(self.followers)}/{self.cfg.followers} "
                                                  "followers registered")
             version, followers = self.version, list(self.followers.values())
-        return version, followers, self._key(Identity.parse(name))
+            return version, followers, self._key(Identity.parse(name))
 
     def follower_list(self) -> list[FollowerEntry]:
         with self._cond:
@@ -122,8 +139,9 @@ class Membership:
             self._drop_cluster(cluster_id, "cluster re-joined")
             self.clusters[cluster_id] = ClusterEntry(cluster_id, stages, last_seen=self._clock())
             version, followers = self.version, list(self.followers.values())
+            key = self._key(Identity.cluster(cluster_id))
         self.event("cluster_joined", cluster=cluster_id, rejoin=rejoin, version=version)
-        return version, followers, self._key(Identity.cluster(cluster_id))
+        return version, followers, key
 
     def heartbeat(self, cluster_id: str, inner_step: int, tokens: int, loss: float) -> HeartbeatAnswer:
         """Record a cluster's progress (its own report, shown in the status only). Unknown
@@ -150,6 +168,7 @@ class Membership:
         out, so its windows are either credited or handed out again, never both.
         Returns whether it was a member."""
         known = self.clusters.pop(cluster_id, None) is not None
+        self._member_keys.pop(Identity.cluster(cluster_id).name, None)  # its key stops working
         rnd = self._state.current
         slot = rnd.slots.get(cluster_id) if rnd is not None else None
         in_update = (slot is not None and slot.ok and self._state.phase is Phase.UPDATE

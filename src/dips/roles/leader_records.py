@@ -69,6 +69,8 @@ class Records:
         grace = self._clock() + 2 * members.missed_heartbeats * members.heartbeat_interval_s
         self.clusters = {c: ClusterEntry(c, stages, last_seen=grace)
                          for c, stages in state["clusters"].items()}
+        self._member_keys = {str(k): str(v) for k, v in state.get("member_keys", {}).items()}
+        self._key_seq = int(state.get("key_seq", 0))
         if self.ledger is not None and state.get("ledger"):
             self.ledger = ChunkLedger.from_dict(state["ledger"])
             self.ledger.pending.clear()  # pushes in flight at the crash are lost
@@ -95,6 +97,9 @@ class Records:
                      # Where the followers are: a restarted leader takes their leases first.
                      "followers": {str(f.index): f.control_endpoint
                                    for f in self.followers.values()},
+                     # Members' data-plane key ids (not the keys): they stay valid after a
+                     # restart, and a removed member's stays refused.
+                     "member_keys": dict(self._member_keys), "key_seq": self._key_seq,
                      "verdicts": [{**asdict(v), "holdings": self._holdings.get(v.push_id, [])}
                                   for v in recent]}
         save_state(self._run_dir / "leader.json", state)

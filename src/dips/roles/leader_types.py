@@ -44,6 +44,8 @@ class RegisterAnswer:
     term: int
     data_secret: bytes
     encrypt: bool = False
+    member_keys: tuple[str, ...] = ()  # the current members' data-plane key ids
+    next_key_seq: int = 0
 
 
 @dataclass

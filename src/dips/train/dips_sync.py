@@ -17,17 +17,12 @@ from typing import Any
 
 import grpc
 
-from dips.algo.refusal import Refusal
-from dips.roles.client import ClusterClient
+from dips.roles.client import FINAL_REFUSALS, ClusterClient
 from dips.roles.cluster import SyncResult
 from dips.train.trainer import ClusterTrainer, StepResult
 from dips.wire.control import describe, refusal_of
 
 __all__ = ["DiPSSync", "push_record"]
-
-
-#: Refusals of a join that no retry can change.
-FINAL = (Refusal.FORBIDDEN, Refusal.MODEL_MISMATCH)
 
 
 def push_record(res: SyncResult) -> dict[str, Any]:
@@ -64,7 +59,7 @@ class DiPSSync:
             try:
                 return self.client.join()
             except (grpc.RpcError, RuntimeError) as exc:
-                if isinstance(exc, grpc.RpcError) and refusal_of(exc) in FINAL:
+                if isinstance(exc, grpc.RpcError) and refusal_of(exc) in FINAL_REFUSALS:
                     raise RuntimeError(f"cluster {self.client.cluster_id}: join refused: "
                                        f"{describe(exc)}") from None
                 if stop.is_set() or time.monotonic() > deadline:

@@ -303,12 +303,19 @@ class DataServer:
             log.warning("data-plane request dropped: %s", exc)
             return None
 
+    def _check_member(self, mk: MemberKey) -> None:
+        """Refuse (NOT_JOINED) an authentic request under a key that is no longer a member's."""
+        if not self._keys.current(mk.key_id):
+            raise Refused(Refusal.NOT_JOINED, f"key {mk.key_id[:40]}... is no longer a "
+                                              "member's: join again")
+
     def _single(self, ident: bytes, frames: list) -> list:
         mk = self._member(frames)
         if mk is None:
             return []
         try:
             msg = decode(mk.key, frames[1:], require_encrypted=mk.encrypt)
+            self._check_member(mk)
             self._authorize(mk.identity, msg.header)
             header, tensors = self._handler(msg)
         except REFUSED as exc:
@@ -337,6 +344,7 @@ class DataServer:
                 raise ValueError("this data server does not accept streams")
             reader = StreamReader(mk.key, bytes(frames[1]), bytes(frames[2]),
                                   require_encrypted=mk.encrypt)
+            self._check_member(mk)
             self._authorize(mk.identity, reader.header)
             sink = self._streams.open_push(reader.header, reader.specs)
         except REFUSED as exc:
@@ -416,6 +424,7 @@ class DataServer:
             msg = decode(mk.key, frames[1:])
             xfer = _xfer_id(msg.header.pop("xfer", None))
             chunk = check_chunk_bytes(msg.header.pop("chunk", None))
+            self._check_member(mk)
             self._authorize(mk.identity, msg.header)
             if self._streams is None:
                 raise ValueError("this data server does not serve streams")

@@ -9,6 +9,12 @@ travels in clear with each request, so it needs no list of members to serve one 
 moment ago; the identity in the key id is the one the leader issued it to, so a follower knows
 who sent a push (a cluster cannot push as another) or a pull. Without TLS (``--insecure``)
 these keys travel in clear: integrity against accidents only.
+
+A key is believed only while its member is: each key id carries the leader's issue sequence
+number, and every registration reply gives the followers the current members' key ids and
+the next sequence number. A follower serves a key id that is current, or issued after the
+last list it got (a member that joined a moment ago); the key of a member removed, departed,
+revoked or re-joined (a new key) is refused with NOT_JOINED, and its holder must join again.
 """
 
 from __future__ import annotations
@@ -56,11 +62,19 @@ def derive(secret: bytes, key_id: str) -> bytes:
     return hmac.digest(secret, b"dips/member/" + key_id.encode(), "sha256")
 
 
-def issue(secret: bytes, identity: Identity, encrypt: bool) -> MemberKey:
-    """A new key for ``identity`` (a fresh id at every join, so a re-joined member's old key
-    names an old id)."""
-    key_id = f"{identity.name}/{os.urandom(16).hex()}"
+def issue(secret: bytes, identity: Identity, encrypt: bool, seq: int = 0) -> MemberKey:
+    """A new key for ``identity``, the leader's ``seq``-th (a fresh id at every join, so a
+    re-joined member's old key names an old id)."""
+    if not 0 <= seq < 2**64:
+        raise ValueError(f"key sequence number {seq} is not in [0, 2**64)")
+    key_id = f"{identity.name}/{seq:016x}{os.urandom(8).hex()}"
     return MemberKey(key_id, derive(secret, key_id), encrypt)
+
+
+def seq_of(key_id: str) -> int:
+    """The issue sequence number in a key id (see :func:`issue`). Raises FrameError."""
+    identity_of(key_id)
+    return int(key_id.rpartition("/")[2][:16], 16)
 
 
 def identity_of(key_id: str) -> Identity:
@@ -87,6 +101,18 @@ class Keyring:
         self.encrypt = encrypt
         self._secret = secret
         self._lookup = lru_cache(maxsize=4096)(self._derive)
+        self._members: frozenset[str] | None = None  # None: every key (no list yet)
+        self._next_seq = 0
+
+    def set_members(self, key_ids: list[str], next_seq: int) -> None:
+        """The leader's current members' key ids, and its next issue sequence number."""
+        self._members, self._next_seq = frozenset(key_ids), next_seq
+
+    def current(self, key_id: str) -> bool:
+        """Whether ``key_id`` belongs to a current member (see the module docstring)."""
+        if self._members is None or key_id in self._members:
+            return True
+        return seq_of(key_id) >= self._next_seq
 
     def set_secret(self, secret: bytes, encrypt: bool | None = None) -> None:
         """Take the leader's data secret (a restarted leader keeps the same one) and whether

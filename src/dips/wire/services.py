@@ -81,7 +81,8 @@ class LeaderServicer(pbg.LeaderServicer):
                                              f"but the caller's certificate is {who.name!r}")
         reply = self.leader.register_follower(self._entry(request))
         return pb.RegisterReply(term=reply.term, data_secret=reply.data_secret,
-                                encrypt=reply.encrypt)
+                                encrypt=reply.encrypt, member_keys=list(reply.member_keys),
+                                next_key_seq=reply.next_key_seq)
 
     @grpc_errors
     def GetSpec(self, request: pb.SpecRequest, context: Any) -> pb.SpecReply:

@@ -75,14 +75,18 @@ class FollowerInfo(_message.Message):
     def __init__(self, index: _Optional[int] = ..., data_endpoint: _Optional[str] = ..., control_endpoint: _Optional[str] = ..., layers: _Optional[_Iterable[str]] = ..., layer_bytes: _Optional[_Iterable[int]] = ..., version: _Optional[int] = ..., prepared_version: _Optional[int] = ..., checkpoints: _Optional[_Iterable[int]] = ..., incarnation: _Optional[int] = ..., leader_term: _Optional[int] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
-    __slots__ = ("term", "data_secret", "encrypt")
+    __slots__ = ("term", "data_secret", "encrypt", "member_keys", "next_key_seq")
     TERM_FIELD_NUMBER: _ClassVar[int]
     DATA_SECRET_FIELD_NUMBER: _ClassVar[int]
     ENCRYPT_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_KEYS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_KEY_SEQ_FIELD_NUMBER: _ClassVar[int]
     term: int
     data_secret: bytes
     encrypt: bool
-    def __init__(self, term: _Optional[int] = ..., data_secret: _Optional[bytes] = ..., encrypt: _Optional[bool] = ...) -> None: ...
+    member_keys: _containers.RepeatedScalarFieldContainer[str]
+    next_key_seq: int
+    def __init__(self, term: _Optional[int] = ..., data_secret: _Optional[bytes] = ..., encrypt: _Optional[bool] = ..., member_keys: _Optional[_Iterable[str]] = ..., next_key_seq: _Optional[int] = ...) -> None: ...
 
 class StageLayers(_message.Message):
     __slots__ = ("layers",)
