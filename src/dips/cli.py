@@ -63,8 +63,12 @@ def launch(config: Path = typer.Option(..., "--config", exists=True, dir_okay=Fa
     except (SpecError, OSError) as exc:  # one message naming file, line or field; no traceback
         typer.echo(f"invalid config or fault plan: {exc}", err=True)
         raise typer.Exit(2)
-    summary = run_launch(cfg, run_dir.resolve(), max_time, faults=plan,
-                         max_outer_steps=max_outer_steps)
+    try:
+        summary = run_launch(cfg, run_dir.resolve(), max_time, faults=plan,
+                             max_outer_steps=max_outer_steps)
+    except (RuntimeError, TimeoutError) as exc:  # a process died or never came up
+        typer.echo(f"dips launch: {exc} (summary: {run_dir / 'summary.json'})", err=True)
+        raise typer.Exit(1)
     if summary.get("eval_loss_final") is None:
         raise typer.Exit(1)
 

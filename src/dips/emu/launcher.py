@@ -312,6 +312,11 @@ def launch(cfg: RunConfig, run_dir: Path, max_time_s: float | None = None,
                       "process[/]")
         run.event("interrupt", "launcher", phase=phase)
         summary = _interrupted_summary(run, client, spec, t_start, t_train, phase)
+    except (RuntimeError, TimeoutError) as exc:  # a child died or never came up: say so
+        run.event("failed", "launcher", phase=phase, error=f"{type(exc).__name__}: {exc}")
+        _interrupted_summary(run, None, spec, t_start, t_train, phase,
+                             error=f"{type(exc).__name__}: {exc}")
+        raise
     finally:
         for sig in previous:
             signal.signal(sig, signal.SIG_IGN)
@@ -326,17 +331,18 @@ def launch(cfg: RunConfig, run_dir: Path, max_time_s: float | None = None,
 
 
 def _interrupted_summary(run: Launch, client: Any, spec: RunSpec | None, t_start: float,
-                         t_train: float | None, phase: str) -> dict[str, Any]:
-    """The summary of a run interrupted at ``phase``: the final model when the followers
-    can still serve one, else ``eval_loss_final: null``."""
+                         t_train: float | None, phase: str,
+                         error: str | None = None) -> dict[str, Any]:
+    """The summary of a run interrupted (or failed, ``error``) at ``phase``: the final model
+    when the followers can still serve one, else ``eval_loss_final: null``."""
     if spec is not None and client is not None and phase in ("training", "final export"):
         try:
             return _finish(run, client, Credentials.tls(run.run_dir / "pki" / "admin"), spec,
                            t_start, t_train, True)
         except Exception as exc:  # keep going: a summary is written in every case
             run.event("export_failed", "launcher", error=f"{type(exc).__name__}: {exc}")
-    summary = {"method": "di-ps", "run_dir": str(run.run_dir), "interrupted": True,
-               "interrupted_phase": phase, "clusters": len(run.cfg.clusters),
+    summary = {"method": "di-ps", "run_dir": str(run.run_dir), "interrupted": error is None,
+               "interrupted_phase": phase, "error": error, "clusters": len(run.cfg.clusters),
                "followers": run.cfg.followers, "outer_steps": 0, "eval_loss_final": None,
                "eval_loss_initial": round(spec.eval_loss_initial, 5) if spec else None,
                "wall_time_s": round(time.time() - t_start, 2), "model_dir": None}
