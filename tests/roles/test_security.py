@@ -283,3 +283,14 @@ def test_a_departed_members_key_stops_working_and_a_revoked_cluster_stops(site):
         assert info.value.code is Refusal.FORBIDDEN and "revoked" in info.value.message
     finally:
         b.close()
+
+
+def test_a_leader_whose_state_is_behind_a_follower_cannot_take_its_lease(site):
+    """A stale copy of a leader's state directory, started when the live leader died, must not
+    take the followers (its term may be higher): the follower refuses by version first."""
+    site.shard.version = 5  # the run went on past the copy's version
+    stale = FollowerControlClient(site.follower_addr, site.creds("leader"), 0, 9)
+    why = _refused(lambda: stale.fence(version=3), Refusal.STALE_TERM,
+                   grpc.StatusCode.FAILED_PRECONDITION)
+    assert "stale copy" in why and site.fence.term == 0  # no term was taken
+    assert stale.fence(version=5) == 9  # a leader as recent as the follower takes it

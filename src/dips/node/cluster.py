@@ -69,7 +69,13 @@ def run_cluster(leader_addr: str, cluster_id: str, state: Path, creds: Credentia
                            fingerprint=fingerprint.to_json())
     sync = DiPSSync(client)
     # The leader may be restarting or waiting for followers: the join is retried.
-    sync.join(stop, cfg.timeouts.startup_s)
+    try:
+        sync.join(stop, cfg.timeouts.startup_s)
+    except RuntimeError:
+        if stop.is_set():  # asked to stop while waiting to join: a clean stop
+            client.close()
+            return 0
+        raise
     # Injected delay per inner step (§13 emulation): transient slowdowns are timed from the
     # launcher's training start when it publishes one (DIPS_TRAIN_START, one machine only).
     pacer = Pacer(me.slowdown, cfg.step_s, me.transient_tuples())

@@ -109,6 +109,7 @@ def run_follower(leader_addr: str, index: int, listen: str, advertise: str, data
         data = DataServer(keyring, shard.handle, host=data_host, port=data_port,
                           authorize=shard.authorize)
     except zmq.ZMQError as exc:
+        shard.close()  # its checkpoint writer thread must not outlive the failed start
         raise RoleError(f"--data-listen {data_listen}: cannot bind ({exc})") from None
     if data_ipc is not None:  # a local reader outside the servers' network namespace
         data.bind(f"ipc://{data_ipc}")

@@ -85,18 +85,20 @@ def load_or_prepare(cfg: RunConfig, state: Path, cache_dir: Path | None) -> RunS
 
 
 def take_leases(endpoints: dict[int, str], connect: Any, lease_s: float,
-                stop: threading.Event) -> str | None:
+                stop: threading.Event, version: int = 0) -> str | None:
     """Take the lease of every follower in ``endpoints`` (index -> control address) before
     acting. Returns None when done (a follower that does not answer is skipped: it takes the
     lease when it registers), or why this leader must step down: a follower follows a higher
-    term, or stayed leased to another leader for 2 lease periods (a live one renews it)."""
+    term or holds a newer version than this leader's state (``version``: a stale copy of a
+    state directory), or stayed leased to another leader for 2 lease periods (a live one
+    renews it)."""
     pending = dict(endpoints)
     held_since: float | None = None
     while pending and not stop.is_set():
         for index in list(pending):
             control = connect(index, pending[index])
             try:
-                control.fence()
+                control.fence(version)
                 del pending[index]
             except grpc.RpcError as exc:
                 code = refusal_of(exc)
@@ -148,8 +150,8 @@ def run_leader(cfg: RunConfig, listen: str, state: Path, creds: Credentials,
         return FollowerControlClient(endpoint, creds, index, term, cfg.timeouts.rpc_s,
                                      on_fenced=on_fenced)
 
-    previous = _known_followers(state / "leader.json")
-    reason = take_leases(previous, connect, lease_s, stop)
+    previous, version = _known_followers(state / "leader.json")
+    reason = take_leases(previous, connect, lease_s, stop, version)
     if reason is not None:
         log.error("leader term %d steps down before acting: %s", term, reason)
         return EXIT_FENCED
@@ -161,7 +163,7 @@ def run_leader(cfg: RunConfig, listen: str, state: Path, creds: Credentials,
     def entry(info: Any) -> FollowerEntry:
         return FollowerEntry(info.index, info.data_endpoint, info.control_endpoint,
                              list(info.layers), list(info.layer_bytes), info.incarnation,
-                             leader_term=info.leader_term)
+                             leader_term=info.leader_term, version=info.version)
 
     def revoked() -> frozenset[str]:
         return read_revoked(revoked_file) if revoked_file is not None else frozenset()
@@ -187,10 +189,11 @@ def run_leader(cfg: RunConfig, listen: str, state: Path, creds: Credentials,
     return 0
 
 
-def _known_followers(path: Path) -> dict[int, str]:
-    """Follower index -> control address from a previous ``leader.json`` (empty if none)."""
+def _known_followers(path: Path) -> tuple[dict[int, str], int]:
+    """(follower index -> control address, version) from a previous ``leader.json``."""
     try:
         state = json.loads(path.read_text())
     except (OSError, ValueError):
-        return {}
-    return {int(i): str(ep) for i, ep in (state.get("followers") or {}).items()}
+        return {}, 0
+    return ({int(i): str(ep) for i, ep in (state.get("followers") or {}).items()},
+            int(state.get("version", 0)))

@@ -59,6 +59,7 @@ class FollowerEntry:
     layer_bytes: list[int]
     incarnation: int = 0
     leader_term: int = 0  # the highest leader term the follower has accepted
+    version: int = 0      # the version the follower holds (committed)
     control: Any = None  # a dips.roles.outer_step.FollowerControl once registered
     last_seen: float = 0.0
     up: bool = True

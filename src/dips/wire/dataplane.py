@@ -161,10 +161,14 @@ class DataServer:
         self._sock.setsockopt(zmq.RCVHWM, 32)
         self._sock.setsockopt(zmq.SNDHWM, 0)  # outgoing chunks are zero-copy references
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        if port:
-            self._sock.bind(f"tcp://{host}:{port}")
-        else:
-            port = self._sock.bind_to_random_port(f"tcp://{host}")
+        try:
+            if port:
+                self._sock.bind(f"tcp://{host}:{port}")
+            else:
+                port = self._sock.bind_to_random_port(f"tcp://{host}")
+        except zmq.ZMQError:
+            self._sock.close(0)  # nothing left open behind a failed start
+            raise
         self.endpoint = f"tcp://{host}:{port}"
         self.extra_endpoints: list[str] = []
         # A fresh name per server: libzmq releases an inproc name asynchronously after close,

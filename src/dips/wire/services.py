@@ -204,6 +204,11 @@ class FollowerServicer(pbg.FollowerServicer):
 
     @grpc_errors
     def Fence(self, request: pb.FenceRequest, context: Any) -> pb.FenceReply:
+        require(caller(context), "leader", "Fence")
+        if request.version < self.shard.version:  # checked before the term is taken
+            raise Refused(Refusal.STALE_TERM, f"leader state at version {request.version} is "
+                                              f"behind this follower's {self.shard.version}: a "
+                                              "stale copy must not lead")
         self._admit(context, "Fence")
         return pb.FenceReply(term=self.fence.term)
 
@@ -294,10 +299,11 @@ class FollowerControlClient:
                 raise
         return call
 
-    def fence(self) -> int:
-        """Take or renew this follower's lease; returns the term it follows. Raises
-        grpc.RpcError (refusal LEASE_HELD or STALE_TERM, or unreachable)."""
-        return self._c.Fence(pb.FenceRequest()).term
+    def fence(self, version: int = 0) -> int:
+        """Take or renew this follower's lease for a leader at ``version``; returns the term
+        it follows. Raises grpc.RpcError (refusal LEASE_HELD, or STALE_TERM: a higher term, or
+        a follower ahead of ``version``; or unreachable)."""
+        return self._c.Fence(pb.FenceRequest(version=version)).term
 
     def score(self, rnd: int, clusters: list[str],
               push_ids: list[str] | None = None) -> list[tuple[str, bool, float, str]]:

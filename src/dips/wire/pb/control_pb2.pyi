@@ -271,8 +271,10 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class FenceRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("version",)
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    def __init__(self, version: _Optional[int] = ...) -> None: ...
 
 class FenceReply(_message.Message):
     __slots__ = ("term",)
