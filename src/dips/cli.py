@@ -36,6 +36,7 @@ from dips.node import cli as _node  # noqa: E402  (light: typer only; roles impo
 app.command("leader")(_node.leader)
 app.command("follower")(_node.follower)
 app.command("cluster")(_node.cluster)
+app.command("export")(_node.export)
 
 
 @app.command()

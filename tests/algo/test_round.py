@@ -13,7 +13,7 @@ from dips.algo import grace as grace_rules
 from dips.algo.refusal import Refusal, Refused
 from dips.algo.round import (Admitted, Decided, MemberGone, Phase, PullDone, PushReported,
                              PushRequested, PushWithdrawn, ReadyChanged, RoundOpened,
-                             RoundPolicy, RoundState, Tick, UpdateFinished,
+                             RoundPolicy, RoundState, RunFinished, Tick, UpdateFinished,
                              UpdateOutcome, WindowClosed, hopeless, next_deadline, slot_of, step)
 from dips.spec.protocol import GraceConfig
 
@@ -84,6 +84,22 @@ def test_requests_during_push_and_update_queue_for_the_next_round():
     assert kinds(acts) == ["Decided", "RoundEnded", "RoundOpened", "Admitted", "Admitted"]
     assert s.current.number == 2 and set(s.current.slots) == {"b", "c"}
     assert s.current.opened_at == 3.0
+
+
+def test_run_finished_ends_the_round_in_flight_and_opens_no_other():
+    pol = policy(window_s=1.0)
+    s, _ = run([req(0.0, "a"), Tick(1.0), req(1.5, "b")], pol)
+    s, acts = run([RunFinished(1.6, "token budget")], pol, s)
+    assert acts == [] and s.finished == "token budget" and s.queue == ()  # b's request dropped
+    assert slot_of(s, "b") is None and s.phase is Phase.PUSH
+    with pytest.raises(Refused) as info:
+        step(s, req(1.7, "c"), pol)
+    assert info.value.code is Refusal.RUN_FINISHED and "token budget" in info.value.message
+    s, acts = run([PushReported(2.0, "a", s.current.slots["a"].push_id, True),
+                   UpdateFinished(3.0, 1, UpdateOutcome(1, ("a",)))], pol, s)
+    assert kinds(acts) == ["StartUpdate", "Decided", "RoundEnded"]  # and no RoundOpened
+    assert s.phase is Phase.IDLE and s.current is None
+    assert run([RunFinished(4.0, "max time")], pol, s)[0].finished == "token budget"
 
 
 def test_push_timeout_fails_late_pushes_only():

@@ -84,7 +84,7 @@ class Run:
     """Leader + 2 followers served on loopback inside this process."""
 
     def __init__(self, tmp_path, grace_s: float = 0.3, penalty: PenaltyConfig | None = None,
-                 pull_barrier: bool = False):
+                 pull_barrier: bool = False, max_outer_steps: int | None = None):
         self.model0 = build_model(CFG, seed=0)
         table = layer_table(self.model0)
         params = {n: p.detach().clone() for n, p in self.model0.named_parameters()}
@@ -96,7 +96,8 @@ class Run:
                            timeouts=Timeouts(push_s=60, pull_s=60),
                            membership=MembershipConfig(heartbeat_interval_s=1.0,
                                                        missed_heartbeats=30),
-                           followers=2, penalty=penalty or PenaltyConfig())
+                           followers=2, penalty=penalty or PenaltyConfig(),
+                           max_outer_steps=max_outer_steps)
         self.clock = HeldClock()
         self.admitted: dict[str, list[int]] = {}  # cluster id -> rounds it was admitted to
         self.leader = Leader(cfg, connect=lambda e: self.shards[e.index], run_dir=tmp_path,
@@ -318,6 +319,42 @@ def test_a_control_call_as_another_cluster_is_refused(run):
     assert refusal_of(exc.value) is Refusal.FORBIDDEN
     channel.close()
     c.close()
+
+
+def test_the_run_ends_at_its_limit_and_every_member_is_told(tmp_path):
+    """A hand-deployed run used to go on for ever (found by a review): the leader itself ends
+    it at the token budget, outer-step or time limit (dips.algo.limits), after the round in
+    flight; then pushes and joins are refused, heartbeats say so, and a restart stays ended."""
+    r = Run(tmp_path, max_outer_steps=1)
+    try:
+        a, b = r.client("a"), r.client("b")
+        a.join()
+        b.join()
+        _perturb(a.model, 1)
+        _perturb(b.model, 2)
+        results = _sync_all(r, [a, b], [100, 100])
+        assert all(x.accepted for x in results.values())
+        _wait_until(lambda: r.leader.status().finished, "the run finished")
+        assert r.leader.status().finished == "max outer steps" and r.leader.version == 1
+        theta = {n: p.clone() for s in r.shards for n, p in s.params.items()}
+        a.step_done(100)
+        res = a.step_done(100)  # the next push is refused: the client stops, not a failure
+        assert not res.ok and a.finished == "the run finished (max outer steps) at version 1"
+        _wait_until(lambda: b.finished, "b told by its heartbeat")
+        lc = leader_client(r.addr, Credentials.insecure(Identity.cluster("c")), timeout_s=5)
+        import grpc
+        with pytest.raises(grpc.RpcError) as exc:
+            lc.JoinCluster(pb.JoinRequest(cluster_id="c"))
+        assert refusal_of(exc.value) is Refusal.RUN_FINISHED
+        assert lc.GetStatus(pb.StatusRequest()).finished == "max outer steps"
+        lc.close()
+        assert all(torch.equal(p, theta[n]) for s in r.shards for n, p in s.params.items())
+        a.close()
+        b.close()
+    finally:
+        r.close()
+    again = Leader(LeaderConfig(followers=2), connect=lambda e: None, run_dir=tmp_path)
+    assert again.status().finished == "max outer steps"  # persisted in leader.json
 
 
 def test_stale_and_invalid_push_requests_are_refused(run):

@@ -171,7 +171,7 @@ def test_only_the_leader_calls_a_follower_and_only_with_a_live_term(site):
     assert site.theta_unchanged()
 
 
-def test_a_revoked_cluster_is_refused_at_its_next_join(site):
+def test_a_revoked_cluster_is_refused_at_its_next_join_and_every_read(site):
     b = site.leader_as("cluster-b")
     join = pb.JoinRequest(stages=[pb.StageLayers(layers=s) for s in site.stages],
                           fingerprint=site.fingerprint)
@@ -179,6 +179,10 @@ def test_a_revoked_cluster_is_refused_at_its_next_join(site):
     revoke(site.pki, "b")
     assert "revoked" in _refused(lambda: b.JoinCluster(join), Refusal.FORBIDDEN)
     _refused(lambda: b.Heartbeat(pb.HeartbeatRequest()), Refusal.FORBIDDEN)
+    # Found by a review: the reads stayed open to a revoked cluster (config, members' losses).
+    _refused(lambda: b.GetStatus(pb.StatusRequest()), Refusal.FORBIDDEN)
+    _refused(lambda: b.GetSpec(pb.SpecRequest()), Refusal.FORBIDDEN)
+    site.leader_as("cluster-a").GetStatus(pb.StatusRequest())  # others still may
 
 
 def test_a_model_that_differs_is_refused_at_join_naming_the_fields(site):

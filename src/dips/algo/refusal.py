@@ -51,6 +51,9 @@ class Refusal(enum.IntEnum):
     #: The cluster's model does not match the run's fingerprint (architecture, tokenizer,
     #: parameter names, shapes or dtypes).
     MODEL_MISMATCH = 15
+    #: The run reached its token budget, outer-step or time limit: nothing more is admitted
+    #: (the cluster stops; :mod:`dips.algo.limits`).
+    RUN_FINISHED = 16
 
 
 class Refused(Exception):

@@ -39,12 +39,12 @@ from dips.algo.refusal import Refusal, Refused
 from dips.algo.round_types import (
     Phase, RoundPolicy, Slot, Round, Verdict, UpdateOutcome, RoundState, PushRequested,
     PushWithdrawn, PushReported, UpdateFinished, PullDone, MemberGone, ReadyChanged, Tick,
-    Event, RoundOpened, Admitted, Staged, WindowClosed, StartUpdate, Decided, RoundEnded, Action)
+    RunFinished, Event, RoundOpened, Admitted, Staged, WindowClosed, StartUpdate, Decided, RoundEnded, Action)
 
 __all__ = [
     "step", "next_deadline", "slot_of", "push_deadline", "verdicts_of", "hopeless", "Phase", "RoundPolicy", "Slot", "Round", "Verdict",
     "UpdateOutcome", "RoundState", "PushRequested", "PushWithdrawn", "PushReported",
-    "UpdateFinished", "PullDone", "MemberGone", "ReadyChanged", "Tick", "Event",
+    "UpdateFinished", "PullDone", "MemberGone", "ReadyChanged", "Tick", "RunFinished", "Event",
     "RoundOpened", "Admitted", "Staged", "WindowClosed", "StartUpdate", "Decided", "RoundEnded",
     "Action"]
 
@@ -90,8 +90,8 @@ def step(state: RoundState, event: Event, policy: RoundPolicy) -> tuple[RoundSta
     """Apply ``event`` to ``state``; returns the new state and the actions to carry out.
 
     Raises:
-        Refused: PUSH_IN_FLIGHT (a second request while one is queued or not yet pulled),
-            INVALID_ARGUMENT (tokens <= 0, negative base version), UNKNOWN_PUSH (a report
+        Refused: RUN_FINISHED (a request after :class:`RunFinished`), PUSH_IN_FLIGHT (a
+            second request while one is queued or not yet pulled), INVALID_ARGUMENT (tokens <= 0, negative base version), UNKNOWN_PUSH (a report
             for a push that is not in the current round); the state is then unchanged.
         ValueError: an :class:`UpdateFinished` for a round that is not being updated.
         TypeError: an unknown event.
@@ -106,6 +106,9 @@ def step(state: RoundState, event: Event, policy: RoundPolicy) -> tuple[RoundSta
 
 def _on_request(state: RoundState, ev: PushRequested, policy: RoundPolicy,
                 actions: list[Action]) -> RoundState:
+    if state.finished:
+        raise Refused(Refusal.RUN_FINISHED, f"the run finished ({state.finished}): cluster "
+                                            f"{ev.cluster_id!r} may not push")
     if ev.tokens <= 0:
         raise Refused(Refusal.INVALID_ARGUMENT, f"push field 'tokens' = {ev.tokens} must be > 0")
     if ev.base_version < 0:
@@ -250,10 +253,17 @@ def _on_tick(state: RoundState, ev: Tick, policy: RoundPolicy,
     return state
 
 
+def _on_finished(state: RoundState, ev: RunFinished, policy: RoundPolicy,
+                 actions: list[Action]) -> RoundState:
+    if state.finished:
+        return state
+    return replace(state, finished=ev.reason or "finished", queue=(), staging={})
+
+
 _HANDLERS: dict[type, Any] = {
     PushRequested: _on_request, PushWithdrawn: _on_withdrawn, PushReported: _on_reported,
     UpdateFinished: _on_update_finished, PullDone: _on_pull_done, MemberGone: _on_gone,
-    ReadyChanged: _on_ready, Tick: _on_tick,
+    ReadyChanged: _on_ready, Tick: _on_tick, RunFinished: _on_finished,
 }
 
 

@@ -142,7 +142,8 @@ class RoundState:
     all registered, up and reconciled (reported by the caller). ``verdicts``: push id ->
     verdict, the most recent ``policy.verdicts_kept``. ``push_s``: cluster -> moving average
     of its measured push seconds (admission to report). ``staging``: cluster -> a push sent
-    ahead of any round (a slow link), until it has arrived.
+    ahead of any round (a slow link), until it has arrived. ``finished``: why the run ended
+    (:class:`RunFinished`; "" while it runs): no request is queued and no round opens again.
     """
 
     phase: Phase = Phase.IDLE
@@ -154,6 +155,7 @@ class RoundState:
     verdicts: Mapping[str, Verdict] = field(default_factory=dict)
     push_s: Mapping[str, float] = field(default_factory=dict)
     staging: Mapping[str, Slot] = field(default_factory=dict)
+    finished: str = ""
 
 
 # ----- events ----------------------------------------------------------------------------
@@ -234,8 +236,18 @@ class Tick:
     now: float
 
 
+@dataclass(frozen=True)
+class RunFinished:
+    """The run reached a limit (``reason``, from :func:`dips.algo.limits.stop_reason`): the
+    round in flight ends as usual; queued requests and pushes sent ahead are dropped, new
+    requests are refused with ``RUN_FINISHED`` and no round opens again."""
+
+    now: float
+    reason: str
+
+
 Event = Union[PushRequested, PushWithdrawn, PushReported, UpdateFinished, PullDone, MemberGone,
-              ReadyChanged, Tick]
+              ReadyChanged, Tick, RunFinished]
 
 
 # ----- actions ---------------------------------------------------------------------------

@@ -34,6 +34,7 @@ from typing import Any
 import grpc
 from rich.console import Console
 
+from dips.algo import limits
 from dips.algo.round import Phase
 from dips.emu.faults import FaultInjector, FaultPlan
 from dips.emu.link_schedule import LinkSchedule
@@ -238,6 +239,8 @@ def launch(cfg: RunConfig, run_dir: Path, max_time_s: float | None = None,
     for stale in ("followers", "clusters", "logs", "final", "init", "failpoints", "pki"):
         shutil.rmtree(run_dir / stale, ignore_errors=True)
     max_time_s = max_time_s if max_time_s is not None else cfg.max_time_s
+    if max_time_s is not None:  # the leader ends the run at it too (clusters then exit 0)
+        cfg = cfg.model_copy(update={"max_time_s": max_time_s})
     if max_outer_steps is not None:
         if max_outer_steps < 1:
             raise ValueError(f"max_outer_steps = {max_outer_steps} must be >= 1")
@@ -355,21 +358,17 @@ def _interrupted_summary(run: Launch, client: Any, spec: RunSpec | None, t_start
     return summary
 
 
-def stop_reason(cfg: RunConfig, status: Any, elapsed_s: float,
-                max_time_s: float | None) -> str | None:
-    """Why the run stops now (None: it goes on): ``"token budget"`` once the leader's ledger
-    counts ``cfg.token_budget`` accepted tokens (never what members report of themselves,
-    which a faulty or hostile cluster could inflate), ``"max outer steps"``, ``"max time"``
-    (``elapsed_s`` seconds of training >= ``max_time_s``). ``status``: the leader's
-    ``StatusReply``, or None when it did not answer."""
-    if status is not None and status.tokens_accepted >= cfg.token_budget:
-        return "token budget"
-    if status is not None and cfg.max_outer_steps is not None \
-            and status.outer_steps >= cfg.max_outer_steps:
-        return "max outer steps"
-    if max_time_s is not None and elapsed_s >= max_time_s:
-        return "max time"
-    return None
+def stop_reason(status: Any, elapsed_s: float, max_time_s: float | None) -> str | None:
+    """Why the launcher stops the run now (None: it goes on): the leader's own verdict
+    (``StatusReply.finished``: its token budget, counted by the ledger and never from what
+    members report of themselves, its outer-step or time limit; :mod:`dips.algo.limits`), else
+    the launcher's own time limit (``elapsed_s`` seconds of training >= ``max_time_s``), which
+    holds even while the leader does not answer. ``status``: the leader's ``StatusReply``, or
+    None."""
+    if status is not None and status.finished:
+        return status.finished
+    return limits.stop_reason(tokens_accepted=0, outer_steps=0, training_s=elapsed_s,
+                              token_budget=None, max_time_s=max_time_s)
 
 
 def _train(run: Launch, client: Any, progress: Progress, t_train: float,
@@ -409,11 +408,13 @@ def _train(run: Launch, client: Any, progress: Progress, t_train: float,
                     # intervals is hung: kill and restart it (a liveness probe, §12).
                     run.event("unresponsive", "leader", silent_s=round(time.monotonic() - last_ok, 2))
                     os.kill(leader_pid, signal.SIGKILL)
-                reason = stop_reason(cfg, status, elapsed, max_time_s)
+                reason = stop_reason(status, elapsed, max_time_s)
                 if reason is not None:
                     break
                 if all(run.children[f"cluster-{c.id}"].proc.poll() is not None for c in cfg.clusters):
-                    reason = "all clusters exited"
+                    status = _status(client)  # clusters exit 0 when the leader ends the run
+                    reason = (status.finished if status is not None and status.finished
+                              else "all clusters exited")
                     break
     except KeyboardInterrupt as exc:
         for sig in (signal.SIGINT, signal.SIGTERM):  # the clean-up runs to its end

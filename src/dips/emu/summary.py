@@ -54,12 +54,14 @@ def tokens_consumed(run_dir: Path, cfg: RunConfig) -> dict[str, int]:
     return out
 
 
-def export_and_summarize(cfg: RunConfig, run_dir: Path, spec: RunSpec, key: MemberKey | None,
-                         status: Any, t_start: float, train_s: float,
-                         interrupted: bool) -> dict[str, Any]:
-    """Pull the final FP32 model with the observer ``key`` (None: no model), save it (HF
-    safetensors + tokenizer), evaluate, summarize. A pull that fails leaves
-    ``eval_loss_final`` null (the error is in ``export_error``); the summary is written."""
+def export_model(cfg: RunConfig, cache: Path, followers: list[Any], version: int,
+                 key: MemberKey, out_dir: Path) -> tuple[float | None, str | None]:
+    """Pull version ``version`` of the global model in FP32 from ``followers``
+    (``pb.FollowerInfo``: index, layers, data endpoint) with the observer ``key``, evaluate
+    it on the held-out split (nats/token) and save it to ``out_dir`` (HF safetensors +
+    config + tokenizer). Returns ``(eval loss, None)``, or ``(None, error)`` when the pull
+    failed (nothing is written then). The tokenizer and data come from ``cache`` (built from
+    the bundled corpora there if missing)."""
     from transformers.utils import logging as hf_logging
 
     from dips.roles.cluster import fetch_global_model
@@ -68,9 +70,25 @@ def export_and_summarize(cfg: RunConfig, run_dir: Path, spec: RunSpec, key: Memb
     from dips.train.model import build_model
 
     hf_logging.disable_progress_bar()
-    cache = (spec.cache_dir or cfg.data.cache_dir).resolve()
     data = load_tokens(cache, cfg.data.vocab_size, cfg.data.val_fraction, cfg.data.max_train_tokens)
     model = build_model(cfg.model, cfg.seed)
+    try:
+        fetch_global_model(model, followers, version, key, timeout_s=cfg.timeouts.rpc_s)
+    except (RuntimeError, ValueError, TimeoutError) as exc:
+        return None, f"{type(exc).__name__}: {exc}"
+    loss = eval_loss(model, data.val, cfg.inner.seq_len, cfg.eval_batch_size, cfg.eval_batches)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    to_hf_tokenizer(load_tokenizer(cache, cfg.data.vocab_size)).save_pretrained(out_dir)
+    return loss, None
+
+
+def export_and_summarize(cfg: RunConfig, run_dir: Path, spec: RunSpec, key: MemberKey | None,
+                         status: Any, t_start: float, train_s: float,
+                         interrupted: bool) -> dict[str, Any]:
+    """Pull the final FP32 model with the observer ``key`` (None: no model), save it (HF
+    safetensors + tokenizer), evaluate, summarize. A pull that fails leaves
+    ``eval_loss_final`` null (the error is in ``export_error``); the summary is written."""
+    cache = (spec.cache_dir or cfg.data.cache_dir).resolve()
     final_loss = None
     model_dir = run_dir / "final"
     version = status.version if status is not None else 0
@@ -82,15 +100,7 @@ def export_and_summarize(cfg: RunConfig, run_dir: Path, spec: RunSpec, key: Memb
         local = [pb.FollowerInfo(index=f.index, layers=list(f.layers),
                                  data_endpoint=f"ipc://{run_dir / f'follower-{f.index}.ipc'}")
                  for f in status.followers]
-        try:
-            fetch_global_model(model, local, version, key, timeout_s=cfg.timeouts.rpc_s)
-        except (RuntimeError, ValueError, TimeoutError) as exc:
-            export_error = f"{type(exc).__name__}: {exc}"
-        else:
-            final_loss = eval_loss(model, data.val, cfg.inner.seq_len, cfg.eval_batch_size,
-                                   cfg.eval_batches)
-            model.save_pretrained(model_dir, safe_serialization=True)
-            to_hf_tokenizer(load_tokenizer(cache, cfg.data.vocab_size)).save_pretrained(model_dir)
+        final_loss, export_error = export_model(cfg, cache, local, version, key, model_dir)
     consumed = tokens_consumed(run_dir, cfg)
     total = sum(consumed.values())
     summary = {

@@ -1,4 +1,5 @@
-"""The role commands: ``dips leader``, ``dips follower``, ``dips cluster`` (one per host).
+"""The role commands: ``dips leader``, ``dips follower``, ``dips cluster`` (one per host), and
+the operator's ``dips export``.
 
 Each takes its own ``--state-dir`` (nothing is shared between hosts), its TLS bundle from
 ``dips init`` (``--tls DIR``) or ``--insecure``, and bind (``--listen``) and advertised
@@ -121,3 +122,30 @@ def cluster(leader_addr: LeaderAddr,
     except (RoleError, OSError, ValueError, RuntimeError, Refused) as exc:  # refused for good
         _fail("cluster", exc)
     raise typer.Exit(code)
+
+
+def export(leader_addr: LeaderAddr,
+           out: Annotated[Path, typer.Option("--out", help="directory for the HF checkpoint")],
+           tls: Tls = None, insecure: Insecure = False,
+           cache_dir: Annotated[Optional[Path], typer.Option(
+               "--cache-dir", help="tokenizer/corpus cache (default: the config's)")] = None,
+           timeout: Annotated[float, typer.Option("--timeout", min=1.0,
+                                                  help="seconds to reach the leader")] = 60.0,
+           ) -> None:
+    """Pull the global model (the final one once the run finished) as the operator (pki/admin),
+    evaluate it and save it as an HF checkpoint with export.json."""
+    import json
+
+    from dips.node.export import run_export
+    from dips.train.run import stop_on_signals
+    from dips.wire.pki import Identity
+
+    setup_logging("export")
+    stop = stop_on_signals()
+    try:
+        creds = credentials(tls, insecure, Identity.admin())
+        doc = run_export(leader_addr, creds, out.resolve(), stop, cache_dir=cache_dir,
+                         timeout_s=timeout)
+    except (RoleError, OSError) as exc:
+        _fail("export", exc)
+    print(json.dumps(doc))

@@ -3,7 +3,8 @@
 It asks the leader for the run spec, builds the model and its data from it (the tokenizer
 and token stream from the bundled corpora, cached in ``--cache-dir``), joins with its model's
 fingerprint (a model that differs from the run's is refused at join, naming the fields), and
-trains: inner AdamW steps, a push every H steps, the verdict, the pull. Its state directory
+trains: inner AdamW steps, a push every H steps, the verdict, the pull, until the leader says
+the run finished (its token budget, outer-step or time limit; exit 0). Its state directory
 holds ``train.jsonl`` (a ``join`` record, then one line per inner step). A user's own
 training loop uses :class:`dips.roles.client.ClusterClient` with the same arguments.
 """
@@ -16,6 +17,7 @@ import threading
 import time
 from pathlib import Path
 
+from dips.algo.refusal import Refusal, Refused
 from dips.node.common import RoleError, StateDir, fetch_spec
 from dips.wire.pki import Identity
 from dips.wire.security import Credentials
@@ -71,6 +73,12 @@ def run_cluster(leader_addr: str, cluster_id: str, state: Path, creds: Credentia
     # The leader may be restarting or waiting for followers: the join is retried.
     try:
         sync.join(stop, cfg.timeouts.startup_s)
+    except Refused as exc:
+        if exc.code is not Refusal.RUN_FINISHED:
+            raise
+        log.info("cluster %s: nothing to do: %s", cluster_id, exc.message)
+        client.close(leave=False)
+        return 0
     except RuntimeError:
         if stop.is_set():  # asked to stop while waiting to join: a clean stop
             client.close()
@@ -92,6 +100,10 @@ def run_cluster(leader_addr: str, cluster_id: str, state: Path, creds: Credentia
         run_loop(trainer, sync, stop, pacer, out, clock=lambda: time.time() - t_start)
     finally:
         out.close()
-    log.info("cluster %s: %d paced steps overran step_s", cluster_id, pacer.overruns)
+    if cfg.step_s is not None:
+        log.info("cluster %s: %d paced steps overran step_s", cluster_id, pacer.overruns)
+    if client.finished:
+        log.info("cluster %s: the run finished (%s): stopping after %d inner steps", cluster_id,
+                 client.finished, client.inner_step)
     client.close()
     return 0

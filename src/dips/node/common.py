@@ -30,6 +30,31 @@ log = logging.getLogger(__name__)
 _HELD: list[IO] = []
 
 
+class Unreachable:
+    """Says why the leader does not answer: a warning with gRPC's reason at the first failure
+    and then every ``every_s`` seconds (a TLS handshake failure, e.g. one side running
+    ``--insecure``, otherwise shows only in gRPC's own log), and once when it answers again."""
+
+    def __init__(self, what: str, every_s: float = 10.0) -> None:
+        self.what, self.every_s = what, every_s
+        self._since: float | None = None
+        self._said = 0.0
+
+    def failed(self, reason: str) -> None:
+        now = time.monotonic()
+        if self._since is None:
+            self._since = now
+        if now - self._said >= self.every_s:
+            self._said = now
+            log.warning("%s: no answer for %.0f s: %s (is it running, at this address, with "
+                        "the same --tls/--insecure choice?)", self.what, now - self._since, reason)
+
+    def answered(self) -> None:
+        if self._since is not None and self._said:
+            log.info("%s answers again", self.what)
+        self._since, self._said = None, 0.0
+
+
 class RoleError(RuntimeError):
     """A role cannot start (locked state directory, bad address, no leader): the message
     names what and where; the command prints it and exits 2."""
@@ -126,6 +151,7 @@ def fetch_spec(leader: str, creds: Credentials, stop: threading.Event,
     client = leader_client(leader, creds, timeout_s=5.0)
     deadline = time.monotonic() + timeout_s
     last = "no answer"
+    unreachable = Unreachable(f"{creds.identity.name}: leader {leader}")
     try:
         while not stop.is_set() and time.monotonic() < deadline:
             try:
@@ -136,6 +162,7 @@ def fetch_spec(leader: str, creds: Credentials, stop: threading.Event,
                     raise RoleError(f"leader {leader} refused {creds.identity.name!r}: "
                                     f"{exc.details()}") from None
                 last = f"{exc.code().name}: {exc.details()}"
+                unreachable.failed(last)
             stop.wait(0.5)
     finally:
         client.close()

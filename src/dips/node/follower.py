@@ -20,9 +20,10 @@ import zmq
 
 from dips.algo import fencing
 from dips.algo.refusal import Refusal
-from dips.node.common import RoleError, StateDir, fetch_spec, split_address
+from dips.node.common import RoleError, StateDir, Unreachable, fetch_spec, split_address
 from dips.wire.pki import Identity
 from dips.wire.security import Credentials
+from dips.wire.control import describe
 
 log = logging.getLogger(__name__)
 
@@ -131,6 +132,7 @@ def run_follower(leader_addr: str, index: int, listen: str, advertise: str, data
     # Registration doubles as the heartbeat: the leader learns a restart from the incarnation,
     # a restarted leader learns this follower within one interval (§12), and the reply renews
     # the leader's lease on this follower.
+    unreachable = Unreachable(f"follower {index}: leader {leader_addr}")
     while not stop.is_set():
         failpoints.hit("idle")  # fault injection between transfers
         info = pb.FollowerInfo(index=index, data_endpoint=data_endpoint,
@@ -142,12 +144,13 @@ def run_follower(leader_addr: str, index: int, listen: str, advertise: str, data
             keyring.set_secret(reply.data_secret, reply.encrypt)
             keyring.set_members(list(reply.member_keys), reply.next_key_seq)
             fence.heard(reply.term)
+            unreachable.answered()
         except grpc.RpcError as exc:
             if refusal_of(exc) is Refusal.FORBIDDEN:  # another process serves this index
                 log.error("follower %d stops: %s", index, exc.details())
                 code = 3
                 break
-            log.debug("heartbeat to leader failed: %s", exc.code().name)
+            unreachable.failed(describe(exc))
         stop.wait(interval)
     server.stop(grace=2.0).wait(5.0)
     data.stop()

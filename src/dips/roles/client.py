@@ -154,6 +154,7 @@ class ClusterClient(SyncMixin):
         self.tokens_since_pull = 0
         self.last_loss = math.nan
         self.joins = 0
+        self.finished = ""  # why the run ended, once the leader says so: the loop stops
 
     @property
     def stage_layers(self) -> list[list[str]]:
@@ -274,6 +275,9 @@ class ClusterClient(SyncMixin):
                 self.join(attempts=1)
                 self._backoff_s = 0.5
             except (grpc.RpcError, RuntimeError) as exc:
+                if isinstance(exc, grpc.RpcError) and refusal_of(exc) is Refusal.RUN_FINISHED:
+                    self.finished = exc.details() or "run finished"
+                    return False
                 if isinstance(exc, grpc.RpcError) and refusal_of(exc) in FINAL_REFUSALS:
                     raise Refused(refusal_of(exc), f"cluster {self.cluster_id!r}: the leader "
                                                    f"refuses it for good: {exc.details()}") from None
@@ -327,6 +331,8 @@ class ClusterClient(SyncMixin):
                         tokens=self.tokens_total, last_loss=self.last_loss),
                         timeout=max(self._hb_interval, 1.0))
                     self._followers_epoch = reply.followers_epoch
+                    if reply.finished:
+                        self.finished = reply.finished
                     if not reply.known:
                         self._rejoin.set()
                     if failing:  # the leader is back: retry now instead of after the backoff

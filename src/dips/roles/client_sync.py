@@ -111,6 +111,9 @@ class SyncMixin:
             reason = f"push request failed: {exc.code().name}: {exc.details()}"
             if code in (Refusal.NOT_JOINED, Refusal.FORBIDDEN):
                 self._rejoin.set()
+            if code is Refusal.RUN_FINISHED:  # not a failure: the loop stops
+                self.finished = exc.details() or "run finished"
+                return SyncResult(False, self.version, -1, tokens, ok=False, reason=reason)
             if code is Refusal.NOTHING_TRAINED:  # not a failure: push after more training
                 self._last_sync_step = self.inner_step
             else:

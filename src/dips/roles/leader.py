@@ -29,6 +29,7 @@ from typing import Any, Callable
 
 from dips.algo import ScheduleBook
 from dips.algo.ledger import ChunkLedger, LedgerError
+from dips.algo.limits import stop_reason
 from dips.algo.penalty import PenaltyState
 from dips.algo.reconcile import FollowerReport, reconcile_target
 from dips.algo.refusal import Refusal, Refused
@@ -44,6 +45,7 @@ from dips.algo.round import (
     RoundOpened,
     RoundPolicy,
     RoundState,
+    RunFinished,
     StartUpdate,
     Tick,
     UpdateFinished,
@@ -132,6 +134,7 @@ class Leader(Membership, Records):
         self.needs_reconcile = True
         self.followers_epoch = 0  # see HeartbeatAnswer
         self._version_stats: dict[int, tuple[int, int]] = {}
+        self.training_started_at: float | None = None  # wall clock of the first push request
         self._layer_owner: dict[str, int] = {}
         self._book = ScheduleBook()  # follower use across the clusters of a round (§10)
         self._run_dir = run_dir
@@ -225,13 +228,16 @@ class Leader(Membership, Records):
         reached) trained beyond the accepted positions × ``tokens_per_window``; ``tokens``,
         the client's own count, is only compared with it. ``expected_s``: the push time the
         cluster predicts (seconds; serves until the leader measured its pushes).
-        Raises Refused: NOT_JOINED, NOT_READY (followers down or unreconciled),
+        Raises Refused: NOT_JOINED, RUN_FINISHED, NOT_READY (followers down or unreconciled),
         PUSH_IN_FLIGHT, INVALID_ARGUMENT (negative base version), LEDGER_CONFLICT (a progress
         report the ledger refuses), NOTHING_TRAINED (no window since the last accepted push),
         NOT_ADMITTED (not admitted within ``timeout_s`` seconds).
         """
         with self._cond:
             cluster = self._member(cluster_id)
+            if self._state.finished:
+                raise Refused(Refusal.RUN_FINISHED, f"the run finished ({self._state.finished}) "
+                                                    f"at version {self.version}")
             if not self.ready:
                 raise Refused(Refusal.NOT_READY, "followers not ready (down, missing or reconciling)")
             now = self._clock()
@@ -256,9 +262,15 @@ class Leader(Membership, Records):
             if self.ledger is not None:
                 self.ledger.report(cluster_id, progress or {})
             self._carry(state, actions)
+            if self.training_started_at is None:
+                self.training_started_at = time.time()  # max_time_s counts from here
             deadline = now + timeout_s
             while True:
                 slot = slot_of(self._state, cluster_id)
+                if (slot is None or slot.push_id != push_id) and self._state.finished:
+                    raise Refused(Refusal.RUN_FINISHED, f"the run finished "
+                                                        f"({self._state.finished}) before "
+                                                        f"cluster {cluster_id!r}'s push")
                 if slot is None or slot.push_id != push_id:
                     raise Refused(Refusal.NOT_ADMITTED, f"cluster {cluster_id!r}: push dropped "
                                                         "before admission (left or removed)")
@@ -321,8 +333,39 @@ class Leader(Membership, Records):
             self._apply(PullDone(self._clock(), cluster_id))
 
     # ----- the loop thread: clock, reconciliation, update phase ---------------------------
+    def _check_limits(self) -> bool:
+        """End the run once :func:`dips.algo.limits.stop_reason` says so (lock held);
+        returns whether it ended now."""
+        if self._state.finished:
+            return False
+        c = self.cfg
+        training_s = (time.time() - self.training_started_at
+                      if self.training_started_at is not None else None)
+        reason = stop_reason(tokens_accepted=self.counts["tokens_accepted"],
+                             outer_steps=self.counts["outer_steps"], training_s=training_s,
+                             token_budget=c.token_budget, max_outer_steps=c.max_outer_steps,
+                             max_time_s=c.max_time_s)
+        if reason is None:
+            return False
+        dropped = [*self._state.queue, *self._state.staging.values()]
+        self._apply(RunFinished(self._clock(), reason))
+        if self.ledger is not None:
+            for s in dropped:  # queued or sent ahead: their progress reports go with them
+                self.ledger.resolve(s.cluster_id, False)
+        return True
+
     def _loop(self) -> None:
         while not self._stop.is_set():
+            with self._cond:
+                finished_now = self._check_limits()
+            if finished_now:
+                s = self.status()
+                log.info("run finished (%s): version %d, %d outer steps, %d tokens accepted; "
+                         "serving the final model until stopped", s.finished, s.version,
+                         s.counts["outer_steps"], s.counts["tokens_accepted"])
+                self.event("run_finished", reason=s.finished, version=s.version,
+                           tokens_accepted=s.counts["tokens_accepted"])
+                self.checkpoint()
             with self._cond:
                 update, self._update = self._update, None
                 reconcile = (update is None and self.needs_reconcile
@@ -430,4 +473,4 @@ class Leader(Membership, Records):
                                 [replace(c) for c in self.clusters.values()],
                                 [replace(f) for f in self.followers.values()],
                                 sum(f.up for f in self.followers.values()),
-                                led["accepted_windows"], led["epoch"])
+                                led["accepted_windows"], led["epoch"], self._state.finished)

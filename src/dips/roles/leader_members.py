@@ -8,6 +8,8 @@ removed is a :class:`dips.algo.round.MemberGone` event of the round machine.
 
 from __future__ import annotations
 
+import logging
+
 from dips.algo.ledger import ChunkLedger
 from dips.algo.refusal import Refusal, Refused
 from dips.algo.round import MemberGone, Phase
@@ -21,6 +23,8 @@ from dips.spec.fingerprint import mismatch
 from dips.wire import keys
 from dips.wire.keys import MemberKey
 from dips.wire.pki import Identity
+
+log = logging.getLogger(__name__)
 
 #: Observers (the operator's final pulls, evaluators) whose keys are kept at once.
 OBSERVER_KEYS = 4
@@ -118,7 +122,7 @@ class Membership:
         the current version, the followers to pull from and the cluster's new data-plane
         key. Raises ValueError if the stages do not cover every layer exactly once or the id
         is empty; Refused(MODEL_MISMATCH) naming the differing fields; Refused(NOT_READY)
-        while followers are missing.
+        while followers are missing; Refused(RUN_FINISHED) once the run ended.
         """
         if not cluster_id:
             raise ValueError("join field 'cluster_id' is empty")
@@ -128,6 +132,9 @@ class Membership:
                 raise Refused(Refusal.MODEL_MISMATCH, f"cluster {cluster_id!r}: its model does "
                                                       f"not match the run's: {diff}")
         with self._cond:
+            if self._state.finished:
+                raise Refused(Refusal.RUN_FINISHED, f"the run finished ({self._state.finished}) "
+                                                    f"at version {self.version}")
             if len(self.followers) < self.cfg.followers:
                 raise Refused(Refusal.NOT_READY, f"{len(self.followers)}/{self.cfg.followers} "
                                                  "followers registered")
@@ -151,7 +158,8 @@ class Membership:
             if c is not None:
                 c.inner_step, c.tokens, c.last_loss = inner_step, tokens, loss
                 c.last_seen = self._clock()
-            return HeartbeatAnswer(self.version, c is not None, self.followers_epoch)
+            return HeartbeatAnswer(self.version, c is not None, self.followers_epoch,
+                                   self._state.finished)
 
     def leave(self, cluster_id: str) -> None:
         """A graceful leave: like a removal, its chunks return to the ledger."""
@@ -202,10 +210,15 @@ class Membership:
         """Remove silent clusters; mark silent followers down (§12: 3 missed heartbeats)."""
         members = self.cfg.membership
         limit = members.missed_heartbeats * members.heartbeat_interval_s
+        said = -10.0
         while not self._stop.wait(min(0.25, members.heartbeat_interval_s / 2)):
             events = []
             with self._cond:
                 now = self._clock()
+                missing = sorted(set(range(self.cfg.followers)) - set(self.followers))
+                if missing and now - said >= 10.0:  # nothing trains until they register
+                    said = now
+                    log.info("waiting for follower(s) %s to register", missing)
                 for c in [c for c in self.clusters.values() if now - c.last_seen > limit]:
                     self._drop_cluster(c.cluster_id, "heartbeat timeout")
                     events.append(("cluster_removed", {"cluster": c.cluster_id,

@@ -58,7 +58,9 @@ class Records:
         push_s = {str(c): float(x) for c, x in state.get("push_s", {}).items()}
         self._state = RoundState(rounds=state["rounds"], ready=False, verdicts=verdicts,
                                  grace=grace_rules.from_dict(state.get("grace", {})),
-                                 push_s=push_s)
+                                 push_s=push_s, finished=str(state.get("finished", "")))
+        started = state.get("training_started_at")
+        self.training_started_at = float(started) if started is not None else None
         self.counts.update(state["counts"])
         self.counts["restarts"] += 1
         self.penalty = PenaltyState.from_dict(state["penalty"])
@@ -88,6 +90,8 @@ class Records:
             known = {**self._state.verdicts, **self._recorded}
             recent = list(known.values())[-VERDICTS_PERSISTED:]
             state = {"version": self.version, "rounds": self.rounds, "counts": dict(self.counts),
+                     "finished": self._state.finished,
+                     "training_started_at": self.training_started_at,
                      "penalty": self.penalty.to_dict(),
                      "clusters": {c.cluster_id: c.stages for c in self.clusters.values()},
                      "ledger": self.ledger.to_dict() if self.ledger else None,

@@ -96,11 +96,13 @@ class Grant:
 class HeartbeatAnswer:
     """The leader's answer to a cluster's heartbeat: the global ``version``; ``known`` False
     when the cluster must re-join; ``followers_epoch`` rises whenever a follower is marked
-    down or registers as a new incarnation (a cluster aborts transfers started before)."""
+    down or registers as a new incarnation (a cluster aborts transfers started before);
+    ``finished``: why the run ended ("" while it runs): the cluster stops."""
 
     version: int
     known: bool
     followers_epoch: int
+    finished: str = ""
 
 
 @dataclass(frozen=True)
@@ -114,7 +116,8 @@ class VerdictReply:
 @dataclass(frozen=True)
 class LeaderStatus:
     """The run as the leader sees it (``GetStatus``): version, rounds, phase, counts (updates,
-    tokens, outer steps, rolled-back steps), members, followers and the ledger's state."""
+    tokens, outer steps, rolled-back steps), members, followers and the ledger's state;
+    ``finished``: why the run ended ("" while it runs)."""
 
     version: int
     rounds: int
@@ -125,3 +128,4 @@ class LeaderStatus:
     followers_ready: int
     accepted_windows: int
     ledger_epoch: int
+    finished: str = ""

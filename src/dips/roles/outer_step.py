@@ -21,8 +21,11 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Sequence
 
+import grpc
+
 from dips.algo import clip_factor, decide, token_weights
 from dips.algo.penalty import PenaltyState
+from dips.algo.refusal import Refused
 from dips.algo.round import Slot, UpdateOutcome
 from dips.roles import failpoints
 from dips.wire.control import describe
@@ -163,7 +166,11 @@ def run_update(followers: Sequence[tuple[int, FollowerControl]], number: int,
         for index, control in followers:
             report.checksums[index] = control.apply(number, clip, new_version, accepted, w)[1]
     except Exception as exc:  # nothing was applied anywhere
-        log.exception("round %d failed before its decision", number)
+        if isinstance(exc, (grpc.RpcError, Refused, TimeoutError)):
+            # A follower down, restarted or fenced: expected (§12), one line, no traceback.
+            log.warning("round %d failed before its decision: %s", number, describe(exc))
+        else:
+            log.exception("round %d failed before its decision", number)
         abort_everywhere(followers, number)
         report.failed = True
         report.penalty = penalty
@@ -192,4 +199,4 @@ def abort_everywhere(followers: Sequence[tuple[int, FollowerControl]], rnd: int 
         try:
             control.abort(rnd)
         except Exception as exc:
-            log.warning("abort of round %s on follower %d failed: %s", rnd, index, exc)
+            log.warning("abort of round %s on follower %d failed: %s", rnd, index, describe(exc))

@@ -68,8 +68,8 @@ class RunConfig(Strict):
                                                            "accepted into the global model (the "
                                                            "ledger's count, never a member's "
                                                            "own report)")
-    max_time_s: float | None = Field(None, gt=0, description="stop after this many seconds of "
-                                                             "training")
+    max_time_s: float | None = Field(None, gt=0, description="stop this many seconds after "
+                                                             "the first push request")
     max_outer_steps: int | None = Field(
         None, ge=1, description="stop once the leader reports this many outer steps (versions "
                                 "applied); None: no limit. Stops on the event, not on a "
@@ -126,12 +126,20 @@ class LeaderConfig(Strict):
     timeouts: Timeouts = Field(default_factory=Timeouts,
                                description="push_s / pull_s: the waits for a round's pushes/pulls")
     followers: int = Field(1, ge=1, description="followers the model is sharded over")
+    token_budget: int | None = Field(None, ge=1, description="the run ends once this many "
+                                                             "tokens were accepted; None: never")
+    max_outer_steps: int | None = Field(None, ge=1, description="the run ends after this many "
+                                                                "outer steps; None: no limit")
+    max_time_s: float | None = Field(None, gt=0, description="the run ends this many seconds "
+                                                             "after its first push request")
 
     @classmethod
     def from_run(cls, cfg: RunConfig) -> "LeaderConfig":
         """The leader's part of a run config (the same concept models, not copies)."""
         return cls(grace=cfg.grace, penalty=cfg.penalty, outer=cfg.outer,
-                   membership=cfg.membership, timeouts=cfg.timeouts, followers=cfg.followers)
+                   membership=cfg.membership, timeouts=cfg.timeouts, followers=cfg.followers,
+                   token_budget=cfg.token_budget, max_outer_steps=cfg.max_outer_steps,
+                   max_time_s=cfg.max_time_s)
 
 
 class RunSpec(Strict):

@@ -11,16 +11,20 @@ training goes on with the local model while the leader or a follower is unreacha
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from typing import Any
 
 import grpc
 
+from dips.algo.refusal import Refusal, Refused
 from dips.roles.client import FINAL_REFUSALS, ClusterClient
 from dips.roles.cluster import SyncResult
 from dips.train.trainer import ClusterTrainer, StepResult
 from dips.wire.control import describe, refusal_of
+
+log = logging.getLogger(__name__)
 
 __all__ = ["DiPSSync", "push_record"]
 
@@ -52,23 +56,32 @@ class DiPSSync:
 
         Returns the version pulled.  Raises RuntimeError after ``timeout_s`` seconds or once
         ``stop`` is set, and at once when the leader refuses this cluster for good (its
-        certificate, a revoked id, a model that differs from the run's).
+        certificate, a revoked id, a model that differs from the run's); Refused(RUN_FINISHED)
+        when the run has ended.
         """
         deadline = time.monotonic() + timeout_s
+        said = 0.0
         while True:
             try:
                 return self.client.join()
             except (grpc.RpcError, RuntimeError) as exc:
+                if isinstance(exc, grpc.RpcError) and refusal_of(exc) is Refusal.RUN_FINISHED:
+                    self.client.finished = exc.details() or "run finished"
+                    raise Refused(Refusal.RUN_FINISHED, self.client.finished) from None
                 if isinstance(exc, grpc.RpcError) and refusal_of(exc) in FINAL_REFUSALS:
                     raise RuntimeError(f"cluster {self.client.cluster_id}: join refused: "
                                        f"{describe(exc)}") from None
                 if stop.is_set() or time.monotonic() > deadline:
                     raise RuntimeError(f"cluster {self.client.cluster_id}: join failed: {exc}") from None
+                if time.monotonic() - said >= 10.0:  # why it waits, not only gRPC's own log
+                    said = time.monotonic()
+                    log.warning("cluster %s: join not possible yet: %s", self.client.cluster_id,
+                                describe(exc) if isinstance(exc, grpc.RpcError) else exc)
                 stop.wait(retry_s)
 
     def before_step(self, trainer: ClusterTrainer, stop: threading.Event) -> bool:
-        """Go on until stopped (a cluster may leave at any step, §12)."""
-        return not stop.is_set()
+        """Go on until stopped (a cluster may leave at any step, §12) or the run finished."""
+        return not stop.is_set() and not self.client.finished
 
     def after_step(self, trainer: ClusterTrainer, result: StepResult,
                    stop: threading.Event) -> dict[str, Any]:

@@ -44,6 +44,7 @@ _STATUS = {
     Refusal.STALE_TERM: grpc.StatusCode.FAILED_PRECONDITION,
     Refusal.LEASE_HELD: grpc.StatusCode.UNAVAILABLE,
     Refusal.MODEL_MISMATCH: grpc.StatusCode.FAILED_PRECONDITION,
+    Refusal.RUN_FINISHED: grpc.StatusCode.FAILED_PRECONDITION,
 }
 
 

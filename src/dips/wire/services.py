@@ -60,16 +60,22 @@ class LeaderServicer(pbg.LeaderServicer):
         self._entry = make_follower_entry
         self._revoked = revoked
 
+    def _caller(self, context: Any, what: str) -> Identity:
+        """Who calls, from its certificate; a revoked cluster is refused every call, reads
+        (``GetSpec``, ``GetStatus``) included. Raises Refused(FORBIDDEN)."""
+        who = caller(context)
+        if who.role == "cluster" and who.id in self._revoked():
+            raise Refused(Refusal.FORBIDDEN, f"{what}: cluster {who.id!r} is revoked")
+        return who
+
     def _cluster(self, context: Any, claimed: str, what: str) -> str:
         """The calling cluster's id, from its certificate; a ``cluster_id`` in the body must
         be the same. Raises Refused(FORBIDDEN)."""
-        who = caller(context)
+        who = self._caller(context, what)
         require(who, "cluster", what)
         if claimed and claimed != who.id:
             raise Refused(Refusal.FORBIDDEN, f"{what}: field 'cluster_id' = {claimed!r}, but the "
                                              f"caller's certificate is {who.name!r}")
-        if who.id in self._revoked():
-            raise Refused(Refusal.FORBIDDEN, f"{what}: cluster {who.id!r} is revoked")
         return who.id
 
     @grpc_errors
@@ -86,13 +92,13 @@ class LeaderServicer(pbg.LeaderServicer):
 
     @grpc_errors
     def GetSpec(self, request: pb.SpecRequest, context: Any) -> pb.SpecReply:
-        caller(context)
+        self._caller(context, "GetSpec")
         spec, fingerprint = self.leader.spec_json()
         return pb.SpecReply(run_spec=spec, fingerprint=fingerprint, term=self.leader.term)
 
     @grpc_errors
     def JoinCluster(self, request: pb.JoinRequest, context: Any) -> pb.JoinReply:
-        who = caller(context)
+        who = self._caller(context, "JoinCluster")
         if who.role == "admin":  # an observer: pulls the model, never pushes (no membership)
             version, followers, key = self.leader.join_observer(who.name)
         else:
@@ -145,7 +151,7 @@ class LeaderServicer(pbg.LeaderServicer):
         a = self.leader.heartbeat(cid, request.inner_step, request.tokens,
                                   request.last_loss)
         return pb.HeartbeatReply(version=a.version, known=a.known,
-                                 followers_epoch=a.followers_epoch)
+                                 followers_epoch=a.followers_epoch, finished=a.finished)
 
     @grpc_errors
     def LeaveCluster(self, request: pb.LeaveRequest, context: Any) -> pb.Ack:
@@ -154,7 +160,7 @@ class LeaderServicer(pbg.LeaderServicer):
 
     @grpc_errors
     def GetStatus(self, request: pb.StatusRequest, context: Any) -> pb.StatusReply:
-        caller(context)  # any member or the operator
+        self._caller(context, "GetStatus")  # any member or the operator
         s = self.leader.status()
         clusters = [pb.ClusterStatus(cluster_id=c.cluster_id, inner_step=c.inner_step,
                                      tokens=c.tokens, last_loss=c.last_loss,
@@ -171,7 +177,7 @@ class LeaderServicer(pbg.LeaderServicer):
                               followers_ready=s.followers_ready,
                               accepted_windows=s.accepted_windows,
                               ledger_epoch=s.ledger_epoch,
-                              outer_steps_lost=n["outer_steps_lost"])
+                              outer_steps_lost=n["outer_steps_lost"], finished=s.finished)
 
     @grpc_errors
     def Lease(self, request: pb.LeaseRequest, context: Any) -> pb.LeaseReply:

@@ -25,6 +25,7 @@ class Refusal(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     STALE_TERM: _ClassVar[Refusal]
     LEASE_HELD: _ClassVar[Refusal]
     MODEL_MISMATCH: _ClassVar[Refusal]
+    RUN_FINISHED: _ClassVar[Refusal]
 REFUSAL_UNSPECIFIED: Refusal
 NOT_JOINED: Refusal
 PUSH_IN_FLIGHT: Refusal
@@ -41,6 +42,7 @@ FORBIDDEN: Refusal
 STALE_TERM: Refusal
 LEASE_HELD: Refusal
 MODEL_MISMATCH: Refusal
+RUN_FINISHED: Refusal
 
 class Ack(_message.Message):
     __slots__ = ("ok", "error")
@@ -249,16 +251,16 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, cluster_id: _Optional[str] = ..., inner_step: _Optional[int] = ..., tokens: _Optional[int] = ..., last_loss: _Optional[float] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
-    __slots__ = ("version", "stop", "known", "followers_epoch")
+    __slots__ = ("version", "known", "followers_epoch", "finished")
     VERSION_FIELD_NUMBER: _ClassVar[int]
-    STOP_FIELD_NUMBER: _ClassVar[int]
     KNOWN_FIELD_NUMBER: _ClassVar[int]
     FOLLOWERS_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
     version: int
-    stop: bool
     known: bool
     followers_epoch: int
-    def __init__(self, version: _Optional[int] = ..., stop: _Optional[bool] = ..., known: _Optional[bool] = ..., followers_epoch: _Optional[int] = ...) -> None: ...
+    finished: str
+    def __init__(self, version: _Optional[int] = ..., known: _Optional[bool] = ..., followers_epoch: _Optional[int] = ..., finished: _Optional[str] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
     __slots__ = ("cluster_id",)
@@ -313,7 +315,7 @@ class ClusterStatus(_message.Message):
     def __init__(self, cluster_id: _Optional[str] = ..., inner_step: _Optional[int] = ..., tokens: _Optional[int] = ..., last_loss: _Optional[float] = ..., last_push: _Optional[str] = ..., pulled_version: _Optional[int] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("version", "rounds", "updates_pushed", "updates_accepted", "updates_rejected", "tokens_pushed", "tokens_accepted", "phase", "clusters", "followers", "outer_steps", "followers_ready", "accepted_windows", "ledger_epoch", "outer_steps_lost")
+    __slots__ = ("version", "rounds", "updates_pushed", "updates_accepted", "updates_rejected", "tokens_pushed", "tokens_accepted", "phase", "clusters", "followers", "outer_steps", "followers_ready", "accepted_windows", "ledger_epoch", "outer_steps_lost", "finished")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
     UPDATES_PUSHED_FIELD_NUMBER: _ClassVar[int]
@@ -329,6 +331,7 @@ class StatusReply(_message.Message):
     ACCEPTED_WINDOWS_FIELD_NUMBER: _ClassVar[int]
     LEDGER_EPOCH_FIELD_NUMBER: _ClassVar[int]
     OUTER_STEPS_LOST_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
     version: int
     rounds: int
     updates_pushed: int
@@ -344,7 +347,8 @@ class StatusReply(_message.Message):
     accepted_windows: int
     ledger_epoch: int
     outer_steps_lost: int
-    def __init__(self, version: _Optional[int] = ..., rounds: _Optional[int] = ..., updates_pushed: _Optional[int] = ..., updates_accepted: _Optional[int] = ..., updates_rejected: _Optional[int] = ..., tokens_pushed: _Optional[int] = ..., tokens_accepted: _Optional[int] = ..., phase: _Optional[str] = ..., clusters: _Optional[_Iterable[_Union[ClusterStatus, _Mapping]]] = ..., followers: _Optional[_Iterable[_Union[FollowerInfo, _Mapping]]] = ..., outer_steps: _Optional[int] = ..., followers_ready: _Optional[int] = ..., accepted_windows: _Optional[int] = ..., ledger_epoch: _Optional[int] = ..., outer_steps_lost: _Optional[int] = ...) -> None: ...
+    finished: str
+    def __init__(self, version: _Optional[int] = ..., rounds: _Optional[int] = ..., updates_pushed: _Optional[int] = ..., updates_accepted: _Optional[int] = ..., updates_rejected: _Optional[int] = ..., tokens_pushed: _Optional[int] = ..., tokens_accepted: _Optional[int] = ..., phase: _Optional[str] = ..., clusters: _Optional[_Iterable[_Union[ClusterStatus, _Mapping]]] = ..., followers: _Optional[_Iterable[_Union[FollowerInfo, _Mapping]]] = ..., outer_steps: _Optional[int] = ..., followers_ready: _Optional[int] = ..., accepted_windows: _Optional[int] = ..., ledger_epoch: _Optional[int] = ..., outer_steps_lost: _Optional[int] = ..., finished: _Optional[str] = ...) -> None: ...
 
 class ScoreRequest(_message.Message):
     __slots__ = ("round", "cluster_ids", "push_ids")

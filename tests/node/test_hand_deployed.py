@@ -1,0 +1,78 @@
+"""A run deployed by hand with the public commands (`dips leader`, `dips follower`,
+`dips cluster`, `dips export`), here with `--insecure` on 127.0.0.1: it ends by itself at its
+limit (the leader decides; found by a review: a hand-deployed run went on for ever), the
+cluster exits 0, and the operator exports the final model. `--insecure` runs and says so on
+stderr; with neither --tls nor --insecure a role refuses to start (exit 2, one line)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from dips.emu.launcher import free_port
+from dips.wire.security import INSECURE_WARNING
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.timeout(400)
+
+
+def _dips(args: list[str], log: Path | None = None) -> subprocess.Popen:
+    out = open(log, "w") if log is not None else subprocess.PIPE
+    return subprocess.Popen([sys.executable, "-m", "dips.cli", *args], cwd=ROOT, stdout=out,
+                            stderr=subprocess.STDOUT if log is not None else subprocess.PIPE,
+                            text=True, start_new_session=True,
+                            env=dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1"))
+
+
+def test_neither_tls_nor_insecure_refuses_to_start(tmp_path):
+    neither = _dips(["leader", "--config", str(ROOT / "configs" / "tiny.yaml"), "--listen",
+                     "127.0.0.1:1", "--state-dir", str(tmp_path / "x")])
+    _, err = neither.communicate(timeout=60)
+    assert neither.returncode == 2 and "exactly one of --tls DIR" in err
+
+
+def test_a_hand_deployed_run_ends_at_its_limit_and_the_model_is_exported(tmp_path):
+    cfg = yaml.safe_load((ROOT / "configs" / "tiny.yaml").read_text())
+    cfg.update(clusters=[{"id": "a"}], max_outer_steps=2, max_time_s=None)
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg))
+    leader = f"127.0.0.1:{free_port()}"
+    procs = {"leader": _dips(["leader", "--config", str(tmp_path / "run.yaml"), "--listen",
+                              leader, "--state-dir", str(tmp_path / "leader"), "--insecure"],
+                             tmp_path / "leader.log")}
+    for i in (0, 1):
+        procs[f"f{i}"] = _dips(["follower", "--leader", leader, "--index", str(i), "--listen",
+                                f"127.0.0.1:{free_port()}", "--data-listen",
+                                f"127.0.0.1:{free_port()}", "--state-dir",
+                                str(tmp_path / f"f{i}"), "--insecure"], tmp_path / f"f{i}.log")
+    procs["a"] = _dips(["cluster", "--leader", leader, "--cluster-id", "a", "--state-dir",
+                        str(tmp_path / "a"), "--insecure"], tmp_path / "a.log")
+    try:
+        assert procs["a"].wait(300) == 0, (tmp_path / "a.log").read_text()[-3000:]
+        assert "the run finished (max outer steps)" in (tmp_path / "a.log").read_text()
+        export = _dips(["export", "--leader", leader, "--out", str(tmp_path / "final"),
+                        "--insecure"])
+        out, err = export.communicate(timeout=200)
+        assert export.returncode == 0, err[-3000:]
+        doc = json.loads((tmp_path / "final" / "export.json").read_text())
+        assert doc["finished"] == "max outer steps" and doc["version"] >= 2
+        assert doc["eval_loss"] < doc["eval_loss_initial"]
+        assert (tmp_path / "final" / "model.safetensors").exists()
+        assert json.loads(out.strip().splitlines()[-1]) == doc
+        for name in ("f0", "f1", "leader"):
+            procs[name].send_signal(signal.SIGTERM)
+        for name in ("f0", "f1", "leader"):
+            assert procs[name].wait(60) == 0, name
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+    log = (tmp_path / "leader.log").read_text()
+    assert INSECURE_WARNING in log and "run finished (max outer steps)" in log
