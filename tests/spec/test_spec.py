@@ -165,8 +165,11 @@ def test_leader_config_composes_the_run_config_and_one_grace_default() -> None:
     assert GraceConfig().window_s == RunConfig().grace.window_s == 8.0
     assert Scenario.model_validate({**SCENARIO, "eta": 0, "n_clusters": 1}).grace.window_s == 8.0
     assert LeaderConfig().grace.window_s == 8.0
+    assert (lead.token_budget, lead.max_outer_steps, lead.max_time_s) == \
+        (cfg.token_budget, cfg.max_outer_steps, cfg.max_time_s)  # the leader ends the run
     assert set(LeaderConfig.model_fields) == {"grace", "penalty", "outer", "membership",
-                                              "timeouts", "followers"}
+                                              "timeouts", "followers", "token_budget",
+                                              "max_outer_steps", "max_time_s"}
 
 
 def test_every_field_has_a_description() -> None:
