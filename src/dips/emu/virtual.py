@@ -24,6 +24,10 @@ The §6 round, in virtual time:
    cluster), with it (``di-ps-pull-barrier`` or ``grace.pull_barrier``) the round ends at the
    last pull.
 
+The run ends as the real leader ends one (:func:`dips.algo.limits.stop_reason`): at the update
+that brings the accepted tokens to the budget, so the final model holds at least the budget,
+as synchronous DiLoCo's does at the end of its last round (work still in flight is not merged).
+
 Ablations (§15): ``di-ps-no-penalty`` (penalty off), ``di-ps-uniform`` (1/n weights),
 ``di-ps-no-clip`` (max_norm None), ``di-ps-no-grace`` (window 0), ``di-ps-pull-barrier`` (the
 seed's round: no new window until every pull is done), ``di-ps-dynamic-grace`` (§7's τ*).
@@ -39,6 +43,7 @@ import torch
 
 from dips.algo import grace as grace_rules
 from dips.algo import partition_contiguous
+from dips.algo.limits import stop_reason
 from dips.algo.penalty import PenaltyState
 from dips.algo.round import (Admitted, Decided, PullDone, PushReported, PushRequested,
                              RoundEnded, RoundOpened, RoundPolicy, RoundState, Staged, StartUpdate,
@@ -209,8 +214,8 @@ def run_dips(scenario: Scenario, out_dir: Path, method: str = "di-ps") -> Method
         if kind == "step":
             c = by_id[payload]
             c.step()
-            if world.done:
-                break
+            if world.tokens >= 2 * s.token_budget:
+                break  # the accepted tokens cannot reach the budget (e.g. every push rejected)
             world.maybe_eval(t, ps.global_params)
             if c.steps % H:
                 q.push(t + world.step_s(c, t), "step", payload)
@@ -227,6 +232,11 @@ def run_dips(scenario: Scenario, out_dir: Path, method: str = "di-ps") -> Method
             number, outcome, theta, version = payload
             new_versions[number] = (theta, version)
             feed(UpdateFinished(t, number, outcome))
+            # The run ends as the real leader ends it: once the accepted tokens reach the
+            # budget, so the final model holds the budget (work still in flight is not merged).
+            if stop_reason(tokens_accepted=counts["tokens_accepted"], outer_steps=ps.version,
+                           training_s=None, token_budget=s.token_budget) is not None:
+                break
         elif kind == "pulled":
             cid, theta, version = payload
             c = by_id[cid]
