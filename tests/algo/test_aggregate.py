@@ -143,3 +143,20 @@ def test_weighted_mean_errors_name_index_and_shapes():
         weighted_mean([a], [math.nan])
     with pytest.raises(ValueError, match="non-empty"):
         weighted_mean([], [])
+
+
+def test_clip_threshold_seed_is_the_fixed_norm_relative_follows_the_penalty_history():
+    from dips.algo import clip_threshold
+
+    assert clip_threshold("seed", 1.0, 0.2, 400.0) == 1.0
+    assert clip_threshold("seed", None, 0.2, 400.0) is None  # the no-clip ablation
+    # relative: 0.2 × √400 = 4.0, so a ‖δ‖ of 20 is scaled by 4/20 = 0.2, one of 3 not at all.
+    assert clip_threshold("relative", 1.0, 0.2, 400.0) == pytest.approx(4.0)
+    assert clip_factor(400.0, clip_threshold("relative", 1.0, 0.2, 400.0)) == pytest.approx(0.2)
+    assert clip_factor(9.0, clip_threshold("relative", 1.0, 0.2, 400.0)) == 1.0
+    assert clip_threshold("relative", 1.0, 0.2, None) is None  # no history yet: no clip
+    assert clip_threshold("relative", 1.0, 0.2, 0.0) is None
+    for bad in (("other", 1.0, 0.2, 1.0), ("relative", 1.0, 0.0, 1.0),
+                ("relative", 1.0, 0.2, float("nan")), ("relative", 1.0, 0.2, -1.0)):
+        with pytest.raises(ValueError):
+            clip_threshold(*bad)

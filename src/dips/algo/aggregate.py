@@ -197,3 +197,31 @@ def clip_factor(total_sq_norm: float, max_norm: float | None = 1.0) -> float:
     if math.isinf(max_norm) or total_sq_norm == 0.0:
         return 1.0
     return min(1.0, float(max_norm) / math.sqrt(total_sq_norm))
+
+
+def clip_threshold(mode: str, max_norm: float | None, ratio: float,
+                   mu_sq_norm: float | None) -> float | None:
+    """The global clip threshold c of §8 for one outer step (the argument of :func:`clip_factor`).
+
+    ``mode`` ``"seed"``: c = ``max_norm`` (the seed's fixed norm, 1 by default; None: no clip).
+    ``"relative"``: c = ``ratio`` × √μ, μ the §8 penalty's EMA of the pushes' squared norms
+    ‖Δ_j‖² (updated with this step's pushes), so the threshold follows the scale of the
+    pseudo-gradients whatever the model's size, as AutoClip (Seetharaman et al., 2020) clips
+    to a statistic of the observed gradient norms; None (no clip) before any norm was seen.
+    Averaging n clusters' Δ shrinks ‖δ‖ below the typical ‖Δ_j‖, so the clip binds less when
+    more clusters share a step, as synchronous DiLoCo's mean does.
+
+    Raises ValueError: an unknown mode, ratio <= 0, a negative or non-finite μ.
+    """
+    if mode == "seed":
+        return max_norm
+    if mode != "relative":
+        raise ValueError(f"clip mode = {mode!r} must be 'seed' or 'relative'")
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not ratio > 0 \
+            or not math.isfinite(ratio):
+        raise ValueError(f"clip_ratio must be a finite number > 0, got {ratio!r}")
+    if mu_sq_norm is None:
+        return None
+    if not math.isfinite(mu_sq_norm) or mu_sq_norm < 0:
+        raise ValueError(f"mu_sq_norm must be a finite number >= 0, got {mu_sq_norm!r}")
+    return ratio * math.sqrt(mu_sq_norm) if mu_sq_norm > 0 else None

@@ -395,8 +395,7 @@ class Leader(Membership, Records):
         with self._cond:
             version, penalty = self.version, self.penalty
         report = run_update(followers, update.number, update.slots, version, penalty,
-                            self.cfg.penalty, self.cfg.outer.max_norm,
-                            self.cfg.outer.uniform_weights,
+                            self.cfg.penalty, self.cfg.outer,
                             on_decided=lambda r: self._decide(update.number, r))
         with self._cond:
             if report.failed:

@@ -23,7 +23,7 @@ from typing import Any, Callable, Protocol, Sequence
 
 import grpc
 
-from dips.algo import clip_factor, decide, token_weights
+from dips.algo import clip_factor, clip_threshold, decide, token_weights
 from dips.algo.penalty import PenaltyState
 from dips.algo.refusal import Refused
 from dips.algo.round import Slot, UpdateOutcome
@@ -100,8 +100,7 @@ class UpdateReport:
 
 def run_update(followers: Sequence[tuple[int, FollowerControl]], number: int,
                slots: Sequence[Slot], version: int, penalty: PenaltyState, penalty_cfg: Any,
-               max_norm: float | None, uniform_weights: bool = False,
-               on_decided: Callable[[UpdateReport], None] | None = None
+               outer: Any, on_decided: Callable[[UpdateReport], None] | None = None
                ) -> UpdateReport:
     """Score, decide, aggregate, clip and apply round ``number`` on every follower.
 
@@ -110,8 +109,9 @@ def run_update(followers: Sequence[tuple[int, FollowerControl]], number: int,
         number: the round; slots: its admitted pushes (``ok``: delivered).
         version: the global version before the round.
         penalty / penalty_cfg: the §8 history and settings (:class:`dips.spec.PenaltyConfig`).
-        max_norm: global clip threshold c of §8 (None: no clipping, an ablation).
-        uniform_weights: 1/n weights instead of T_j (an ablation).
+        outer: :class:`dips.spec.OuterConfig`: the clip (``clip``, ``max_norm``,
+            ``clip_ratio``; :func:`dips.algo.clip_threshold`) and ``uniform_weights`` (1/n
+            weights instead of T_j, an ablation).
         on_decided: called with the report (its ``outcome`` the decided step, ``penalty`` the
             new history, ``checksums`` those of the prepared shards) once every follower
             prepared the step and before any commit: the leader records it durably there.
@@ -157,10 +157,11 @@ def run_update(followers: Sequence[tuple[int, FollowerControl]], number: int,
                     log.warning("discard of round %d on follower %d failed: %s", number, index, exc)
             return report
         weights = token_weights({c: by_id[c].tokens for c in accepted}, accepted,
-                                uniform=uniform_weights)
+                                uniform=outer.uniform_weights)
         w = [weights[c] for c in accepted]
         sq_norm = sum(control.aggregate(number, accepted, w) for _, control in followers)
-        clip = clip_factor(sq_norm, max_norm if max_norm else float("inf"))
+        clip_norm = clip_threshold(outer.clip, outer.max_norm, outer.clip_ratio, new_penalty.mu)
+        clip = clip_factor(sq_norm, clip_norm if clip_norm else float("inf"))
         report.weights, report.delta_sq_norm = weights, sq_norm
         new_version = version + 1
         for index, control in followers:

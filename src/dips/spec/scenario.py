@@ -246,7 +246,7 @@ def variant_settings(s: Scenario, method: str) -> tuple[GraceConfig, PenaltyConf
     elif method == "di-ps-uniform":
         outer = outer.model_copy(update={"uniform_weights": True})
     elif method == "di-ps-no-clip":
-        outer = outer.model_copy(update={"max_norm": None})
+        outer = outer.model_copy(update={"clip": "seed", "max_norm": None})
     elif method == "di-ps-no-grace":
         grace = grace.model_copy(update={"mode": "fixed", "window_s": 0.0})
     elif method == "di-ps-pull-barrier":

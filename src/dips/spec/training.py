@@ -115,6 +115,11 @@ class OuterConfig(Strict):
                             description="Nesterov momentum, in [0, 1)")
     max_norm: float | None = Field(1.0, gt=0, description="global clip norm c of δ (§8: "
                                                           "factor min(1, c/‖δ‖₂)); None: no clip")
+    clip: Literal["seed", "relative"] = Field(
+        "seed", description="seed: clip ‖δ‖ to max_norm (§8); relative: to clip_ratio × √μ, μ "
+                            "the §8 EMA of the pushes' ‖Δ‖² (scale-free; issue 12)")
+    clip_ratio: float = Field(0.2, gt=0, allow_inf_nan=False,
+                              description="relative clip: the threshold as a fraction of √μ")
     uniform_weights: bool = Field(False, description="ablation: weights 1/n instead of the "
                                                      "token weights T_j/ΣT (§8)")
 
