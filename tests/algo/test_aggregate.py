@@ -160,3 +160,17 @@ def test_clip_threshold_seed_is_the_fixed_norm_relative_follows_the_penalty_hist
                 ("relative", 1.0, 0.2, float("nan")), ("relative", 1.0, 0.2, -1.0)):
         with pytest.raises(ValueError):
             clip_threshold(*bad)
+
+
+def test_staleness_scale_inverse_of_the_token_weighted_staleness():
+    from dips.algo import staleness_scale
+
+    w = {"a": 0.75, "b": 0.25}
+    assert staleness_scale("none", w, {"a": 5, "b": 9}) == 1.0  # the seed
+    assert staleness_scale("inverse", w, {"a": 0, "b": 0}) == 1.0  # fresh: a DiLoCo step
+    # s̄ = 0.75·1 + 0.25·5 = 2 -> 1/3
+    assert staleness_scale("inverse", w, {"a": 1, "b": 5}) == pytest.approx(1 / 3)
+    for bad in (("other", w, {"a": 0, "b": 0}), ("inverse", w, {"a": 0}),
+                ("inverse", w, {"a": -1, "b": 0})):
+        with pytest.raises(ValueError):
+            staleness_scale(*bad)

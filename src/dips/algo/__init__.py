@@ -12,7 +12,7 @@ from importlib import import_module
 from typing import Any
 
 _LOCATIONS = {
-    "clip_factor": "aggregate", "clip_threshold": "aggregate", "squared_norm": "aggregate", "token_weights": "aggregate",
+    "clip_factor": "aggregate", "clip_threshold": "aggregate", "staleness_scale": "aggregate", "squared_norm": "aggregate", "token_weights": "aggregate",
     "weighted_mean": "aggregate",
     "GraceState": "grace", "expected_cost_s": "grace", "optimal_grace_s": "grace",
     "Refusal": "refusal", "Refused": "refusal",

@@ -225,3 +225,28 @@ def clip_threshold(mode: str, max_norm: float | None, ratio: float,
     if not math.isfinite(mu_sq_norm) or mu_sq_norm < 0:
         raise ValueError(f"mu_sq_norm must be a finite number >= 0, got {mu_sq_norm!r}")
     return ratio * math.sqrt(mu_sq_norm) if mu_sq_norm > 0 else None
+
+
+def staleness_scale(mode: str, weights: dict[str, float], staleness: dict[str, int]) -> float:
+    """The factor an outer step is scaled by for its pushes' staleness (multiplies the clip
+    factor; 1.0 for fresh pushes).
+
+    ``mode`` ``"none"``: 1.0 (the seed: a stale Δ at full weight). ``"inverse"``:
+    1 / (1 + s̄), s̄ = Σ_j w_j · s_j the token-weighted mean staleness of the accepted pushes,
+    s_j = versions applied since cluster j's base version (Zhang et al., 2016,
+    "Staleness-aware Async-SGD": the learning rate divided by the staleness).
+
+    Args: weights: accepted cluster -> w_j (summing to 1); staleness: cluster -> s_j >= 0.
+    Raises ValueError: an unknown mode, a negative staleness or a cluster without one.
+    """
+    if mode == "none":
+        return 1.0
+    if mode != "inverse":
+        raise ValueError(f"staleness mode = {mode!r} must be 'none' or 'inverse'")
+    mean = 0.0
+    for c, w in weights.items():
+        s = staleness.get(c)
+        if s is None or s < 0:
+            raise ValueError(f"staleness of cluster {c!r} = {s!r} must be an integer >= 0")
+        mean += w * s
+    return 1.0 / (1.0 + mean)

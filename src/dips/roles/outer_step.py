@@ -23,7 +23,7 @@ from typing import Any, Callable, Protocol, Sequence
 
 import grpc
 
-from dips.algo import clip_factor, clip_threshold, decide, token_weights
+from dips.algo import clip_factor, clip_threshold, decide, staleness_scale, token_weights
 from dips.algo.penalty import PenaltyState
 from dips.algo.refusal import Refused
 from dips.algo.round import Slot, UpdateOutcome
@@ -162,6 +162,8 @@ def run_update(followers: Sequence[tuple[int, FollowerControl]], number: int,
         sq_norm = sum(control.aggregate(number, accepted, w) for _, control in followers)
         clip_norm = clip_threshold(outer.clip, outer.max_norm, outer.clip_ratio, new_penalty.mu)
         clip = clip_factor(sq_norm, clip_norm if clip_norm else float("inf"))
+        clip *= staleness_scale(outer.staleness, weights,
+                                {c: max(0, version - by_id[c].base_version) for c in accepted})
         report.weights, report.delta_sq_norm = weights, sq_norm
         new_version = version + 1
         for index, control in followers:

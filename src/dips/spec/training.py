@@ -120,6 +120,10 @@ class OuterConfig(Strict):
                             "the §8 EMA of the pushes' ‖Δ‖² (scale-free; issue 12)")
     clip_ratio: float = Field(0.2, gt=0, allow_inf_nan=False,
                               description="relative clip: the threshold as a fraction of √μ")
+    staleness: Literal["none", "inverse"] = Field(
+        "none", description="none: a stale pseudo-gradient at full weight (the seed); inverse: "
+                            "the step scaled by 1/(1 + s̄), s̄ the accepted pushes' token-weighted "
+                            "staleness in versions (issue 12)")
     uniform_weights: bool = Field(False, description="ablation: weights 1/n instead of the "
                                                      "token weights T_j/ΣT (§8)")
 
