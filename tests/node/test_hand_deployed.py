@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -36,6 +37,26 @@ def test_neither_tls_nor_insecure_refuses_to_start(tmp_path):
                      "127.0.0.1:1", "--state-dir", str(tmp_path / "x")])
     _, err = neither.communicate(timeout=60)
     assert neither.returncode == 2 and "exactly one of --tls DIR" in err
+
+
+def test_a_member_says_why_the_leader_does_not_answer_and_stops_cleanly(tmp_path):
+    """Found by a review: a --tls member facing an --insecure leader (or none) waited
+    silently, and SIGTERM while it waited exited 2 with a misleading time-out."""
+    log = tmp_path / "a.log"
+    proc = _dips(["cluster", "--leader", f"127.0.0.1:{free_port()}", "--cluster-id", "a",
+                  "--state-dir", str(tmp_path / "a"), "--insecure"], log)
+    try:
+        for _ in range(600):  # the event, not a duration: the first warning line
+            if "no answer for" in log.read_text() or proc.poll() is not None:
+                break
+            time.sleep(0.1)
+        assert "same --tls/--insecure choice" in log.read_text()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0, log.read_text()[-2000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
 
 
 def test_a_hand_deployed_run_ends_at_its_limit_and_the_model_is_exported(tmp_path):

@@ -357,6 +357,45 @@ def test_the_run_ends_at_its_limit_and_every_member_is_told(tmp_path):
     assert again.status().finished == "max outer steps"  # persisted in leader.json
 
 
+def test_a_push_queued_when_the_limit_is_reached_gets_no_round(tmp_path):
+    """Found by a review: a push queued during the update that reached max_outer_steps opened
+    one more round (the limit was checked only after the machine opened it)."""
+    r = Run(tmp_path, max_outer_steps=1)
+    try:
+        a, b = r.client("a"), r.client("b")
+        a.join()
+        b.join()
+        entered, gate = threading.Event(), threading.Event()
+        apply = r.shards[0].apply
+
+        def held_apply(*args, **kwargs):  # round 1's update waits here
+            entered.set()
+            gate.wait(60)
+            return apply(*args, **kwargs)
+
+        r.shards[0].apply = held_apply
+        results = {}
+        ta = threading.Thread(target=lambda: (a.step_done(100), results.setdefault(
+            "a", a.step_done(100))), daemon=True)
+        ta.start()
+        assert entered.wait(60)
+        tb = threading.Thread(target=lambda: (b.step_done(100), results.setdefault(
+            "b", b.step_done(100))), daemon=True)
+        tb.start()
+        _wait_until(lambda: (s := slot_of(r.leader._state, "b")) is not None and s.round is None,
+                    "b's request queued during round 1's update")
+        gate.set()
+        ta.join(60)
+        tb.join(60)
+        assert results["a"].accepted and not results["b"].ok
+        assert b.finished.startswith("the run finished (max outer steps)")
+        assert r.leader.rounds == 1 and r.leader.version == 1
+        a.close()
+        b.close()
+    finally:
+        r.close()
+
+
 def test_stale_and_invalid_push_requests_are_refused(run):
     import grpc
 

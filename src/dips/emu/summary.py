@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -54,14 +54,17 @@ def tokens_consumed(run_dir: Path, cfg: RunConfig) -> dict[str, int]:
     return out
 
 
-def export_model(cfg: RunConfig, cache: Path, followers: list[Any], version: int,
-                 key: MemberKey, out_dir: Path) -> tuple[float | None, str | None]:
-    """Pull version ``version`` of the global model in FP32 from ``followers``
-    (``pb.FollowerInfo``: index, layers, data endpoint) with the observer ``key``, evaluate
-    it on the held-out split (nats/token) and save it to ``out_dir`` (HF safetensors +
-    config + tokenizer). Returns ``(eval loss, None)``, or ``(None, error)`` when the pull
-    failed (nothing is written then). The tokenizer and data come from ``cache`` (built from
-    the bundled corpora there if missing)."""
+def export_model(cfg: RunConfig, cache: Path, source: Callable[[], tuple[list[Any], int]],
+                 key: MemberKey, out_dir: Path, attempts: int = 1) -> tuple[float | None, str | None]:
+    """Pull the global model in FP32 with the observer ``key``, evaluate it on the held-out
+    split (nats/token) and save it to ``out_dir`` (HF safetensors + config + tokenizer).
+
+    ``source()`` gives the followers (``pb.FollowerInfo``: index, layers, data endpoint) and
+    the version to pull; it is asked again before each of ``attempts`` tries, so a run that
+    moved on meanwhile (its followers serve only recent versions) is pulled at its new
+    version. Returns ``(eval loss, None)``, or ``(None, error)`` when every try failed
+    (nothing is written then). The tokenizer and data come from ``cache`` (built from the
+    bundled corpora there if missing), before the first pull."""
     from transformers.utils import logging as hf_logging
 
     from dips.roles.cluster import fetch_global_model
@@ -72,14 +75,19 @@ def export_model(cfg: RunConfig, cache: Path, followers: list[Any], version: int
     hf_logging.disable_progress_bar()
     data = load_tokens(cache, cfg.data.vocab_size, cfg.data.val_fraction, cfg.data.max_train_tokens)
     model = build_model(cfg.model, cfg.seed)
-    try:
-        fetch_global_model(model, followers, version, key, timeout_s=cfg.timeouts.rpc_s)
-    except (RuntimeError, ValueError, TimeoutError) as exc:
-        return None, f"{type(exc).__name__}: {exc}"
-    loss = eval_loss(model, data.val, cfg.inner.seq_len, cfg.eval_batch_size, cfg.eval_batches)
-    model.save_pretrained(out_dir, safe_serialization=True)
-    to_hf_tokenizer(load_tokenizer(cache, cfg.data.vocab_size)).save_pretrained(out_dir)
-    return loss, None
+    error = "no attempt"
+    for _ in range(max(1, attempts)):
+        followers, version = source()
+        try:
+            fetch_global_model(model, followers, version, key, timeout_s=cfg.timeouts.rpc_s)
+        except (RuntimeError, ValueError, TimeoutError) as exc:
+            error = f"{type(exc).__name__}: {exc}"
+            continue
+        loss = eval_loss(model, data.val, cfg.inner.seq_len, cfg.eval_batch_size, cfg.eval_batches)
+        model.save_pretrained(out_dir, safe_serialization=True)
+        to_hf_tokenizer(load_tokenizer(cache, cfg.data.vocab_size)).save_pretrained(out_dir)
+        return loss, None
+    return None, error
 
 
 def export_and_summarize(cfg: RunConfig, run_dir: Path, spec: RunSpec, key: MemberKey | None,
@@ -100,7 +108,8 @@ def export_and_summarize(cfg: RunConfig, run_dir: Path, spec: RunSpec, key: Memb
         local = [pb.FollowerInfo(index=f.index, layers=list(f.layers),
                                  data_endpoint=f"ipc://{run_dir / f'follower-{f.index}.ipc'}")
                  for f in status.followers]
-        final_loss, export_error = export_model(cfg, cache, local, version, key, model_dir)
+        final_loss, export_error = export_model(cfg, cache, lambda: (local, version), key,
+                                                model_dir)
     consumed = tokens_consumed(run_dir, cfg)
     total = sum(consumed.values())
     summary = {

@@ -17,7 +17,7 @@ from typing import Annotated, Optional
 import typer
 
 from dips.algo.refusal import Refused
-from dips.node.common import RoleError, credentials, setup_logging
+from dips.node.common import RoleError, Stopped, credentials, setup_logging
 
 TLS_HELP = "directory of this process's bundle from `dips init` (ca.crt, tls.crt, tls.key)"
 INSECURE_HELP = "no TLS: plaintext, identities are claimed, not proven (trusted networks only)"
@@ -95,6 +95,8 @@ def follower(leader_addr: LeaderAddr,
         code = run_follower(leader_addr, index, listen, advertised(listen, advertise, "--advertise"),
                             data_listen, advertised(data_listen, data_advertise, "--data-advertise"),
                             state_dir.resolve(), creds, stop, init=init, data_ipc=data_ipc)
+    except Stopped:
+        code = 0
     except (RoleError, OSError) as exc:
         _fail("follower", exc)
     raise typer.Exit(code)
@@ -119,6 +121,8 @@ def cluster(leader_addr: LeaderAddr,
         creds = credentials(tls, insecure, Identity.cluster(cluster_id))
         code = run_cluster(leader_addr, cluster_id, state_dir.resolve(), creds, stop,
                            cache_dir=cache_dir, stages=stages)
+    except Stopped:
+        code = 0
     except (RoleError, OSError, ValueError, RuntimeError, Refused) as exc:  # refused for good
         _fail("cluster", exc)
     raise typer.Exit(code)
@@ -146,6 +150,8 @@ def export(leader_addr: LeaderAddr,
         creds = credentials(tls, insecure, Identity.admin())
         doc = run_export(leader_addr, creds, out.resolve(), stop, cache_dir=cache_dir,
                          timeout_s=timeout)
+    except Stopped:
+        raise typer.Exit(0) from None
     except (RoleError, OSError) as exc:
         _fail("export", exc)
     print(json.dumps(doc))

@@ -103,7 +103,7 @@ def run_cluster(leader_addr: str, cluster_id: str, state: Path, creds: Credentia
     if cfg.step_s is not None:
         log.info("cluster %s: %d paced steps overran step_s", cluster_id, pacer.overruns)
     if client.finished:
-        log.info("cluster %s: the run finished (%s): stopping after %d inner steps", cluster_id,
-                 client.finished, client.inner_step)
+        log.info("cluster %s: %s: stopping after %d inner steps", cluster_id, client.finished,
+                 client.inner_step)
     client.close()
     return 0

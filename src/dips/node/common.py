@@ -55,6 +55,10 @@ class Unreachable:
         self._since, self._said = None, 0.0
 
 
+class Stopped(Exception):
+    """SIGTERM or SIGINT arrived before the role could start: a clean stop (exit 0)."""
+
+
 class RoleError(RuntimeError):
     """A role cannot start (locked state directory, bad address, no leader): the message
     names what and where; the command prints it and exits 2."""
@@ -147,7 +151,7 @@ def fetch_spec(leader: str, creds: Credentials, stop: threading.Event,
                timeout_s: float) -> tuple[RunSpec, str]:
     """(run spec, fingerprint JSON) from the leader at ``leader``, retried until it answers
     (it may be starting or restarting). Raises RoleError after ``timeout_s`` seconds or when
-    the leader refuses this identity."""
+    the leader refuses this identity; Stopped when ``stop`` is set first."""
     client = leader_client(leader, creds, timeout_s=5.0)
     deadline = time.monotonic() + timeout_s
     last = "no answer"
@@ -166,4 +170,6 @@ def fetch_spec(leader: str, creds: Credentials, stop: threading.Event,
             stop.wait(0.5)
     finally:
         client.close()
+    if stop.is_set():
+        raise Stopped(f"stopped while waiting for the leader at {leader}")
     raise RoleError(f"no run spec from the leader at {leader} within {timeout_s} s ({last})")

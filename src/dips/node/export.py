@@ -40,20 +40,28 @@ def run_export(leader_addr: str, creds: Credentials, out: Path, stop: threading.
     spec, _ = fetch_spec(leader_addr, creds, stop, timeout_s)
     cfg = spec.config
     client = leader_client(leader_addr, creds, timeout_s=timeout_s)
-    try:
+    pulled: list[Any] = []
+
+    def source() -> tuple[list[Any], int]:
+        """The followers and the version now (a live run moves on while the data loads)."""
         status = client.GetStatus(pb.StatusRequest())
+        pulled[:] = [status]
+        return list(status.followers), status.version
+
+    try:
         reply = client.JoinCluster(pb.JoinRequest())
+        key = MemberKey(reply.key_id, reply.key, reply.encrypt)
+        out.mkdir(parents=True, exist_ok=True)
+        cache = (cache_dir or cfg.data.cache_dir).resolve()
+        t0 = time.monotonic()
+        loss, error = export_model(cfg, cache, source, key, out, attempts=5)
     except grpc.RpcError as exc:
         raise RoleError(f"leader {leader_addr}: {exc.code().name}: {exc.details()}") from None
     finally:
         client.close()
-    key = MemberKey(reply.key_id, reply.key, reply.encrypt)
-    out.mkdir(parents=True, exist_ok=True)
-    cache = (cache_dir or cfg.data.cache_dir).resolve()
-    t0 = time.monotonic()
-    loss, error = export_model(cfg, cache, list(status.followers), status.version, key, out)
-    if error is not None:
-        raise RoleError(f"could not pull version {status.version}: {error}")
+    status = pulled[0] if pulled else None
+    if error is not None or status is None:
+        raise RoleError(f"could not pull the model: {error}")
     doc = {"version": status.version, "outer_steps": status.outer_steps,
            "tokens_accepted": status.tokens_accepted, "finished": status.finished,
            "eval_loss": round(loss, 5), "eval_loss_initial": round(spec.eval_loss_initial, 5),

@@ -331,8 +331,8 @@ class ClusterClient(SyncMixin):
                         tokens=self.tokens_total, last_loss=self.last_loss),
                         timeout=max(self._hb_interval, 1.0))
                     self._followers_epoch = reply.followers_epoch
-                    if reply.finished:
-                        self.finished = reply.finished
+                    if reply.finished and not self.finished:
+                        self.finished = f"the run finished ({reply.finished})"
                     if not reply.known:
                         self._rejoin.set()
                     if failing:  # the leader is back: retry now instead of after the backoff

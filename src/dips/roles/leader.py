@@ -354,18 +354,22 @@ class Leader(Membership, Records):
                 self.ledger.resolve(s.cluster_id, False)
         return True
 
+    def _announce_finished(self) -> None:
+        s = self.status()
+        log.info("run finished (%s): version %d, %d outer steps, %d tokens accepted%s; "
+                 "serving the final model until stopped", s.finished, s.version,
+                 s.counts["outer_steps"], s.counts["tokens_accepted"],
+                 "" if s.phase == "idle" else " (the round in flight still completes)")
+        self.event("run_finished", reason=s.finished, version=s.version,
+                   tokens_accepted=s.counts["tokens_accepted"])
+        self.checkpoint()
+
     def _loop(self) -> None:
         while not self._stop.is_set():
             with self._cond:
-                finished_now = self._check_limits()
+                finished_now = self._check_limits()  # max_time_s passes between updates
             if finished_now:
-                s = self.status()
-                log.info("run finished (%s): version %d, %d outer steps, %d tokens accepted; "
-                         "serving the final model until stopped", s.finished, s.version,
-                         s.counts["outer_steps"], s.counts["tokens_accepted"])
-                self.event("run_finished", reason=s.finished, version=s.version,
-                           tokens_accepted=s.counts["tokens_accepted"])
-                self.checkpoint()
+                self._announce_finished()
             with self._cond:
                 update, self._update = self._update, None
                 reconcile = (update is None and self.needs_reconcile
@@ -405,7 +409,12 @@ class Leader(Membership, Records):
             if report.commit_failed:
                 self.commit_failed(report.commit_failed)
             self._reports[update.number] = report
+            # Before the machine may open the next round from its queue (found by a review:
+            # a queued push made one outer step beyond max_outer_steps).
+            finished_now = self._check_limits()
             self._apply(UpdateFinished(self._clock(), update.number, report.outcome))
+        if finished_now:
+            self._announce_finished()
         failpoints.hit("pull")
 
     def commit_failed(self, failed: list[int]) -> None:

@@ -78,7 +78,11 @@ class Records:
             self.ledger.pending.clear()  # pushes in flight at the crash are lost
             for holder in {c.holder for c in self.ledger.chunks} - set(self.clusters) - {None}:
                 self.ledger.release(holder)  # left while its last round was being decided
-        self.event("leader_resumed", version=self.version, rounds=self.rounds)
+        self.event("leader_resumed", version=self.version, rounds=self.rounds,
+                   finished=self._state.finished)
+        if self._state.finished:
+            log.info("the run finished earlier (%s) at version %d: serving the final model "
+                     "until stopped", self._state.finished, self.version)
 
     def checkpoint(self) -> None:
         """Write ``leader.json`` (metadata only; a few KB) atomically."""
