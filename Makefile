@@ -25,12 +25,12 @@ test: install
 
 # Unit tests only (no multi-process runs).
 test-fast: install
-	$(PY) -m pytest -q -m "not integration"
+	$(PY) -m pytest -q -m "not integration and not chaos"
 
 # Randomized fault plans (kills and stops of every role at every protocol phase) over short
 # real runs, checking the invariants after each: 20 plans, about 15 minutes (issue 10).
 chaos: install
-	DIPS_CHAOS_EXAMPLES=20 $(PY) -m pytest -q tests/integration/test_chaos.py -s
+	DIPS_CHAOS_EXAMPLES=20 $(PY) -m pytest -q -m chaos tests/integration/test_chaos.py -s
 
 # Regenerate the gRPC/protobuf code from proto/ (the generated files are committed).
 proto: install

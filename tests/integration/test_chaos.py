@@ -5,8 +5,9 @@ each run the invariants of invariants.py hold: accepted tokens = the ledger's wi
 per window, updates accepted <= pushed, every applied version decided and logged, every
 follower applying the same steps, no window trained twice or lost.
 
-A CI run tries ``DIPS_CHAOS_EXAMPLES`` plans (default 1), seeded by the date so that each day
-explores new ones; ``make chaos`` tries 20. A failing plan is printed by hypothesis and can be
+Not part of ``make test`` (marker ``chaos``): a plan drawn at random must not block a landing,
+and the suite must stay under 15 minutes. ``make chaos`` tries ``DIPS_CHAOS_EXAMPLES`` = 20
+plans, seeded by the date so that each day explores new ones. A failing plan is printed by hypothesis and can be
 replayed with ``dips launch --faults``. Plans are not shrunk: each example is a real run.
 """
 
@@ -24,7 +25,8 @@ from tests.integration.invariants import check_run, effective_history
 from tests.integration.runner import ROOT, jsonl_so_far, launch_until
 
 EXAMPLES = int(os.environ.get("DIPS_CHAOS_EXAMPLES", "1"))
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(420 * EXAMPLES + 60)]
+pytestmark = [pytest.mark.integration, pytest.mark.chaos,
+              pytest.mark.timeout(420 * EXAMPLES + 60)]
 TARGETS = ["leader", "follower-0", "follower-1", "cluster-a", "cluster-b", "cluster-c"]
 PHASES = ["idle", "window", "push", "update", "pull"]
 

@@ -142,6 +142,12 @@ class FollowerShard(DataPlaneSide):
         self._log = (log_dir / "applied.jsonl") if log_dir else None
         if log_dir:
             log_dir.mkdir(parents=True, exist_ok=True)
+            if self._log.exists() and self._log.stat().st_size:
+                # A restarted process resumes from its newest complete checkpoint, which may be
+                # older than the last step it logged (killed before the asynchronous write):
+                # the log says so, as a restore does (found by the fault tests).
+                self._record({"event": "restore", "version": version, "checksum": self.checksum,
+                              "cause": "process start"})
 
     # ----- data plane -------------------------------------------------------------------
     def score(self, rnd: int, clusters: list[str],
