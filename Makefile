@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 RUN_DIR ?= runs/quickstart
 
-.PHONY: install demo test test-fast chaos proto clean bench-reliability bench-shaping bench-real-vs-virtual bench-compare bench-dataplane
+.PHONY: install demo test test-fast chaos proto clean bench-reliability bench-shaping bench-real-vs-virtual bench-compare bench-dataplane bench-sweep
 
 $(STAMP): requirements.txt requirements-corpora.txt pyproject.toml
 	python3 -m venv $(VENV)
@@ -50,6 +50,12 @@ bench-real-vs-virtual: install
 # a slow link, weak scaling 1 -> 16 clusters, into runs/compare/ (issue 3; ~25-40 min on 2 cores).
 bench-compare: install
 	$(PY) benchmarks/compare/bench_compare.py --out runs/compare
+
+# Di-PS against synchronous DiLoCo at equal tokens across clip, staleness, α, β and H
+# (issue 12): SWEEP=clip by default, one table per sweep in runs/sweep/.
+SWEEP ?= clip
+bench-sweep: install
+	$(PY) benchmarks/compare/bench_sweep.py --sweep $(SWEEP) --out runs/sweep
 
 # Fault injection on the demo model: detection and recovery times per fault kind, outer steps
 # lost (issue 4; about 15 minutes on 2 cores). Figures go to RELIABILITY.md.
