@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 RUN_DIR ?= runs/quickstart
 
-.PHONY: install demo test test-fast chaos proto clean bench-reliability bench-shaping bench-real-vs-virtual bench-compare bench-dataplane bench-sweep
+.PHONY: install demo test test-fast chaos proto clean bench-reliability bench-shaping bench-real-vs-virtual bench-compare bench-dataplane bench-sweep bench-large
 
 $(STAMP): requirements.txt requirements-corpora.txt pyproject.toml
 	python3 -m venv $(VENV)
@@ -51,11 +51,22 @@ bench-real-vs-virtual: install
 bench-compare: install
 	$(PY) benchmarks/compare/bench_compare.py --out runs/compare
 
-# Di-PS against synchronous DiLoCo at equal tokens across clip, staleness, α, β and H
-# (issue 12): SWEEP=clip by default, one table per sweep in runs/sweep/.
-SWEEP ?= clip
+# Di-PS against synchronous DiLoCo at equal tokens (issue 12, CONVERGENCE.md), in virtual time:
+# SWEEP=defaults (every n of weak scaling, every eta), clip, precision, staleness, alpha, beta
+# or H; COUNTS / ETAS choose the cases; a table and a plot per sweep in runs/sweep/.
+# Wall time on 2 cores: defaults ~15 min, clip ~25 min, the others 5-15 min each.
+SWEEP ?= defaults
+COUNTS ?= 1,2,4,8,12,16
+ETAS ?= 10,50,100,200
 bench-sweep: install
-	$(PY) benchmarks/compare/bench_sweep.py --sweep $(SWEEP) --out runs/sweep
+	$(PY) benchmarks/compare/bench_sweep.py --sweep $(SWEEP) --counts $(COUNTS) --etas $(ETAS) \
+		--jobs 2 --out runs/sweep
+
+# The same on a 5.2M-parameter model (configs/compare/large/): eta = 100 and 16-cluster weak
+# scaling, Di-PS with its defaults against synchronous DiLoCo (~70 min on 2 cores).
+bench-large: install
+	$(PY) benchmarks/compare/bench_sweep.py --sweep defaults --size large --counts 16 --etas 100 \
+		--jobs 2 --out runs/sweep
 
 # Fault injection on the demo model: detection and recovery times per fault kind, outer steps
 # lost (issue 4; about 15 minutes on 2 cores). Figures go to RELIABILITY.md.

@@ -24,6 +24,27 @@ def test_seed_section_11_aggregation():
     assert clip_factor(sq) == 1.0  # ||δ|| < 1: not clipped
 
 
+def test_seed_section_11_is_not_clipped_under_either_clip_rule():
+    from dips.algo import clip_threshold
+    from dips.spec import OuterConfig
+
+    sq = 0.4 ** 2 + 0.2 ** 2  # ‖δ‖² of the §11 example
+    seed = OuterConfig(clip="seed")
+    assert clip_threshold(seed.clip, seed.max_norm, seed.clip_ratio, None) == 1.0
+    assert clip_factor(sq, 1.0) == 1.0
+    # The default relative rule: μ = 4.5 before the step, then the §8 EMA (α = 0.02) over
+    # G_A = 4, G_B = 5, G_C = 81 in id order: 4.49, 4.5002, 6.030196; c = 0.4·√μ = 0.982258.
+    default = OuterConfig()
+    assert (default.clip, default.clip_ratio) == ("relative", 0.4)
+    mu = 4.5
+    for g in (4.0, 5.0, 81.0):
+        mu = 0.02 * g + 0.98 * mu
+    assert mu == pytest.approx(6.030196, abs=1e-9)
+    c = clip_threshold(default.clip, default.max_norm, default.clip_ratio, mu)
+    assert c == pytest.approx(0.982258, abs=1e-6)
+    assert clip_factor(sq, c) == 1.0  # ‖δ‖ ≈ 0.447 < 0.982: not clipped either
+
+
 def test_clipping_above_max_norm():
     delta = [torch.tensor([3.0, 4.0])]
     factor = clip_factor(squared_norm(delta))

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from dips.algo.outer import OuterConfig, nesterov_step, pseudo_gradient
+from dips.algo.outer import OuterConfig, nesterov_step, pseudo_gradient, round_state_
 
 SHAPES = [(4, 3), (7,), (2, 3, 5), (), (1, 1)]
 
@@ -147,3 +147,27 @@ def test_fused_step_refuses_bad_scale():
     with pytest.raises(ValueError, match="scale = 0"):
         nesterov_step_fused(p, [torch.zeros(3)], [torch.ones(3)], 0.7, 0.8, scale=0.0)
     assert torch.equal(p[0], torch.zeros(3))
+
+
+def test_round_state_to_bf16_by_hand():
+    # BF16 keeps 8 significant bits: the spacing above 1 is 2^-7. 1 + 2^-8 is half-way
+    # between 1 and 1 + 2^-7 and rounds to the even one (1); 1 + 3·2^-8 is half-way between
+    # 1 + 2^-7 and 1 + 2^-6 and rounds to the even one (1 + 2^-6); 0.1 -> 0.10009765625
+    # (0x3DCD); 3.0 and -2^-20 are exact.
+    t = torch.tensor([1 + 2 ** -8, 1 + 3 * 2 ** -8, 0.1, 3.0, -2 ** -20], dtype=torch.float32)
+    m = torch.tensor([1 + 2 ** -9], dtype=torch.float32)
+    round_state_([t, m], "bf16")
+    assert t.tolist() == [1.0, 1 + 2 ** -6, 0.10009765625, 3.0, -2 ** -20]
+    assert m.tolist() == [1.0] and t.dtype == m.dtype == torch.float32
+
+
+def test_round_state_fp32_changes_nothing_and_bad_input_is_named():
+    t = torch.tensor([0.1, 1 + 2 ** -8])
+    before = t.clone()
+    round_state_([t], "fp32")
+    assert torch.equal(t, before)
+    with pytest.raises(ValueError, match="state_dtype = 'fp16'"):
+        round_state_([t], "fp16")
+    with pytest.raises(ValueError, match=r"tensors\[1\] must be a torch.float32"):
+        round_state_([t, t.to(torch.bfloat16)], "bf16")
+    assert torch.equal(t, before)  # refused before anything was rounded

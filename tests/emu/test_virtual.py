@@ -69,6 +69,36 @@ def test_virtual_clock_of_one_cluster(tmp_path: Path, grace: float, expected: fl
     assert r.extra["clusters"]["a"]["idle_s"] == pytest.approx(expected - 6.0, abs=1e-9)
 
 
+def test_fp32_on_the_wire_doubles_each_transfer(tmp_path: Path) -> None:
+    # As above with grace 0, each push and pull now 2 s: steps end at 1, 2 | push to 4,
+    # update to 4.5, pull to 6.5 | 7.5, 8.5 | push to 10.5, update to 11, pull to 13 | 14, 15 |
+    # push to 17, update to 17.5: the end.
+    s = tiny(CACHE, clusters=[{"id": "a", "link": {"bps": 1e10}}], grace={"window_s": 0.0},
+             inner={"H": 2}, token_budget=3 * 2 * TOKENS_PER_STEP, outer={"wire_dtype": "fp32"},
+             timing={"step_s": 1.0, "model_bytes_scale": one_second_scale(TINY_PARAMS),
+                     "update_s": 0.5})
+    r = run_dips(s, tmp_path)
+    assert r.time_s == pytest.approx(17.5, abs=1e-9)
+    assert r.comm_s == pytest.approx(12.0, abs=1e-9)
+
+
+def test_one_cluster_with_fp32_wire_and_no_clip_is_synchronous_diloco(tmp_path: Path) -> None:
+    """With one cluster, exact transfers and no clip, Di-PS's outer step is DiLoCo's (§3, §6):
+    the same final model. With BF16 pulls (the default wire) the cluster restarts each round
+    from the rounded θ and the final loss differs (issue 12's n = 1 gap). Evaluations in
+    between fall at token counts where Di-PS's update may still be in flight, so only the end
+    is compared."""
+    common = dict(clusters=[{"id": "a", "link": {"bps": 1e10}}], penalty={"enabled": False})
+    exact = {"clip": "seed", "max_norm": None, "wire_dtype": "fp32"}
+    diloco = get_runner("virtual", "diloco")(tiny(CACHE, outer=exact, **common), tmp_path / "d")
+    dips = run_dips(tiny(CACHE, outer=exact, **common), tmp_path / "p")
+    rounded = run_dips(tiny(CACHE, outer={**exact, "wire_dtype": "bf16"}, **common), tmp_path / "b")
+    assert dips.tokens_accepted == diloco.tokens == dips.tokens
+    assert dips.extra["outer_steps"] == diloco.extra["rounds"] > 3
+    assert dips.final_eval_loss == pytest.approx(diloco.final_eval_loss, rel=1e-5)
+    assert rounded.final_eval_loss != pytest.approx(diloco.final_eval_loss, rel=1e-3)
+
+
 def test_clusters_finishing_together_share_a_round(tmp_path: Path) -> None:
     clusters = [{"id": "a"}, {"id": "b"}, {"id": "c", "slowdown": 3.0}]
     s = tiny(CACHE, clusters=clusters, grace={"window_s": 0.0}, inner={"H": 2},

@@ -23,7 +23,7 @@ from dips.roles.client import ClusterClient
 from dips.roles.cluster import fetch_global_model
 from dips.roles.follower import FollowerShard
 from dips.roles.leader import FollowerEntry, Leader, LeaderConfig
-from dips.spec import GraceConfig, MembershipConfig, ModelConfig, Timeouts
+from dips.spec import GraceConfig, MembershipConfig, ModelConfig, OuterConfig, Timeouts
 from dips.train.model import build_model, layer_table
 from dips.wire.control import make_server, refusal_of
 from dips.wire.dataplane import DataClient, DataPlaneError, DataServer
@@ -84,7 +84,8 @@ class Run:
     """Leader + 2 followers served on loopback inside this process."""
 
     def __init__(self, tmp_path, grace_s: float = 0.3, penalty: PenaltyConfig | None = None,
-                 pull_barrier: bool = False, max_outer_steps: int | None = None):
+                 pull_barrier: bool = False, max_outer_steps: int | None = None,
+                 outer: OuterConfig | None = None):
         self.model0 = build_model(CFG, seed=0)
         table = layer_table(self.model0)
         params = {n: p.detach().clone() for n, p in self.model0.named_parameters()}
@@ -97,7 +98,7 @@ class Run:
                            membership=MembershipConfig(heartbeat_interval_s=1.0,
                                                        missed_heartbeats=30),
                            followers=2, penalty=penalty or PenaltyConfig(),
-                           max_outer_steps=max_outer_steps)
+                           max_outer_steps=max_outer_steps, outer=outer or OuterConfig())
         self.clock = HeldClock()
         self.admitted: dict[str, list[int]] = {}  # cluster id -> rounds it was admitted to
         self.leader = Leader(cfg, connect=lambda e: self.shards[e.index], run_dir=tmp_path,
@@ -134,11 +135,11 @@ class Run:
         self.leader.start()
         _wait_until(lambda: self.leader.ready, "followers reconciled")
 
-    def client(self, cid: str, stages: int = 1) -> ClusterClient:
+    def client(self, cid: str, stages: int = 1, wire_dtype: str = "bf16") -> ClusterClient:
         return ClusterClient(build_model(CFG, seed=1), self.addr, cid,
                              Credentials.insecure(Identity.cluster(cid)), H=2,
                              stages=stages, timeout_s=60, admit_timeout_s=60,
-                             heartbeat_interval_s=0.2)
+                             heartbeat_interval_s=0.2, wire_dtype=wire_dtype)
 
     def key(self, identity: Identity) -> MemberKey:
         """A data-plane key the leader would issue ``identity`` (at a join)."""
@@ -207,15 +208,25 @@ def _sync_all(run, clients, tokens):
     return results
 
 
-def test_join_pulls_the_global_model(run):
-    c = run.client("a", stages=2)
+@pytest.mark.parametrize("wire_dtype", ["bf16", "fp32"])
+def test_join_pulls_the_global_model(run, wire_dtype):
+    c = run.client("a", stages=2, wire_dtype=wire_dtype)
     assert c.join() == 0
     for (n, p), (_, q) in zip(c.model.named_parameters(), run.model0.named_parameters()):
-        assert torch.equal(p.detach(), q.detach().to(torch.bfloat16).float()), n
+        want = q.detach() if wire_dtype == "fp32" else q.detach().to(torch.bfloat16).float()
+        assert torch.equal(p.detach(), want), n  # outer.wire_dtype fp32: θ exactly
     c.close()
 
 
-def test_one_outer_step_equals_sgd_nesterov(run):
+@pytest.fixture(params=["relative", "seed"])
+def clip_run(request, tmp_path):
+    r = Run(tmp_path, outer=OuterConfig(clip=request.param))
+    yield r
+    r.close()
+
+
+def test_one_outer_step_equals_sgd_nesterov(clip_run):
+    run = clip_run
     clients = [run.client("a", stages=2), run.client("b")]
     for c in clients:
         c.join()
@@ -226,12 +237,18 @@ def test_one_outer_step_equals_sgd_nesterov(run):
                                  for n, p in c.model.named_parameters()}
     results = _sync_all(run, clients, [100, 300])
     assert all(r.accepted and r.version == 1 for r in results.values()), results
-    # Reference: Δ_j = θ0 − θ_j, δ = token-weighted mean, clip to norm 1, SGD(nesterov).
+    # Reference: Δ_j = θ0 − θ_j, δ = token-weighted mean, clipped, SGD(nesterov). The seed's
+    # clip: to norm 1 (§8); the relative one: to 0.4·√μ, μ the §8 EMA of ‖Δ_j‖², which in the
+    # warm-up is the plain mean of the two pushes' squared norms.
     ref = {n: p.detach().clone().requires_grad_(True) for n, p in run.model0.named_parameters()}
     delta = {n: 0.25 * (ref[n].detach() - locals_["a"][n]) + 0.75 * (ref[n].detach() - locals_["b"][n])
              for n in ref}
     norm = torch.sqrt(sum((d.double() ** 2).sum() for d in delta.values())).item()
-    clip = min(1.0, 1.0 / norm)
+    sq = {c: sum(((ref[n].detach() - x[n]).double() ** 2).sum().item() for n in ref)
+          for c, x in locals_.items()}
+    threshold = 1.0 if run.leader.cfg.outer.clip == "seed" else 0.4 * ((sq["a"] + sq["b"]) / 2) ** 0.5
+    clip = min(1.0, threshold / norm)
+    assert clip < 1.0  # the clip binds in both modes here
     opt = torch.optim.SGD(list(ref.values()), lr=0.7, momentum=0.8, nesterov=True)
     for n, p in ref.items():
         p.grad = delta[n] * clip
@@ -243,11 +260,12 @@ def test_one_outer_step_equals_sgd_nesterov(run):
                        run.key(Identity.admin()))  # an observer's key, as a final pull has
     for n, p in got.named_parameters():
         torch.testing.assert_close(p.detach(), ref[n].detach(), rtol=1e-6, atol=1e-7)
-    # Both clusters now hold version 1 (as BF16 on the wire).
+    # Both clusters now hold version 1 (as BF16 on the wire): the followers' θ rounded.
+    theta = dict(got.named_parameters())
     for c in clients:
         assert c.version == 1
         for n, p in c.model.named_parameters():
-            assert torch.equal(p.detach(), ref[n].detach().to(torch.bfloat16).float())
+            assert torch.equal(p.detach(), theta[n].detach().to(torch.bfloat16).float())
         c.close()
 
 

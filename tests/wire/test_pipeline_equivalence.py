@@ -43,8 +43,8 @@ def _perturbed(base: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tens
 
 
 class PS:
-    def __init__(self, mode: str, tmp_path):
-        self.mode = mode
+    def __init__(self, mode: str, tmp_path, state_dtype: str = "fp32", dtype: str = "bf16"):
+        self.mode, self.dtype = mode, dtype
         theta0 = _params(0)
         sizes = [sum(theta0[n].numel() * 4 for n, _ in SHAPES[l]) for l in LAYERS]
         self.owner: dict[str, int] = {}
@@ -52,7 +52,8 @@ class PS:
         for i, r in enumerate(partition_contiguous(sizes, 2)):
             layers = {LAYERS[j]: [n for n, _ in SHAPES[LAYERS[j]]] for j in r}
             self.owner.update({l: i for l in layers})
-            shard = FollowerShard(i, layers, theta0, log_dir=tmp_path / mode / f"f{i}")
+            shard = FollowerShard(i, layers, theta0, log_dir=tmp_path / mode / f"f{i}",
+                                  state_dtype=state_dtype)
             self.shards.append(shard)
             self.servers.append(DataServer(Keyring(SECRET), shard.handle,
                                             authorize=shard.authorize).start())
@@ -62,7 +63,7 @@ class PS:
         out, key = [], _key(cluster)  # a cluster's stage workers share its key
         for k, layers in enumerate((LAYERS[:3], LAYERS[3:])):
             w = StageWorker(k, {l: [(n, params[n]) for n, _ in SHAPES[l]] for l in layers}, key,
-                            self.endpoints, timeout_s=20)
+                            self.endpoints, timeout_s=20, dtype=self.dtype)
             w.mode, w.chunk_bytes = self.mode, 1024  # many chunks per tensor
             out.append(w)
         return out
@@ -191,3 +192,48 @@ def test_control_calls_never_wait_behind_a_transfer(tmp_path):
         client.close()
     finally:
         ps.close()
+
+
+def test_fp32_wire_carries_exact_values_both_ways(tmp_path):
+    """``outer.wire_dtype: fp32``: the followers form Δ from the exact FP32 push, and a pull
+    returns θ bit for bit (BF16, the default, rounds both)."""
+    from dips.algo import squared_norm
+
+    runs = {d: PS("stream", tmp_path / d, dtype=d) for d in ("fp32", "bf16")}
+    try:
+        base, local = _params(0), _perturbed(_params(0), 7)
+        exact = squared_norm([base[n] - local[n] for n in base])
+        norms = {}
+        for d, ps in runs.items():
+            ps.push("a", 1, local, 100)
+            norms[d] = sum(ps.outer_step(1, {"a": 100}).values())
+        assert norms["fp32"] == pytest.approx(exact, rel=1e-6)
+        assert abs(norms["bf16"] - exact) > 1e-3 * exact  # the BF16 push rounds local
+        pulled = runs["fp32"].pull(1)
+        for s in runs["fp32"].shards:
+            for n in s.names:
+                assert pulled[n].dtype == torch.float32 and torch.equal(pulled[n], s.params[n]), n
+    finally:
+        for ps in runs.values():
+            ps.close()
+
+
+def test_bf16_state_holds_only_bf16_values(tmp_path):
+    """``outer.state_dtype: bf16`` (§15's BF16 + BF16 ablation): after an outer step every θ
+    and momentum element is a BF16 value; with FP32 state they are not."""
+    runs = {d: PS("stream", tmp_path / d, state_dtype=d) for d in ("bf16", "fp32")}
+    try:
+        for ps in runs.values():
+            ps.push("a", 1, _perturbed(_params(0), 3), 100)
+            ps.outer_step(1, {"a": 100})
+
+        def bf16_valued(t: torch.Tensor) -> bool:
+            return torch.equal(t, t.to(torch.bfloat16).float())
+
+        for d, ps in runs.items():
+            held = [bf16_valued(t) for s in ps.shards for m in (s.params, s.momenta)
+                    for t in m.values()]
+            assert all(held) if d == "bf16" else not any(held), d
+    finally:
+        for ps in runs.values():
+            ps.close()

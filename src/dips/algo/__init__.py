@@ -16,7 +16,7 @@ _LOCATIONS = {
     "weighted_mean": "aggregate",
     "GraceState": "grace", "expected_cost_s": "grace", "optimal_grace_s": "grace",
     "Refusal": "refusal", "Refused": "refusal",
-    "OuterConfig": "outer", "nesterov_step": "outer", "pseudo_gradient": "outer",
+    "OuterConfig": "outer", "nesterov_step": "outer", "round_state_": "outer", "pseudo_gradient": "outer",
     "min_max_part_sum": "partition", "partition_contiguous": "partition",
     "PenaltyConfig": "penalty", "PenaltyState": "penalty", "Verdict": "penalty",
     "decide": "penalty",

@@ -25,7 +25,7 @@ import torch
 
 from dips.spec import OuterConfig
 
-__all__ = ["OuterConfig", "nesterov_step", "nesterov_step_fused", "pseudo_gradient"]
+__all__ = ["OuterConfig", "nesterov_step", "nesterov_step_fused", "pseudo_gradient", "round_state_"]
 
 
 def _dtype(t: object) -> object:
@@ -193,3 +193,27 @@ def nesterov_step_fused(
         sgd(list(params), list(grads), list(momenta), fused=True, grad_scale=grad_scale,
             weight_decay=0.0, momentum=momentum, lr=lr, dampening=0.0, nesterov=True,
             maximize=False)
+
+
+def round_state_(tensors: list[torch.Tensor], state_dtype: str) -> None:
+    """Round FP32 optimizer state in place to the values ``state_dtype`` can hold (§12, §15).
+
+    ``"fp32"``: nothing changes (the seed keeps θ and momentum in FP32). ``"bf16"``: each
+    element becomes its round-to-nearest-even BF16 value, as a follower that stored θ and the
+    Nesterov momentum in BF16 would hold them after computing the step in FP32 (§15's
+    "BF16 + BF16" precision ablation); the tensors stay torch.float32.
+
+    Args: tensors: torch.float32 tensors, any shapes, modified in place.
+    Raises ValueError: an unknown ``state_dtype`` or a tensor that is not FP32 (nothing is
+        modified on error).
+    """
+    if state_dtype not in ("fp32", "bf16"):
+        raise ValueError(f"state_dtype = {state_dtype!r} must be 'fp32' or 'bf16'")
+    for k, t in enumerate(tensors):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.float32:
+            raise ValueError(f"tensors[{k}] must be a torch.float32 tensor, got {_dtype(t)}")
+    if state_dtype == "fp32":
+        return
+    with torch.no_grad():
+        for t in tensors:
+            t.copy_(t.to(torch.bfloat16))

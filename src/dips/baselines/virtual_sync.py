@@ -9,9 +9,9 @@ clock charges compute and ring all-reduce times (:mod:`dips.emu.vclock`).
   the slowest cluster's compute, then the all-reduce of the BF16 gradient (model-sized) over
   the slowest link: the WAN sits on the critical path of every step (§4).
 * **Synchronous DiLoCo** (``diloco``): every H inner steps a barrier, then a ring all-reduce of
-  the BF16 pseudo-gradients Δ_i = θ − θ_i, their uniform mean, and the same Nesterov outer step
-  (lr 0.7, momentum 0.8, no clipping, FP32) applied by every cluster's replica of the outer
-  optimizer (§3).  Each round lasts as long as the slowest cluster plus the slowest link.
+  the pseudo-gradients Δ_i = θ − θ_i (BF16, or FP32 with ``outer.wire_dtype``), their uniform
+  mean, and the same Nesterov outer step (lr 0.7, momentum 0.8, no clipping, FP32) applied by
+  every cluster's replica of the outer optimizer (§3).  Each round lasts as long as the slowest cluster plus the slowest link.
 
 Runs stop at the end of the step/round that reaches the token budget.
 """
@@ -25,7 +25,7 @@ import torch
 from dips.algo import nesterov_step, pseudo_gradient, weighted_mean
 from dips.emu.result import MethodResult
 from dips.emu.vclock import ring_allreduce_s
-from dips.emu.vworld import World, bf16_copy, load_params
+from dips.emu.vworld import World, load_params, wire_copy
 from dips.spec import Scenario
 
 __all__ = ["run_diloco", "run_dp"]
@@ -85,10 +85,10 @@ def run_diloco(scenario: Scenario, out_dir: Path) -> MethodResult:
                 c.step()
             ends.append(tc)
         barrier = max(ends)
-        ar = ring_allreduce_s(specs, barrier, world.transfer_bytes, s.timing.latency_s)
+        ar = ring_allreduce_s(specs, barrier, world.wire_bytes, s.timing.latency_s)
         deltas = []
         for c in world.clusters:
-            local = bf16_copy(c.model)
+            local = wire_copy(c.model, s.outer.wire_dtype)
             deltas.append([pseudo_gradient(p, local[name]) for name, p in zip(names, theta)])
         mean = weighted_mean(deltas, [1.0 / n] * n)
         nesterov_step(theta, momenta, mean, s.outer.lr, s.outer.momentum)

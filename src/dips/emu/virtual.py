@@ -5,8 +5,9 @@ clock (:mod:`dips.emu.vclock`) orders their inner steps and charges each transfe
 size over its link.  The parameter server is the real code, in process: one
 :class:`dips.roles.follower.FollowerShard` per follower (layers split by
 :func:`dips.algo.partition_contiguous`, pushes staged through ``FollowerShard.handle`` exactly as
-the data plane delivers them, BF16).  Every decision is the real leader's: the round machine of
-:mod:`dips.algo.round` (grace window, fixed or the dynamic τ* of §7; push and pull phases; the
+the data plane delivers them, in the wire dtype: BF16, or FP32 with ``outer.wire_dtype``,
+which also doubles each transfer's bytes).  Every decision is the real leader's: the round
+machine of :mod:`dips.algo.round` (grace window, fixed or the dynamic τ* of §7; push and pull phases; the
 pull barrier; verdicts) fed with virtual time, and the update phase of
 :func:`dips.roles.outer_step.run_update` (§8 penalty, token weights, one clip factor, the
 two-phase Nesterov step on every follower).  Nothing of the round is re-implemented here.
@@ -29,8 +30,9 @@ that brings the accepted tokens to the budget, so the final model holds at least
 as synchronous DiLoCo's does at the end of its last round (work still in flight is not merged).
 
 Ablations (§15): ``di-ps-no-penalty`` (penalty off), ``di-ps-uniform`` (1/n weights),
-``di-ps-no-clip`` (max_norm None), ``di-ps-no-grace`` (window 0), ``di-ps-pull-barrier`` (the
-seed's round: no new window until every pull is done), ``di-ps-dynamic-grace`` (§7's τ*).
+``di-ps-no-clip`` (clip seed, max_norm None), ``di-ps-no-grace`` (window 0),
+``di-ps-pull-barrier`` (the seed's round: no new window until every pull is done),
+``di-ps-dynamic-grace`` (§7's τ*).
 """
 
 from __future__ import annotations
@@ -50,10 +52,10 @@ from dips.algo.round import (Admitted, Decided, PullDone, PushReported, PushRequ
                              Tick, UpdateFinished, step)
 from dips.emu.result import MethodResult
 from dips.emu.vclock import EventQueue, transfer_s
-from dips.emu.vworld import World, bf16_copy, load_params
+from dips.emu.vworld import World, load_params, wire_copy
 from dips.roles.follower import FollowerShard
 from dips.roles.outer_step import run_update
-from dips.spec import Scenario
+from dips.spec import OuterConfig, Scenario
 from dips.spec.scenario import METHODS, variant_settings
 from dips.wire.frames import Message
 
@@ -68,17 +70,20 @@ class InProcessPS:
     Args:
         world: supplies the layer table and the initial FP32 parameters (cluster 0's model).
         followers: number of follower shards.
-        outer_lr, outer_momentum: Nesterov settings of the followers.
+        outer: the followers' Nesterov settings, state precision and the wire dtype
+            (:class:`dips.spec.OuterConfig`).
     """
 
-    def __init__(self, world: World, followers: int, outer_lr: float, outer_momentum: float) -> None:
+    def __init__(self, world: World, followers: int, outer: OuterConfig) -> None:
         parts = partition_contiguous([nbytes for _, _, nbytes in world.table], followers)
         init = {n: p.detach().clone() for n, p in world.clusters[0].model.named_parameters()}
         self.shards = [FollowerShard(i, {world.table[k][0]: world.table[k][1] for k in r}, init,
-                                     outer_lr=outer_lr, outer_momentum=outer_momentum)
+                                     outer_lr=outer.lr, outer_momentum=outer.momentum,
+                                     state_dtype=outer.state_dtype)
                        for i, r in enumerate(parts)]
         self.penalty = PenaltyState()
         self.version = 0
+        self.wire_dtype = outer.wire_dtype
 
     @property
     def followers(self) -> list[tuple[int, FollowerShard]]:
@@ -87,7 +92,7 @@ class InProcessPS:
 
     def stage(self, rnd: int, cluster: str, params: dict[str, torch.Tensor],
               ahead_of: str | None = None) -> None:
-        """Deliver one cluster's BF16 layers to the owning followers (the data-plane push);
+        """Deliver one cluster's layers (wire dtype) to the owning followers (a data-plane push);
         ``ahead_of``: the push id of a push sent ahead of its round (kept until scored)."""
         extra = {"stage": True, "push_id": ahead_of} if ahead_of is not None else {}
         for shard in self.shards:
@@ -96,11 +101,11 @@ class InProcessPS:
                                       "layer": layer, **extra}, {n: params[n] for n in names}))
 
     def pull(self) -> dict[str, torch.Tensor]:
-        """The current version in BF16, through each follower's pull handler."""
+        """The current version in the wire dtype, through each follower's pull handler."""
         out: dict[str, torch.Tensor] = {}
         for s in self.shards:
             _, tensors = s.handle(Message({"op": "pull", "version": self.version,
-                                           "layers": list(s.layers), "dtype": "bf16"}))
+                                           "layers": list(s.layers), "dtype": self.wire_dtype}))
             out.update(dict(tensors))
         return out
 
@@ -121,11 +126,11 @@ def run_dips(scenario: Scenario, out_dir: Path, method: str = "di-ps") -> Method
     s = scenario
     grace, pcfg, outer = variant_settings(s, method)
     world = World(s, out_dir, method)
-    ps = InProcessPS(world, s.followers, outer.lr, outer.momentum)
+    ps = InProcessPS(world, s.followers, outer)
     # Pushes and pulls in virtual time always arrive: no timeouts, no push deadlines.
     policy = RoundPolicy(grace, push_timeout_s=math.inf, pull_timeout_s=math.inf,
                          push_slack=math.inf)
-    lat, nbytes, H = s.timing.latency_s, world.transfer_bytes, s.inner.H
+    lat, nbytes, H = s.timing.latency_s, world.wire_bytes, s.inner.H
     by_id = {c.spec.id: c for c in world.clusters}
     base_version = {cid: 0 for cid in by_id}
     requested_at: dict[str, float] = {}
@@ -133,7 +138,7 @@ def run_dips(scenario: Scenario, out_dir: Path, method: str = "di-ps") -> Method
     last_push_s: dict[str, float] = {}  # each cluster's last measured push, emulated seconds
     ahead: dict[str, int] = {}  # clusters whose push travels ahead of any round -> staleness
     rounds: dict[int, dict[str, Any]] = {}  # round -> what its log line needs
-    new_versions: dict[int, tuple[dict[str, torch.Tensor], int]] = {}  # round -> (BF16 θ, version)
+    new_versions: dict[int, tuple[dict[str, torch.Tensor], int]] = {}  # round -> (θ pulled, version)
     counts = {"pushed": 0, "accepted": 0, "rejected": 0, "tokens_accepted": 0}
     lags: list[int] = []
     lags_by: dict[str, list[int]] = {}
@@ -173,7 +178,7 @@ def run_dips(scenario: Scenario, out_dir: Path, method: str = "di-ps") -> Method
         """Start cluster ``cid``'s push at ``t``: into round ``number``, or ahead of any round
         (``ahead_of``: its push id)."""
         c = by_id[cid]
-        ps.stage(number or 0, cid, bf16_copy(c.model), ahead_of)
+        ps.stage(number or 0, cid, wire_copy(c.model, outer.wire_dtype), ahead_of)
         dur = transfer_s(c.spec, t, nbytes, lat)
         c.comm_s += dur
         last_push_s[cid] = dur  # what the cluster predicts its next push from

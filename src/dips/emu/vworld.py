@@ -30,8 +30,9 @@ from dips.train.loop import eval_loss
 from dips.train.model import build_model, layer_table, param_count
 from dips.train.sampler import BatchSampler
 from dips.train.trainer import ClusterTrainer, build_trainer
+from dips.wire.frames import DTYPES
 
-__all__ = ["PROGRESS", "VCluster", "World", "bf16_copy", "load_params"]
+__all__ = ["PROGRESS", "VCluster", "World", "bf16_copy", "load_params", "wire_copy"]
 
 #: Optional hook called after every evaluation with (tokens, token budget, loss); the CLI
 #: sets it to drive its progress bar.
@@ -40,7 +41,13 @@ PROGRESS: Callable[[int, int, float], None] | None = None
 
 def bf16_copy(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The model's parameters as BF16 copies (what crosses a link, §12), by parameter name."""
-    return {n: p.detach().to(torch.bfloat16) for n, p in model.named_parameters()}
+    return wire_copy(model, "bf16")
+
+
+def wire_copy(model: torch.nn.Module, dtype: str) -> dict[str, torch.Tensor]:
+    """The model's parameters as copies in the wire dtype ``dtype`` ("bf16", §12, or "fp32";
+    ``OuterConfig.wire_dtype``), by parameter name."""
+    return {n: p.detach().to(DTYPES[dtype], copy=True) for n, p in model.named_parameters()}
 
 
 @torch.no_grad()
@@ -134,6 +141,8 @@ class World:
         self.table = layer_table(self.eval_model)
         self.params = param_count(self.eval_model)
         self.transfer_bytes = s.transfer_bytes(self.params)
+        #: bytes of one transfer in the run's wire dtype (transfer_bytes is the BF16 size, §12)
+        self.wire_bytes = self.transfer_bytes * DTYPES[s.outer.wire_dtype].itemsize / 2
         self.tokens_per_step = s.inner.batch_size * s.inner.seq_len
         self.curve: list[CurvePoint] = []
         self._next_eval = 0

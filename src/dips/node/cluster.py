@@ -68,7 +68,7 @@ def run_cluster(leader_addr: str, cluster_id: str, state: Path, creds: Credentia
                            heartbeat_interval_s=cfg.membership.heartbeat_interval_s,
                            data=trainer.batches,
                            limiter=bucket.consume if bucket is not None else None, stop=stop,
-                           fingerprint=fingerprint.to_json())
+                           fingerprint=fingerprint.to_json(), wire_dtype=cfg.outer.wire_dtype)
     sync = DiPSSync(client)
     # The leader may be restarting or waiting for followers: the join is retried.
     try:

@@ -101,7 +101,7 @@ def run_follower(leader_addr: str, index: int, listen: str, advertise: str, data
         params = _initial_params(spec, names, init)
     shard = FollowerShard(index, layers, params, cfg.outer.lr, cfg.outer.momentum,
                           log_dir=state, version=version, momenta=momenta, ckpt_dir=ckpt_dir,
-                          keep=cfg.checkpoint_keep)
+                          keep=cfg.checkpoint_keep, state_dtype=cfg.outer.state_dtype)
     fence = Fence(state / "leader_term", fencing.lease_seconds(
         cfg.membership.heartbeat_interval_s, cfg.membership.missed_heartbeats))
     keyring = Keyring()

@@ -99,6 +99,8 @@ class ClusterClient(SyncMixin):
         fingerprint: JSON of this model's :class:`dips.spec.fingerprint.Fingerprint`, sent
             at join: the leader refuses a model that differs from the run's ("": none sent;
             a leader with a fingerprint then refuses the join).
+        wire_dtype: "bf16" (§12) or "fp32", the dtype of pushes and pulls
+            (``OuterConfig.wire_dtype``; the run's followers accept either).
 
     Raises:
         ValueError: H < 1, or ``stages`` not in [1, number of layers].
@@ -110,7 +112,8 @@ class ClusterClient(SyncMixin):
                  timeout_s: float = 120.0, admit_timeout_s: float = 30.0,
                  heartbeat_interval_s: float | None = None, data: LedgerData | None = None,
                  limiter: Callable[[int], object] | None = None,
-                 stop: threading.Event | None = None, fingerprint: str = "") -> None:
+                 stop: threading.Event | None = None, fingerprint: str = "",
+                 wire_dtype: str = "bf16") -> None:
         if H < 1:
             raise ValueError(f"H = {H} must be >= 1")
         layer_of = layer_of or default_layer_of
@@ -126,7 +129,8 @@ class ClusterClient(SyncMixin):
         self._leader = leader_client(leader, creds, timeout_s=min(timeout_s, 10.0))
         self._layers = group_layers(model, layer_of)
         sizes = [sum(p.numel() * 4 for _, p in params) for _, params in self._layers]
-        self._push_bytes = sum(sizes) // 2  # BF16 on the wire
+        self.wire_dtype = wire_dtype
+        self._push_bytes = sum(sizes) // (2 if wire_dtype == "bf16" else 1)  # bytes on the wire
         if not 1 <= stages <= len(sizes):
             raise ValueError(f"stages = {stages} must be in [1, {len(sizes)}] (number of layers)")
         self._stage_ranges = partition_contiguous(sizes, stages)
@@ -205,7 +209,7 @@ class ClusterClient(SyncMixin):
             self._owner = {l: f.index for f in followers for l in f.layers}
         by_key = dict(self._layers)
         self._stages = [StageWorker(i, {l: by_key[l] for l in layers}, self._key, endpoints,
-                                    self.timeout_s, limiter=self._limiter)
+                                    self.timeout_s, limiter=self._limiter, dtype=self.wire_dtype)
                         for i, layers in enumerate(self.stage_layers)]
 
     def refill(self) -> bool:

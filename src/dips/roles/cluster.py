@@ -1,7 +1,7 @@
 """Stage workers: the data-plane side of a cluster (§5, §10, §12 of the seed).
 
 A :class:`StageWorker` owns a contiguous block of layers and one ZeroMQ connection per
-follower; it pushes its layers as BF16 in the order of the leader's §10 schedule and pulls
+follower; it pushes its layers as BF16 (or FP32) in the order of the leader's §10 schedule and pulls
 them back, checking that every tensor carries the requested version. The cluster's control
 logic (join, sync, heartbeats, backoff, data leases) is :class:`dips.roles.client.ClusterClient`;
 :func:`fetch_global_model` reads the global model for evaluation and export.
@@ -22,6 +22,7 @@ from dips.roles.layers import layer_of as default_layer_of
 from dips.wire.dataplane import DataClient
 from dips.wire.keys import MemberKey
 from dips.wire.pb import control_pb2 as pb
+from dips.wire.frames import DTYPES
 from dips.wire.stream import DEFAULT_CHUNK_BYTES
 
 
@@ -87,8 +88,9 @@ _LINKS = _Links()
 class StageWorker:
     """One stage worker: owns a contiguous block of layers and one connection per follower.
 
-    Pushes and pulls stream each layer in chunks (``mode = "stream"``, §10): the layer's BF16
-    image is written into buffers owned by the worker and reused by every push and pull (no
+    Pushes and pulls stream each layer in chunks (``mode = "stream"``, §10): the layer's image
+    in the wire dtype (BF16, §12; or FP32, ``OuterConfig.wire_dtype``) is written into buffers
+    owned by the worker and reused by every push and pull (no
     fresh memory per round), the next layer is converted while libzmq sends the current one,
     and a pull lands in those buffers straight from the socket. ``mode = "single"`` is the
     unpipelined path (one message per layer, fresh tensors), kept for benchmarks and the test
@@ -100,6 +102,7 @@ class StageWorker:
         endpoints: follower index -> ``tcp://host:port``.
         timeout_s: deadline of each data-plane reply.
         limiter: called with each message's byte count before it is sent (link shaping).
+        dtype: the wire dtype of pushes and pulls, "bf16" (§12) or "fp32".
     """
 
     mode = "stream"
@@ -108,12 +111,15 @@ class StageWorker:
 
     def __init__(self, index: int, layers: dict[str, list[tuple[str, torch.nn.Parameter]]],
                  key: MemberKey, endpoints: dict[int, str], timeout_s: float,
-                 limiter: Callable[[int], Any] | None = None) -> None:
+                 limiter: Callable[[int], Any] | None = None, dtype: str = "bf16") -> None:
+        if dtype not in DTYPES:
+            raise ValueError(f"wire dtype = {dtype!r} not one of {sorted(DTYPES)}")
         self.index = index
+        self.dtype = dtype
         self.layers = layers
         self.timeout_s = timeout_s
         self._clients = {f: DataClient(key, ep, timeout_s, limiter) for f, ep in endpoints.items()}
-        self._bf16: dict[str, torch.Tensor] = {}
+        self._wire: dict[str, torch.Tensor] = {}
         self.acked_bytes = 0  # of the current or last push, confirmed by followers
 
     def set_timeout(self, timeout_s: float) -> None:
@@ -123,19 +129,19 @@ class StageWorker:
             c.set_timeout(timeout_s)
 
     def _buffer(self, name: str, p: torch.Tensor) -> torch.Tensor:
-        buf = self._bf16.get(name)
+        buf = self._wire.get(name)
         if buf is None:  # touched once, then reused by every push and pull
-            buf = self._bf16[name] = torch.empty(p.shape, dtype=torch.bfloat16)
+            buf = self._wire[name] = torch.empty(p.shape, dtype=DTYPES[self.dtype])
         return buf
 
     def _image(self, layer: str) -> list[tuple[str, torch.Tensor]]:
-        """This layer's parameters as BF16, in the worker's reused buffers."""
+        """This layer's parameters in the wire dtype, in the worker's reused buffers."""
         with torch.no_grad():
             return [(n, self._buffer(n, p).copy_(p.detach())) for n, p in self.layers[layer]]
 
     def push(self, cluster_id: str, rnd: int, push_id: str, transfers: list[tuple],
              tokens: int | None = None, stage: bool = False) -> None:
-        """Send each ``(layer, follower, ...)`` in schedule order as BF16. Raises on refusal
+        """Send each ``(layer, follower, ...)`` in schedule order in the wire dtype. Raises on refusal
         (DataPlaneError naming the reason) or timeout.
 
         ``tokens`` (T_j, as announced to the leader) travels in each layer's header so that
@@ -156,7 +162,7 @@ class StageWorker:
         self.acked_bytes = 0
         if self.mode == "single":
             for layer, follower, *_ in transfers:
-                tensors = [(n, p.detach().to(torch.bfloat16)) for n, p in self.layers[layer]]
+                tensors = [(n, p.detach().to(DTYPES[self.dtype])) for n, p in self.layers[layer]]
                 self._clients[follower].request({**head, "layer": layer}, tensors)
             return
         flight: deque[tuple[int, Any, int]] = deque()
@@ -196,12 +202,13 @@ class StageWorker:
                 _LINKS.release(push_id, f)
             raise
 
-    def pull(self, version: int, owner: dict[str, int], dtype: str = "bf16") -> dict[str, torch.Tensor]:
+    def pull(self, version: int, owner: dict[str, int], dtype: str | None = None) -> dict[str, torch.Tensor]:
         """Fetch this stage's layers at ``version``; returns name -> tensor (all or raise).
 
-        ``dtype`` is the wire dtype: "bf16" (§12, default; the returned tensors are the
-        worker's reused buffers, valid until its next push or pull) or "fp32" (exact export).
+        ``dtype`` is the wire dtype: None, the worker's own (the returned tensors are its
+        reused buffers, valid until its next push or pull), or "fp32" (exact export).
         """
+        dtype = dtype or self.dtype
         by_follower: dict[int, list[str]] = defaultdict(list)
         for layer in self.layers:
             by_follower[owner[layer]].append(layer)
@@ -213,7 +220,7 @@ class StageWorker:
                 got, tensors = msg.header.get("version"), msg.tensors
             else:
                 params = [(n, p) for l in layers for n, p in self.layers[l]]
-                if dtype == "bf16":
+                if dtype == self.dtype:
                     tensors = {n: self._buffer(n, p) for n, p in params}
                 else:
                     tensors = {n: torch.empty(p.shape, dtype=torch.float32) for n, p in params}

@@ -32,7 +32,7 @@ import torch
 import xxhash
 
 from dips.algo import pseudo_gradient, squared_norm, weighted_mean
-from dips.algo.outer import nesterov_step_fused
+from dips.algo.outer import nesterov_step_fused, round_state_
 from dips.roles import failpoints
 from dips.roles.follower_data import DataPlaneSide, StagedPush
 from dips.roles.round_sum import RoundSum
@@ -86,6 +86,8 @@ class FollowerShard(DataPlaneSide):
         layers: ordered ``{layer key: [param names]}`` this follower owns.
         params: ``{param name: FP32 tensor}`` for every owned parameter (version ``version``).
         outer_lr, outer_momentum: Nesterov hyper-parameters (§13: 0.7, 0.8).
+        state_dtype: "fp32" (§12) or "bf16": θ and momentum rounded to BF16 after each outer
+            step (``OuterConfig.state_dtype``, :func:`dips.algo.outer.round_state_`).
         log_dir: directory for ``applied.jsonl`` (None: no log).
         version: version of ``params``.
         momenta: Nesterov momentum of that version (None: zeros, a fresh run).
@@ -101,7 +103,8 @@ class FollowerShard(DataPlaneSide):
                  outer_lr: float = 0.7, outer_momentum: float = 0.8,
                  log_dir: Path | None = None, version: int = 0,
                  momenta: dict[str, torch.Tensor] | None = None,
-                 ckpt_dir: Path | None = None, keep: int = 3) -> None:
+                 ckpt_dir: Path | None = None, keep: int = 3, state_dtype: str = "fp32") -> None:
+        round_state_([], state_dtype)  # refuses an unknown precision before any state exists
         for layer, names in layers.items():
             for n in names:
                 if n not in params:
@@ -117,6 +120,7 @@ class FollowerShard(DataPlaneSide):
         self.version = version
         self.outer_lr = outer_lr
         self.outer_momentum = outer_momentum
+        self.state_dtype = state_dtype
         self._staged: dict[tuple[int, str], StagedPush] = {}
         self._rounds_seen: set[int] = set()  # for the window/push failpoints
         # Pushes sent ahead of their round (a slow link), by push id: (cluster, T_j, layers).
@@ -251,6 +255,8 @@ class FollowerShard(DataPlaneSide):
                 nesterov_step_fused([params[n] for n in self.names],
                                     [momenta[n] for n in self.names], mean, self.outer_lr,
                                     self.outer_momentum, scale=clip * scale)
+                round_state_([params[n] for n in self.names] + [momenta[n] for n in self.names],
+                             self.state_dtype)
             except BaseException:
                 self._spare.recycle(params, momenta)
                 raise

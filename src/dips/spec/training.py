@@ -105,9 +105,14 @@ class InnerConfig(Strict):
 class OuterConfig(Strict):
     """The outer Nesterov step and the aggregation (§6, §8, §13 of the seed).
 
-    ``max_norm`` None (or ``math.inf``) disables the global clip (an ablation).  Used by the
-    followers (lr, momentum), the leader (max_norm, uniform_weights) and every baseline's
-    replicated outer optimizer.  Errors name the field (pydantic ValidationError, a ValueError).
+    Defaults chosen by the sweeps of CONVERGENCE.md (issue 12): the global clip of δ is
+    relative (``clip: relative``, ‖δ‖ ≤ ``clip_ratio`` × √μ: the seed's fixed norm 1 binds on
+    every step at any model size but the paper's; ``clip: seed`` restores §8's ``max_norm``,
+    None or ``math.inf`` for no clip, an ablation), and a step of stale pushes is scaled by
+    1/(1 + their mean staleness) (``staleness: inverse``; ``none``, the seed, applies it at
+    full weight).  Used by the followers (lr, momentum, state_dtype), the leader (the clip,
+    staleness, uniform_weights), the clusters (wire_dtype) and every baseline's replicated
+    outer optimizer.  Errors name the field (pydantic ValidationError, a ValueError).
     """
 
     lr: float = Field(0.7, gt=0, allow_inf_nan=False, description="outer learning rate")
@@ -116,16 +121,25 @@ class OuterConfig(Strict):
     max_norm: float | None = Field(1.0, gt=0, description="global clip norm c of δ (§8: "
                                                           "factor min(1, c/‖δ‖₂)); None: no clip")
     clip: Literal["seed", "relative"] = Field(
-        "seed", description="seed: clip ‖δ‖ to max_norm (§8); relative: to clip_ratio × √μ, μ "
-                            "the §8 EMA of the pushes' ‖Δ‖² (scale-free; issue 12)")
-    clip_ratio: float = Field(0.2, gt=0, allow_inf_nan=False,
-                              description="relative clip: the threshold as a fraction of √μ")
+        "relative", description="relative (default): clip ‖δ‖ to clip_ratio × √μ, μ the §8 EMA "
+                                "of the pushes' ‖Δ‖² (scale-free; CONVERGENCE.md); seed: to "
+                                "max_norm (§8)")
+    clip_ratio: float = Field(0.4, gt=0, allow_inf_nan=False,
+                              description="relative clip: the threshold as a fraction of √μ "
+                                          "(0.4: chosen by the clip sweep, CONVERGENCE.md)")
     staleness: Literal["none", "inverse"] = Field(
-        "none", description="none: a stale pseudo-gradient at full weight (the seed); inverse: "
-                            "the step scaled by 1/(1 + s̄), s̄ the accepted pushes' token-weighted "
-                            "staleness in versions (issue 12)")
+        "inverse", description="inverse (default): the step scaled by 1/(1 + s̄), s̄ the accepted "
+                               "pushes' token-weighted staleness in versions (CONVERGENCE.md); "
+                               "none: a stale pseudo-gradient at full weight (the seed)")
     uniform_weights: bool = Field(False, description="ablation: weights 1/n instead of the "
                                                      "token weights T_j/ΣT (§8)")
+    wire_dtype: Literal["bf16", "fp32"] = Field(
+        "bf16", description="dtype of the parameters clusters push and pull (§12: BF16 halves "
+                            "the bytes; fp32: exact, twice the bytes)")
+    state_dtype: Literal["fp32", "bf16"] = Field(
+        "fp32", description="precision of the followers' θ and Nesterov momentum (§12: FP32); "
+                            "bf16 rounds both to BF16 after every outer step (§15's BF16+BF16 "
+                            "precision ablation; the buffers stay FP32 in memory)")
 
 
 class PenaltyConfig(Strict):
