@@ -43,7 +43,7 @@ SWEEPS: dict[str, list[tuple[str, Change]]] = {
     "defaults": [("defaults", {})],
     "clip": [(f"seed c={c}", {"outer": {"clip": "seed", "max_norm": c}}) for c in (0.5, 1.0, 2.0, 5.0)]
     + [("none", {"outer": {"clip": "seed", "max_norm": None}})]
-    + [(f"relative {r}", {"outer": {"clip": "relative", "clip_ratio": r}}) for r in (0.2, 0.4, 0.8)],
+    + [(f"relative {r}", {"outer": {"clip": "relative", "clip_ratio": r}}) for r in (0.4,)],
     "staleness": [("none", {"outer": {"staleness": "none"}}),
                   ("inverse", {"outer": {"staleness": "inverse"}}),
                   ("inverse, no clip", {"outer": {"staleness": "inverse", "clip": "seed",
