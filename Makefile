@@ -59,11 +59,11 @@ SWEEP ?= defaults
 COUNTS ?= 1,2,4,8,12,16
 ETAS ?= 10,50,100,200
 bench-sweep: install
-	$(PY) benchmarks/compare/bench_sweep.py --sweep $(SWEEP) --counts $(COUNTS) --etas $(ETAS) \
+	$(PY) benchmarks/compare/bench_sweep.py --sweep $(SWEEP) --counts=$(COUNTS) --etas=$(ETAS) \
 		--jobs 2 --out runs/sweep
 
 # The same on a 5.2M-parameter model (configs/compare/large/): eta = 100 and 16-cluster weak
-# scaling, Di-PS with its defaults against synchronous DiLoCo (~70 min on 2 cores).
+# scaling, Di-PS with its defaults against synchronous DiLoCo (~50 min on 2 idle cores).
 bench-large: install
 	$(PY) benchmarks/compare/bench_sweep.py --sweep defaults --size large --counts 16 --etas 100 \
 		--jobs 2 --out runs/sweep

@@ -325,7 +325,7 @@ def curves(doc: dict[str, Any], path: Path) -> None:
     fig, grid = plt.subplots(2 if eta else 1, cols, figsize=(3.6 * cols, 6.0 if eta else 3.0),
                              squeeze=False)
     axes = list(grid[0])
-    for ax in axes[(1 if ws else 0) + (1 if eta else 0):]:
+    for ax in axes[(1 if ws else 0) + (1 if eta else 0):] + list(grid[1][len(eta):] if eta else []):
         ax.axis("off")
     style = {"dips": ("o-", "Di-PS"), "diloco": ("s--", "sync DiLoCo")}
     for group, xlabel in ((ws, "clusters (weak scaling)"), (eta, "η (spread of slowdowns, %)")):
