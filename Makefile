@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 RUN_DIR ?= runs/quickstart
 
-.PHONY: install demo test test-fast chaos proto clean bench-reliability bench-shaping bench-real-vs-virtual bench-compare bench-dataplane bench-sweep bench-large
+.PHONY: install demo test test-fast chaos proto clean bench-reliability bench-shaping bench-real-vs-virtual bench-compare bench-dataplane bench-sweep bench-large fuzz
 
 $(STAMP): requirements.txt requirements-corpora.txt pyproject.toml
 	python3 -m venv $(VENV)
@@ -31,6 +31,15 @@ test-fast: install
 # real runs, checking the invariants after each: 20 plans, about 15 minutes (issue 10).
 chaos: install
 	DIPS_CHAOS_EXAMPLES=20 $(PY) -m pytest -q -m chaos tests/integration/test_chaos.py -s
+
+# Coverage-guided fuzzing (atheris) of the data-plane decoders: frames, streams, and the
+# follower's push/pull handling, FUZZ_SECONDS per target (issue 13). Benchmark-like, not part
+# of `make test`; installs atheris into the venv if missing. Corpora, crashing inputs, logs
+# and summary.json go to runs/fuzz/; exits non-zero if a target found something.
+FUZZ_SECONDS ?= 60
+fuzz: install
+	$(PY) -c "import atheris" 2>/dev/null || $(PY) -m pip install -q atheris
+	$(PY) fuzz/run.py --seconds $(FUZZ_SECONDS) --out runs/fuzz
 
 # Regenerate the gRPC/protobuf code from proto/ (the generated files are committed).
 proto: install

@@ -26,6 +26,7 @@ def test_seed_section_11_aggregation():
 
 def test_seed_section_11_is_not_clipped_under_either_clip_rule():
     from dips.algo import clip_threshold
+    from dips.algo.penalty import PenaltyConfig, PenaltyState, decide
     from dips.spec import OuterConfig
 
     sq = 0.4 ** 2 + 0.2 ** 2  # ‖δ‖² of the §11 example
@@ -33,16 +34,20 @@ def test_seed_section_11_is_not_clipped_under_either_clip_rule():
     assert clip_threshold(seed.clip, seed.max_norm, seed.clip_ratio, None) == 1.0
     assert clip_factor(sq, 1.0) == 1.0
     # The default relative rule: μ = 4.5 before the step, then the §8 EMA (α = 0.02) over
-    # G_A = 4, G_B = 5, G_C = 81 in id order: 4.49, 4.5002, 6.030196; c = 0.4·√μ = 0.982258.
+    # G_A = 4, G_B = 5 and the rejected G_C = 81 winsorized to μ + 6σ = 10.5 (the largest G
+    # the step accepts), in id order: 4.49, 4.5002, 4.620196; c = 0.4·√μ = 0.859786.
     default = OuterConfig()
     assert (default.clip, default.clip_ratio) == ("relative", 0.4)
     mu = 4.5
-    for g in (4.0, 5.0, 81.0):
+    for g in (4.0, 5.0, 10.5):
         mu = 0.02 * g + 0.98 * mu
-    assert mu == pytest.approx(6.030196, abs=1e-9)
+    assert mu == pytest.approx(4.620196, abs=1e-9)
+    _, state = decide(PenaltyState(4.5, 1.0, 1000, [0.3, 2.0, -1.0]),
+                      {"A": 4.0, "B": 5.0, "C": 81.0}, PenaltyConfig())
+    assert state.mu == pytest.approx(mu, rel=1e-12)
     c = clip_threshold(default.clip, default.max_norm, default.clip_ratio, mu)
-    assert c == pytest.approx(0.982258, abs=1e-6)
-    assert clip_factor(sq, c) == 1.0  # ‖δ‖ ≈ 0.447 < 0.982: not clipped either
+    assert c == pytest.approx(0.859786, abs=1e-6)
+    assert clip_factor(sq, c) == 1.0  # ‖δ‖ ≈ 0.447 < 0.860: not clipped either
 
 
 def test_clipping_above_max_norm():
@@ -195,3 +200,13 @@ def test_staleness_scale_inverse_of_the_token_weighted_staleness():
                 ("inverse", w, {"a": -1, "b": 0})):
         with pytest.raises(ValueError):
             staleness_scale(*bad)
+
+
+def test_token_weights_cap_each_push_at_the_most_one_push_trains():
+    # Issue 13: a member reporting 10x the windows of a full push weighs one full push.
+    w = token_weights({"a": 2048, "b": 1024, "h": 20480}, ["a", "b", "h"], cap=2048)
+    assert w == {"a": 0.4, "b": 0.2, "h": 0.4}
+    assert token_weights({"a": 2048, "b": 1024}, ["a", "b"], cap=4096) == \
+        token_weights({"a": 2048, "b": 1024}, ["a", "b"])
+    with pytest.raises(ValueError, match="cap"):
+        token_weights({"a": 1}, ["a"], cap=0)

@@ -50,12 +50,44 @@ def test_ema_two_values_hand_computed_in_cluster_id_order():
     assert new.sigma == pytest.approx(math.sqrt(0.9701019608), rel=1e-12)
 
 
-def test_rejected_value_still_updates_mu_sigma():
+def test_rejected_value_updates_mu_sigma_winsorized_to_the_acceptance_bound():
     _, new = decide(scored_state(), {"A": 4.0, "B": 5.0, "C": 81.0}, CFG)
-    # after A, B as above; then C: mu = 0.02*81 + 0.98*4.5002 = 6.030196
-    assert new.mu == pytest.approx(6.030196, rel=1e-12)
-    var = 0.98 * 0.9701019608 + 0.02 * (81 - 6.030196) ** 2
+    # after A, B as above; then C = 81 counts as the largest G this step accepts,
+    # mu_t + threshold * sigma_t = 4.5 + 6 * 1 = 10.5: mu = 0.02*10.5 + 0.98*4.5002 = 4.620196
+    assert new.mu == pytest.approx(4.620196, rel=1e-12)
+    var = 0.98 * 0.9701019608 + 0.02 * (10.5 - 4.620196) ** 2
     assert new.sigma == pytest.approx(math.sqrt(var), rel=1e-12)
+
+
+@pytest.mark.parametrize("g", [81.0, 1e6, 1e150, 1.7e308])
+def test_a_rejected_outlier_moves_the_statistics_as_much_as_the_largest_accepted_push(g):
+    # Issue 13: whatever a hostile member's G, mu / sigma move exactly as if it had sent the
+    # largest G the step accepts (10.5 here), never further; the next threshold is unchanged.
+    _, at_bound = decide(scored_state(), {"A": 4.0, "H": 10.5}, CFG)
+    verdict, new = decide(scored_state(), {"A": 4.0, "H": g}, CFG)
+    assert verdict.rejected == ["H"]
+    assert (new.mu, new.sigma) == (at_bound.mu, at_bound.sigma)
+    assert new.recent_scores == [0.3, 2.0, -1.0, -0.5]
+    assert decide(new, {"A": 4.0}, CFG)[0].threshold == 6.0
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+@pytest.mark.parametrize("enabled", [True, False])
+def test_a_non_finite_norm_rejects_that_cluster_alone(bad, enabled):
+    # Issue 13: one overflowed pseudo-gradient used to make decide raise, failing the round of
+    # every cluster; now it is rejected alone (even with the penalty disabled) and never
+    # enters the statistics.
+    cfg = PenaltyConfig(enabled=enabled)
+    verdict, new = decide(scored_state(), {"A": 4.0, "B": 5.0, "C": bad}, cfg)
+    ref_verdict, ref = decide(scored_state(), {"A": 4.0, "B": 5.0}, cfg)
+    assert verdict.accepted == ["A", "B"] and verdict.rejected == ["C"]
+    assert verdict.scores["C"] == math.inf
+    assert (new.mu, new.sigma, new.n_seen, new.recent_scores) == \
+        (ref.mu, ref.sigma, ref.n_seen, ref.recent_scores)
+    warm, state = decide(PenaltyState(), {"A": 4.0, "C": bad}, cfg)
+    assert warm.accepted == ["A"] and warm.rejected == ["C"] and state.n_seen == 1
+    alone, same = decide(PenaltyState(), {"C": bad}, cfg)
+    assert alone.accepted == [] and same == PenaltyState()
 
 
 def test_outlier_does_not_raise_next_threshold():
@@ -145,7 +177,7 @@ def test_inputs_not_mutated():
     assert new is not state and new.recent_scores is not state.recent_scores
 
 
-@pytest.mark.parametrize("bad", [-1.0, math.nan, math.inf, "3"])
+@pytest.mark.parametrize("bad", [-1.0, "3", None])
 def test_bad_norm_names_cluster_and_value(bad):
     state = scored_state()
     before = copy.deepcopy(state)

@@ -25,6 +25,7 @@ from dips.roles.follower import FollowerShard
 from dips.roles.leader import FollowerEntry, Leader, LeaderConfig
 from dips.spec import GraceConfig, MembershipConfig, ModelConfig, OuterConfig, Timeouts
 from dips.train.model import build_model, layer_table
+from dips.wire.admission import Ticket, admission_key, sign
 from dips.wire.control import make_server, refusal_of
 from dips.wire.dataplane import DataClient, DataPlaneError, DataServer
 from dips.wire.keys import Keyring, MemberKey, issue
@@ -114,7 +115,9 @@ class Run:
         self.secret = self.leader.issued.data_secret  # the leader's (random) data secret
         for i, r in enumerate(parts):
             layers = {table[j][0]: table[j][1] for j in r}
-            shard = FollowerShard(i, layers, params, log_dir=tmp_path / f"f{i}")
+            shard = FollowerShard(i, layers, params, log_dir=tmp_path / f"f{i}",
+                                  require_tickets=True)
+            shard.set_admission_key(admission_key(self.secret))  # as a registration does
             server = DataServer(Keyring(self.secret), shard.handle,
                                 authorize=shard.authorize).start()
             self.shards.append(shard)
@@ -269,6 +272,13 @@ def test_one_outer_step_equals_sgd_nesterov(clip_run):
         c.close()
 
 
+def _admitted(run, cluster: str, rnd: int, push_id: str) -> dict:
+    """A push header carrying a ticket as the leader signs it (dips.wire.admission)."""
+    body, mac = sign(admission_key(run.secret), Ticket(rnd, cluster, push_id, 128, 0))
+    return {"op": "push", "cluster": cluster, "round": rnd, "push_id": push_id,
+            "ticket": body, "ticket_mac": mac.hex()}
+
+
 def test_nan_and_misshaped_pushes_never_change_theta(run):
     before = [s.state()[2] for s in run.shards]
     client = DataClient(run.key(Identity.cluster("x")), run.servers[0].endpoint, timeout_s=10)
@@ -276,12 +286,18 @@ def test_nan_and_misshaped_pushes_never_change_theta(run):
     names = run.shards[0].layers[layer]
     bad = [(n, torch.full_like(run.shards[0].params[n], float("nan")).to(torch.bfloat16))
            for n in names]
-    with pytest.raises(DataPlaneError, match="NaN"):
-        client.request({"op": "push", "cluster": "x", "round": 1, "push_id": "p", "layer": layer}, bad)
+    head = {**_admitted(run, "x", 1, "00000000000000aa"), "layer": layer}
+    with pytest.raises(DataPlaneError, match="NaN") as info:
+        client.request(head, bad)
+    assert info.value.code is Refusal.INVALID_ARGUMENT
     wrong = [(n, torch.zeros(3, 3, dtype=torch.bfloat16)) for n in names]
     with pytest.raises(DataPlaneError, match="shape"):
-        client.request({"op": "push", "cluster": "x", "round": 1, "push_id": "p", "layer": layer},
-                       wrong)
+        client.request(head, wrong)
+    good = [(n, run.shards[0].params[n].to(torch.bfloat16)) for n in names]
+    with pytest.raises(DataPlaneError, match="ticket") as info:  # not admitted by the leader
+        client.request({"op": "push", "cluster": "x", "round": 1, "push_id": "00000000000000aa",
+                        "layer": layer}, good)
+    assert info.value.code is Refusal.FORBIDDEN
     with pytest.raises(DataPlaneError, match="version"):
         client.request({"op": "pull", "version": 7, "layers": [layer]})
     client.close()

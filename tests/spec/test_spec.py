@@ -169,7 +169,8 @@ def test_leader_config_composes_the_run_config_and_one_grace_default() -> None:
         (cfg.token_budget, cfg.max_outer_steps, cfg.max_time_s)  # the leader ends the run
     assert set(LeaderConfig.model_fields) == {"grace", "penalty", "outer", "membership",
                                               "timeouts", "followers", "token_budget",
-                                              "max_outer_steps", "max_time_s"}
+                                              "max_outer_steps", "max_time_s",
+                                              "max_push_tokens", "lease_ahead"}
 
 
 def test_every_field_has_a_description() -> None:

@@ -76,7 +76,7 @@ class PS:
                                 {index[l]: f for l, f in self.owner.items()}, 2)
         for step in steps:
             for t in step:
-                workers[t.worker].push(cluster, rnd, f"{cluster}{rnd}",
+                workers[t.worker].push(cluster, rnd, f"{ord(cluster[0]):08x}{rnd:08x}",
                                        [(LAYERS[t.layer], t.follower)], tokens)
         for w in workers:
             w.close()

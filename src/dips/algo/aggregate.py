@@ -30,7 +30,8 @@ _NORM_ROW = 512
 
 
 def token_weights(
-    tokens: dict[str, int], accepted: list[str], uniform: bool = False
+    tokens: dict[str, int], accepted: list[str], uniform: bool = False,
+    cap: int | None = None,
 ) -> dict[str, float]:
     """Return aggregation weights w_j = T_j / Σ_{k∈accepted} T_k for the accepted clusters (§8).
 
@@ -39,6 +40,11 @@ def token_weights(
             every accepted id; other entries are ignored).
         accepted: accepted cluster ids (non-empty, no duplicates). The result keeps this order.
         uniform: ablation: w_j = 1/n regardless of tokens (tokens are still validated).
+        cap: weigh min(T_j, cap) instead of T_j (tokens; None: no cap). The leader passes the
+            most one push can train (``LeaderConfig.max_push_tokens``): T_j is the data
+            ledger's count of the windows a member *reports* trained, so a member that lies
+            about its positions weighs at most a full push (issue 13); the ledger still
+            accounts every window it reported.
 
     Returns:
         dict cluster id -> float weight; the weights sum to 1 (up to float rounding).
@@ -59,9 +65,12 @@ def token_weights(
             raise ValueError(f"tokens[{cid!r}] must be an int > 0, got {t!r}")
     if uniform:
         return {cid: 1.0 / len(accepted) for cid in accepted}
+    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap <= 0):
+        raise ValueError(f"cap must be an int > 0 or None, got {cap!r}")
+    weighed = {cid: tokens[cid] if cap is None else min(tokens[cid], cap) for cid in accepted}
     # Python ints are exact, so the total cannot overflow or lose precision.
-    total = sum(tokens[cid] for cid in accepted)
-    return {cid: tokens[cid] / total for cid in accepted}
+    total = sum(weighed.values())
+    return {cid: weighed[cid] / total for cid in accepted}
 
 
 def _check_fp32(name: str, t: Any) -> None:

@@ -9,10 +9,14 @@ Semantics (the parts §8 leaves open are fixed here):
 
 * The parameters are :class:`dips.spec.PenaltyConfig` (α, β, warm-up, history length, floors;
   re-exported here); pydantic validates them and names a field out of range.
-* Every G_j must be a finite float >= 0; the caller filters NaN/inf upstream, so a bad value
-  is a programming error and raises :class:`ValueError` naming the cluster and the value.
+* Every G_j must be a float >= 0 or NaN/inf; a negative value or a non-number is a programming
+  error and raises :class:`ValueError` naming the cluster and the value. A non-finite G (a
+  pseudo-gradient that overflowed, e.g. a hostile push of huge finite values) rejects that
+  cluster alone, with score inf, even with the penalty disabled, and never enters mu / sigma:
+  one push cannot fail the round of the others (issue 13).
 * Warm-up: while ``state.n_seen < cfg.warmup`` (G values observed *before* this step), every
-  cluster is accepted and scores are ``None``. mu / sigma become the running mean and the
+  cluster with a finite G is accepted and scores are ``None`` (with no history there is
+  nothing to call an outlier: a member hostile from the run's first pushes is not detected). mu / sigma become the running mean and the
   population standard deviation of all G values seen so far (Welford, cluster-id order).
 * After warm-up, all clusters of the step are scored against the same (mu_t, sigma_t):
   E_j = (G_j - mu_t) / sigma_t. The threshold is
@@ -21,13 +25,19 @@ Semantics (the parts §8 leaves open are fixed here):
   cluster that is merely above average. Cluster j is rejected iff E_j > threshold.
 * mu / sigma are then updated with the EMA of §8 once per scored G, in sorted cluster-id
   order: mu' = alpha*G + (1-alpha)*mu; sigma' = sqrt((1-alpha)*sigma² + alpha*(G-mu')²).
-  Every G (accepted and rejected) updates mu / sigma, as §8 writes it.
+  Every finite G (accepted and rejected) updates mu / sigma, a rejected one winsorized to the
+  largest G this step accepts, ``mu_t + threshold * sigma_t``: the clipped innovation of
+  robust (Huber) filtering (Huber, 1964; Masreliez & Martin, 1977). An accepted G is never
+  changed, so honest steps follow §8 exactly, while a hostile member's outlier moves mu /
+  sigma (and so the relative clip of :func:`dips.algo.clip_threshold`) no further than the
+  most extreme push the penalty would have accepted (§8 does not say whether a rejected G
+  enters the statistics; a raw one lets one push blind the test for hundreds of steps).
 * sigma is always floored at max(sigma_floor_rel * mu, 1e-12) so a run of identical norms
   cannot make the next score divide by zero.
 * Only accepted scores are appended to ``recent_scores`` (most recent last, at most
   ``cfg.recent``): one outlier must not raise the threshold for the next ``recent`` steps.
-* ``cfg.enabled = False`` (ablation): every cluster is accepted, but scores, the threshold and
-  the history are computed exactly as if enabled, so logs show what the penalty would have done
+* ``cfg.enabled = False`` (ablation): every cluster with a finite G is accepted, but scores,
+  the threshold and the history are computed exactly as if enabled, so logs show what the penalty would have done
   and switching it back on starts from the same history.
 * accepted / rejected lists and the scores dict are sorted by cluster id (deterministic).
 """
@@ -156,17 +166,21 @@ def _floor_sigma(sigma: float, mu: float, cfg: PenaltyConfig) -> float:
     return max(sigma, cfg.sigma_floor_rel * mu, SIGMA_EPS)
 
 
-def _check_norms(sq_norms: dict[str, float]) -> list[tuple[str, float]]:
+def _check_norms(sq_norms: dict[str, float]) -> tuple[list[tuple[str, float]], list[str]]:
+    """The finite ``(cluster, G)`` pairs and the clusters whose G is NaN/inf, both sorted."""
     if not isinstance(sq_norms, dict) or not sq_norms:
         raise ValueError(f"sq_norms must be a non-empty dict, got {sq_norms!r}")
-    items = []
+    items, overflowed = [], []
     for cid, g in sq_norms.items():
         if not isinstance(cid, str) or not cid:
             raise ValueError(f"cluster id must be a non-empty str, got {cid!r}")
-        if isinstance(g, bool) or not isinstance(g, (int, float)) or not math.isfinite(g) or g < 0:
-            raise ValueError(f"sq_norms[{cid!r}] must be a finite number >= 0, got {g!r}")
-        items.append((cid, float(g)))
-    return sorted(items)
+        if isinstance(g, bool) or not isinstance(g, (int, float)) or g < 0:
+            raise ValueError(f"sq_norms[{cid!r}] must be a number >= 0, got {g!r}")
+        if math.isfinite(g):
+            items.append((cid, float(g)))
+        else:
+            overflowed.append(cid)
+    return sorted(items), sorted(overflowed)
 
 
 def decide(
@@ -176,24 +190,28 @@ def decide(
 
     Args:
         state: history before this step; not mutated.
-        sq_norms: cluster id -> G_j, the squared L2 norm of its full pseudo-gradient (float, >= 0,
-            finite; units of Δ²). Must be non-empty.
+        sq_norms: cluster id -> G_j, the squared L2 norm of its full pseudo-gradient (float, >= 0;
+            units of Δ²; NaN/inf rejects that cluster alone). Must be non-empty.
         cfg: penalty parameters.
 
     Returns:
         The verdict (sorted by cluster id) and a NEW :class:`PenaltyState`.
 
     Raises:
-        ValueError: empty ``sq_norms``, a non-str cluster id, a negative / NaN / inf G (naming
-            the cluster and value), or an inconsistent ``state``. Source: §8 of the seed.
+        ValueError: empty ``sq_norms``, a non-str cluster id, a negative or non-numeric G
+            (naming the cluster and value), or an inconsistent ``state``. Source: §8 of the seed.
     """
     if not isinstance(cfg, PenaltyConfig):
         raise ValueError(f"cfg must be a PenaltyConfig, got {type(cfg).__name__}")
-    items = _check_norms(sq_norms)
+    items, overflowed = _check_norms(sq_norms)
     state.validate()
     ids = [cid for cid, _ in items]
+    inf_scores: dict[str, float | None] = {cid: math.inf for cid in overflowed}
 
     if state.n_seen < cfg.warmup:
+        if not items:
+            return Verdict([], overflowed, inf_scores, None), PenaltyState(
+                state.mu, state.sigma, state.n_seen, list(state.recent_scores), state.m2)
         # Warm-up: exact running mean / population std (Welford), no scoring.
         n, mu, m2 = state.n_seen, state.mu or 0.0, state.m2
         for _, g in items:
@@ -202,7 +220,7 @@ def decide(
             mu += d / n
             m2 += d * (g - mu)
         sigma = _floor_sigma(math.sqrt(m2 / n), mu, cfg)
-        verdict = Verdict(ids, [], {cid: None for cid in ids}, None)
+        verdict = Verdict(ids, overflowed, {**{cid: None for cid in ids}, **inf_scores}, None)
         return verdict, PenaltyState(mu, sigma, n, list(state.recent_scores), m2)
 
     assert state.mu is not None and state.sigma is not None  # guaranteed by validate()
@@ -218,12 +236,15 @@ def decide(
     else:
         accepted, rejected = list(ids), []
 
+    # The largest G this step accepts: a rejected G counts as this much (module docstring).
+    g_max = mu_t + threshold * sigma_t
     mu, sigma = mu_t, sigma_t
     for _, g in items:
+        g = min(g, g_max)
         mu = cfg.alpha * g + (1.0 - cfg.alpha) * mu
         sigma = math.sqrt((1.0 - cfg.alpha) * sigma * sigma + cfg.alpha * (g - mu) ** 2)
         sigma = _floor_sigma(sigma, mu, cfg)
     # History holds the scores that passed, so disabling the penalty leaves it unchanged.
     recent = (history + [scores[cid] for cid in passing])[-cfg.recent :]
-    verdict = Verdict(accepted, rejected, dict(scores), threshold)
+    verdict = Verdict(accepted, sorted(rejected + overflowed), {**scores, **inf_scores}, threshold)
     return verdict, PenaltyState(mu, sigma, state.n_seen + len(items), recent, state.m2)

@@ -54,6 +54,12 @@ class Refusal(enum.IntEnum):
     #: The run reached its token budget, outer-step or time limit: nothing more is admitted
     #: (the cluster stops; :mod:`dips.algo.limits`).
     RUN_FINISHED = 16
+    #: A push grant that can no longer be used: its round is closed (decided or discarded),
+    #: its push id was already used for other bytes, or its base version is ahead of the
+    #: follower's (a replay, or a grant from a leader the follower has not caught up with).
+    STALE_GRANT = 17
+    #: The member is over its limit of concurrent calls or in-flight pushes: retry later.
+    BUSY = 18
 
 
 class Refused(Exception):

@@ -32,7 +32,7 @@ actions out; the virtual-time engine drives the very same function with its virt
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
+from typing import Any, Mapping
 
 from dips.algo import grace as grace_rules
 from dips.algo.refusal import Refusal, Refused
@@ -244,11 +244,17 @@ def _on_tick(state: RoundState, ev: Tick, policy: RoundPolicy,
         return state
     if state.phase is Phase.WINDOW and ev.now >= rnd.closes_at:
         actions.append(WindowClosed(rnd.number, ev.now))
-        rnd = replace(rnd, push_deadline=push_deadline(rnd, ev.now, policy))
+        rnd = replace(rnd, push_deadline=push_deadline(rnd, ev.now, policy, state.push_s))
         return replace(state, phase=Phase.PUSH, current=rnd)
     if state.phase is Phase.PUSH and ev.now >= rnd.push_deadline:
         late = {c: replace(s, done=True, ok=False, error="push not delivered in time")
                 for c, s in rnd.slots.items() if not s.done}
+        for s in late.values():
+            # A push that never arrived counts as one that took this long: the member's next
+            # push is predicted this slow, so it is sent ahead of its round (``hopeless``)
+            # instead of holding another round (issue 13: a stalling member holds one round).
+            if s.admitted_at is not None:
+                state = _measured(state, s, ev.now, policy)
         return replace(state, current=replace(rnd, slots={**rnd.slots, **late}))
     return state
 
@@ -272,16 +278,24 @@ def _with_slot(state: RoundState, slot: Slot) -> RoundState:
     return replace(state, current=replace(rnd, slots={**rnd.slots, slot.cluster_id: slot}))
 
 
-def push_deadline(rnd: Round, closed_at: float, policy: RoundPolicy) -> float:
+def push_deadline(rnd: Round, closed_at: float, policy: RoundPolicy,
+                  measured: Mapping[str, float] | None = None) -> float:
     """When round ``rnd``'s push phase gives up on missing pushes (seconds): every member gets
     ``push_floor_s + push_slack ×`` its predicted push time from its admission, the round at
-    most ``push_timeout_s`` after the close; without predictions, the timeout."""
+    most ``push_timeout_s`` after the close. A member without a prediction counts as the
+    slowest push ``measured`` so far (cluster -> seconds); with nothing measured at all, the
+    round waits the timeout."""
     bound = closed_at + policy.push_timeout_s
-    known = [s for s in rnd.slots.values() if s.expected_s is not None and s.admitted_at is not None]
-    if not known or len(known) < len(rnd.slots) or policy.push_slack == float("inf"):
+    slowest = max(measured.values()) if measured else None
+    if policy.push_slack == float("inf"):
         return bound
-    due = max(s.admitted_at + policy.push_floor_s + policy.push_slack * s.expected_s for s in known)
-    return min(bound, max(closed_at, due))
+    due = closed_at
+    for s in rnd.slots.values():
+        expected = s.expected_s if s.expected_s is not None else slowest
+        if expected is None or s.admitted_at is None:
+            return bound
+        due = max(due, s.admitted_at + policy.push_floor_s + policy.push_slack * expected)
+    return min(bound, due)
 
 
 def verdicts_of(rnd: Round, outcome: UpdateOutcome) -> tuple[Verdict, ...]:

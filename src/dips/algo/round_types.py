@@ -138,7 +138,8 @@ class UpdateOutcome:
 class RoundState:
     """Everything the round machine decides from (immutable; :func:`step` returns a new one).
 
-    ``rounds``: rounds opened so far (the last round's number). ``ready``: the followers are
+    ``rounds``: the last round's number (rounds opened so far; a caller restarting from a
+    checkpoint may start it higher, so that no number is used twice). ``ready``: the followers are
     all registered, up and reconciled (reported by the caller). ``verdicts``: push id ->
     verdict, the most recent ``policy.verdicts_kept``. ``push_s``: cluster -> moving average
     of its measured push seconds (admission to report). ``staging``: cluster -> a push sent

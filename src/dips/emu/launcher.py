@@ -40,6 +40,7 @@ from dips.emu.faults import FaultInjector, FaultPlan
 from dips.emu.link_schedule import LinkSchedule
 from dips.emu.progress import Progress
 from dips.spec import RunConfig, RunSpec
+from dips.wire.control import refusal_of
 from dips.wire.pb import control_pb2 as pb
 from dips.wire.pki import init_pki
 from dips.wire.security import Credentials
@@ -177,10 +178,17 @@ def _wait_for(cond: Any, timeout_s: float, what: str, launch: Launch) -> Any:
 
 
 def _status(client: Any) -> pb.StatusReply | None:
+    return _probe(client)[0]
+
+
+def _probe(client: Any) -> tuple[pb.StatusReply | None, bool]:
+    """(the leader's status or None, whether it answered at all). A typed refusal (e.g. BUSY)
+    is an answer: only a leader that does not answer is hung, not one that refuses (issue 13:
+    a status the leader failed to encode made the probe restart a live leader)."""
     try:
-        return client.GetStatus(pb.StatusRequest(), timeout=1.0)
-    except grpc.RpcError:
-        return None
+        return client.GetStatus(pb.StatusRequest(), timeout=1.0), True
+    except grpc.RpcError as exc:
+        return None, refusal_of(exc) is not None
 
 
 class Interrupted(KeyboardInterrupt):
@@ -397,10 +405,11 @@ def _train(run: Launch, client: Any, progress: Progress, t_train: float,
                 if time.monotonic() < next_status:
                     continue
                 next_status = time.monotonic() + 0.5
-                status = _status(client)
+                status, alive = _probe(client)
                 leader_pid = run.pid_of("leader")
-                if status is not None:
+                if alive:
                     last_ok, answered = time.monotonic(), leader_pid
+                if status is not None:
                     live.update(progress.render(status, elapsed))
                 elif (cfg.supervise and leader_pid is not None and answered == leader_pid
                       and time.monotonic() - last_ok > liveness_s):

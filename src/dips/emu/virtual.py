@@ -37,6 +37,7 @@ Ablations (§15): ``di-ps-no-penalty`` (penalty off), ``di-ps-uniform`` (1/n wei
 
 from __future__ import annotations
 
+import hashlib
 import math
 from pathlib import Path
 from typing import Any
@@ -226,7 +227,10 @@ def run_dips(scenario: Scenario, out_dir: Path, method: str = "di-ps") -> Method
                 q.push(t + world.step_s(c, t), "step", payload)
                 continue
             requested_at[payload] = t
-            push_ids[payload] = f"{payload}-{c.steps}"
+            # A push id as the real leader's (16 hex digits), but deterministic: reruns stay
+            # bit-identical.
+            push_ids[payload] = hashlib.blake2b(f"{payload}-{c.steps}".encode(),
+                                                digest_size=8).hexdigest()
             feed(PushRequested(t, payload, push_ids[payload], base_version[payload],
                                c.tokens_since_sync, last_push_s.get(payload)))
         elif kind == "tick":

@@ -98,6 +98,12 @@ def run_cluster(leader_addr: str, cluster_id: str, state: Path, creds: Credentia
     out.write({"event": "join", "version": client.version, "stages": client.stage_layers})
     try:
         run_loop(trainer, sync, stop, pacer, out, clock=lambda: time.time() - t_start)
+    except BaseException:
+        # The trainer failed (e.g. a NaN loss): stop heartbeating and exit non-zero, so the
+        # orchestrator sees the failure and restarts the cluster (found by a review: the
+        # process stayed alive and idle while its heartbeats kept it a member).
+        client.close(leave=False)
+        raise
     finally:
         out.close()
     if cfg.step_s is not None:

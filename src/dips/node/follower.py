@@ -4,8 +4,11 @@ It asks the leader for the run spec, serves its shard (version 0 from ``--init``
 from the config's seed; after a restart, its newest complete checkpoint), binds its control
 service (gRPC, mutual TLS) and its data plane (ZeroMQ), and registers with the leader every
 heartbeat interval. The registration's reply carries the leader's term (its lease, see
-:mod:`dips.algo.fencing`) and the data secret from which members' keys derive. The state
-directory holds ``checkpoints/``, ``applied.jsonl`` and ``leader_term``.
+:mod:`dips.algo.fencing`) and the data secret from which members' keys and the admission key
+of push tickets (:mod:`dips.wire.admission`) derive. Each registration also says whether the
+data plane still serves (``data_plane_error``): a follower whose data-plane thread died is
+marked down by the leader instead of being believed to serve. The state directory holds
+``checkpoints/``, ``applied.jsonl`` and ``leader_term``.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import zmq
 from dips.algo import fencing
 from dips.algo.refusal import Refusal
 from dips.node.common import RoleError, StateDir, Unreachable, fetch_spec, split_address
+from dips.wire.admission import admission_key
 from dips.wire.pki import Identity
 from dips.wire.security import Credentials
 from dips.wire.control import describe
@@ -101,7 +105,8 @@ def run_follower(leader_addr: str, index: int, listen: str, advertise: str, data
         params = _initial_params(spec, names, init)
     shard = FollowerShard(index, layers, params, cfg.outer.lr, cfg.outer.momentum,
                           log_dir=state, version=version, momenta=momenta, ckpt_dir=ckpt_dir,
-                          keep=cfg.checkpoint_keep, state_dtype=cfg.outer.state_dtype)
+                          keep=cfg.checkpoint_keep, state_dtype=cfg.outer.state_dtype,
+                          wire_dtype=cfg.outer.wire_dtype, require_tickets=True)
     fence = Fence(state / "leader_term", fencing.lease_seconds(
         cfg.membership.heartbeat_interval_s, cfg.membership.missed_heartbeats))
     keyring = Keyring()
@@ -138,9 +143,13 @@ def run_follower(leader_addr: str, index: int, listen: str, advertise: str, data
         info = pb.FollowerInfo(index=index, data_endpoint=data_endpoint,
                                control_endpoint=advertise, layers=owned,
                                layer_bytes=[sizes[l] for l in owned], version=shard.version,
-                               incarnation=incarnation, leader_term=fence.term)
+                               incarnation=incarnation, leader_term=fence.term,
+                               data_plane_error=data.error or "")
         try:
             reply = leader.RegisterFollower(info, timeout=max(1.0, interval))
+            # The ticket key first: no push is served under a secret whose tickets cannot be
+            # checked yet (the shard refuses every push until it has the key).
+            shard.set_admission_key(admission_key(reply.data_secret))
             keyring.set_secret(reply.data_secret, reply.encrypt)
             keyring.set_members(list(reply.member_keys), reply.next_key_seq)
             fence.heard(reply.term)

@@ -25,6 +25,7 @@ import grpc
 from dips.algo import fencing
 from dips.algo.refusal import Refusal
 from dips.node.common import RoleError, StateDir
+from dips.roles.durable import fsync_path, write_atomic
 from dips.spec import RunConfig, RunSpec
 from dips.wire.control import refusal_of
 from dips.wire.keys import SECRET_BYTES, new_secret
@@ -43,17 +44,13 @@ def next_term(state: Path) -> int:
     refused as stale, :mod:`dips.algo.fencing`)."""
     path = state / "term"
     count = int(path.read_text().strip() or 0) + 1 if path.exists() else 1
-    tmp = path.with_suffix(".tmp")
-    with open(tmp, "w") as f:
-        f.write(f"{count}\n")
-        f.flush()
-        os.fsync(f.fileno())
-    tmp.replace(path)
+    write_atomic(path, f"{count}\n".encode())
     return fencing.term_of(count, secrets.randbits(31))
 
 
 def data_secret(state: Path) -> bytes:
-    """The run's data secret, created once (0600, ``O_EXCL``) in ``state/data_secret``."""
+    """The run's data secret, created once (0600, ``O_EXCL``, fsynced with its directory) in
+    ``state/data_secret``."""
     path = state / "data_secret"
     if not path.exists():
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -61,6 +58,7 @@ def data_secret(state: Path) -> bytes:
             f.write(new_secret())
             f.flush()
             os.fsync(f.fileno())
+        fsync_path(state)
     secret = path.read_bytes()
     if len(secret) != SECRET_BYTES:
         raise RoleError(f"{path}: {len(secret)} bytes, expected {SECRET_BYTES}")
@@ -129,6 +127,7 @@ def run_leader(cfg: RunConfig, listen: str, state: Path, creds: Credentials,
     from dips.roles.leader import FollowerEntry, Leader, LeaderConfig
     from dips.roles.leader_types import Issued
     from dips.wire.control import make_server
+    from dips.wire.inflight import CallGate
     from dips.wire.pb import control_pb2_grpc as pbg
     from dips.wire.services import FollowerControlClient, LeaderServicer
 
@@ -163,13 +162,17 @@ def run_leader(cfg: RunConfig, listen: str, state: Path, creds: Credentials,
     def entry(info: Any) -> FollowerEntry:
         return FollowerEntry(info.index, info.data_endpoint, info.control_endpoint,
                              list(info.layers), list(info.layer_bytes), info.incarnation,
-                             leader_term=info.leader_term, version=info.version)
+                             leader_term=info.leader_term, version=info.version,
+                             data_plane_error=info.data_plane_error)
 
     def revoked() -> frozenset[str]:
         return read_revoked(revoked_file) if revoked_file is not None else frozenset()
 
-    server = make_server(max_workers=8 + 4 * len(cfg.clusters))
-    pbg.add_LeaderServicer_to_server(LeaderServicer(leader, entry, revoked), server)
+    workers = 8 + 4 * len(cfg.clusters)
+    server = make_server(max_workers=workers)
+    # Waiting calls (push admission, verdicts) leave threads free for heartbeats (issue 13).
+    pbg.add_LeaderServicer_to_server(LeaderServicer(leader, entry, revoked,
+                                                    CallGate.for_server(workers)), server)
     if creds.add_port(server, listen) == 0:
         raise RoleError(f"--listen {listen}: cannot bind (in use, or not an address of this host)")
     if status_socket is not None:  # for a local operator outside the servers' namespaces

@@ -6,8 +6,8 @@ Layout under a follower's checkpoint directory::
     v000042/meta.json           {"version": 42, "index": i, "checksum": ..., "names": [...]}
 
 A checkpoint is *complete* once ``meta.json`` exists: the tensors are written first into a
-temporary directory that is renamed into place, and ``meta.json`` last, so a crash mid-write
-leaves nothing that looks complete. The newest K complete checkpoints are kept. Writing runs
+temporary directory that is fsynced and renamed into place, and ``meta.json`` last (fsynced,
+as is each directory), so a crash or power loss mid-write leaves nothing that looks complete. The newest K complete checkpoints are kept. Writing runs
 in a background thread (:class:`CheckpointWriter`) on a private copy of the tensors, so the
 follower never waits for the disk; :meth:`CheckpointWriter.wait` makes a version durable.
 """
@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
+
+from dips.roles.durable import fsync_path, write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -53,11 +55,15 @@ def save_checkpoint(root: Path, version: int, index: int, params: dict[str, torc
     tensors = {f"param/{n}": t for n, t in params.items()}
     tensors.update({f"momentum/{n}": t for n, t in momenta.items()})
     save_file(tensors, str(tmp / "shard.safetensors"))
+    # The tensors are durable before the directory is renamed into place, and the rename
+    # before meta.json marks the checkpoint complete (dips.roles.durable).
+    fsync_path(tmp / "shard.safetensors")
+    fsync_path(tmp)
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
+    fsync_path(root)
     meta = {"version": version, "index": index, "checksum": checksum, "names": sorted(params)}
-    (final / "meta.json.tmp").write_text(json.dumps(meta))
-    (final / "meta.json.tmp").rename(final / "meta.json")
+    write_atomic(final / "meta.json", json.dumps(meta).encode())
     for old in complete_versions(root)[:-keep]:
         shutil.rmtree(_dir(root, old), ignore_errors=True)
     return final

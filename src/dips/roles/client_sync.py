@@ -210,10 +210,11 @@ class SyncMixin:
         limit = self._xfer.limit("push_s", AHEAD_CAP_S if grant.stage_first else self.timeout_s)
         for s in self._stages:
             s.set_timeout(limit)
+        ticket = (grant.ticket, grant.ticket_mac) if grant.ticket else None
         t0 = time.monotonic()
         failures = self._guard(_in_threads(
             [lambda s=s, p=p: s.push(self.cluster_id, grant.round, grant.push_id, p, tokens,
-                                     stage=grant.stage_first)
+                                     stage=grant.stage_first, ticket=ticket)
              for s, p in zip(self._stages, plans)], limit, self._abandoned()))
         if failures is not None and Refusal.NOT_JOINED in failures.refusals():
             self._rejoin.set()  # the followers no longer take this key: join again

@@ -23,6 +23,7 @@ from dips.wire.dataplane import DataClient
 from dips.wire.keys import MemberKey
 from dips.wire.pb import control_pb2 as pb
 from dips.wire.frames import DTYPES
+from dips.wire.seal import TAG_BYTES
 from dips.wire.stream import DEFAULT_CHUNK_BYTES
 
 
@@ -118,7 +119,11 @@ class StageWorker:
         self.dtype = dtype
         self.layers = layers
         self.timeout_s = timeout_s
-        self._clients = {f: DataClient(key, ep, timeout_s, limiter) for f, ep in endpoints.items()}
+        # Whole tensors arrive only in single-message pulls: the largest in FP32 (export).
+        largest = max((p.numel() * 4 for ps in layers.values() for _, p in ps), default=0)
+        self._clients = {f: DataClient(key, ep, timeout_s, limiter,
+                                       max_message_bytes=largest + TAG_BYTES)
+                         for f, ep in endpoints.items()}
         self._wire: dict[str, torch.Tensor] = {}
         self.acked_bytes = 0  # of the current or last push, confirmed by followers
 
@@ -140,7 +145,8 @@ class StageWorker:
             return [(n, self._buffer(n, p).copy_(p.detach())) for n, p in self.layers[layer]]
 
     def push(self, cluster_id: str, rnd: int, push_id: str, transfers: list[tuple],
-             tokens: int | None = None, stage: bool = False) -> None:
+             tokens: int | None = None, stage: bool = False,
+             ticket: tuple[str, bytes] | None = None) -> None:
         """Send each ``(layer, follower, ...)`` in schedule order in the wire dtype. Raises on refusal
         (DataPlaneError naming the reason) or timeout.
 
@@ -150,6 +156,8 @@ class StageWorker:
         ``stage``: the push is sent ahead of any round (the leader's ``stage_first``); the
         followers keep it by push id until a round takes it. ``acked_bytes`` counts the bytes
         followers confirmed, for the cluster's estimate of its link when a push fails.
+        ``ticket``: the grant's admission ticket ``(JSON, MAC)`` (:mod:`dips.wire.admission`),
+        copied into every header; a follower stages nothing without it.
 
         Up to ``depth`` layers are in flight: layer k+1 is converted, and queued if its link is
         free, while layer k is on the wire, so neither the link nor the follower's consumer
@@ -159,6 +167,8 @@ class StageWorker:
                 "tokens": tokens}
         if stage:
             head["stage"] = True
+        if ticket is not None:
+            head["ticket"], head["ticket_mac"] = ticket[0], bytes(ticket[1]).hex()
         self.acked_bytes = 0
         if self.mode == "single":
             for layer, follower, *_ in transfers:
@@ -244,9 +254,10 @@ def fetch_global_model(model: torch.nn.Module, followers: list[pb.FollowerInfo],
                        timeout_s: float = 60.0) -> None:
     """Load the global FP32 θ of ``version`` from the followers into ``model`` (eval, export).
 
-    Uses one stage worker and does not join the run (``key``: an observer's or a cluster's
-    data-plane key). Every tensor is fetched and checked before any parameter is written.
-    Raises RuntimeError/ValueError/TimeoutError on failure.
+    Uses one stage worker and does not join the run (``key``: an observer's data-plane key, as
+    ``dips export`` holds; a cluster's key pulls FP32 only in a run with ``outer.wire_dtype:
+    fp32``, else the followers refuse it FORBIDDEN). Every tensor is fetched and checked before
+    any parameter is written. Raises RuntimeError/ValueError/TimeoutError on failure.
     """
     layer_of = layer_of or default_layer_of
     layers = dict(group_layers(model, layer_of))

@@ -9,7 +9,6 @@ restarted follower holds none and takes the first leader of at least that term.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from pathlib import Path
@@ -17,6 +16,7 @@ from typing import Callable
 
 from dips.algo import fencing
 from dips.algo.refusal import Refusal, Refused
+from dips.roles.durable import write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -84,9 +84,4 @@ class Fence:
     def _persist(self, term: int) -> None:
         if self._path is None:
             return
-        tmp = self._path.with_suffix(".tmp")
-        with open(tmp, "w") as f:
-            f.write(f"{term}\n")
-            f.flush()
-            os.fsync(f.fileno())
-        tmp.replace(self._path)
+        write_atomic(self._path, f"{term}\n".encode())

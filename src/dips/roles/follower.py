@@ -2,8 +2,11 @@
 
 Data plane (ZeroMQ, :mod:`dips.wire.dataplane`):
   * ``push``: a stage worker's BF16 copy of one layer for (round, cluster); staged until the
-    leader scores the round. Names, shapes and finiteness are checked; a bad layer marks that
-    cluster's push invalid on this shard, and the leader then excludes it on every shard.
+    leader scores the round, and only if it carries the leader's admission ticket for that
+    round, cluster and push id (nothing is allocated otherwise; replays are refused,
+    :mod:`dips.roles.follower_admit`). Names, shapes, the wire dtype and the values are
+    checked; a bad layer marks that cluster's push invalid on this shard, and the leader
+    then excludes it on every shard.
   * ``pull``: the current θ of some owned layers as BF16 (FP32 on request, for export), refused unless the requested
     version is the shard's version (a pull never mixes versions).
 
@@ -34,9 +37,11 @@ import xxhash
 from dips.algo import pseudo_gradient, squared_norm, weighted_mean
 from dips.algo.outer import nesterov_step_fused, round_state_
 from dips.roles import failpoints
+from dips.roles.follower_admit import Admission, last_round
 from dips.roles.follower_data import DataPlaneSide, StagedPush
 from dips.roles.round_sum import RoundSum
 from dips.roles.spare import SpareState
+from dips.roles.staging import delta_sq
 
 
 @dataclass
@@ -94,17 +99,25 @@ class FollowerShard(DataPlaneSide):
         ckpt_dir: where shard checkpoints go (None: no checkpoints); version ``version`` is
             checkpointed at once if it is not already on disk.
         keep: complete checkpoints kept (>= 2).
+        wire_dtype: the run's wire dtype ("bf16" | "fp32"): pushed tensors of another dtype
+            are refused. None: either (trusted in-process callers).
+        require_tickets: refuse every push without a valid admission ticket, and every push
+            until :meth:`set_admission_key` (a follower process). False: tickets are checked
+            once a key is set (:mod:`dips.roles.follower_admit`).
 
     Raises:
-        ValueError: a parameter is missing or not FP32.
+        ValueError: a parameter is missing or not FP32, or an unknown wire dtype.
     """
 
     def __init__(self, index: int, layers: dict[str, list[str]], params: dict[str, torch.Tensor],
                  outer_lr: float = 0.7, outer_momentum: float = 0.8,
                  log_dir: Path | None = None, version: int = 0,
                  momenta: dict[str, torch.Tensor] | None = None,
-                 ckpt_dir: Path | None = None, keep: int = 3, state_dtype: str = "fp32") -> None:
+                 ckpt_dir: Path | None = None, keep: int = 3, state_dtype: str = "fp32",
+                 wire_dtype: str | None = None, require_tickets: bool = False) -> None:
         round_state_([], state_dtype)  # refuses an unknown precision before any state exists
+        if wire_dtype not in (None, "bf16", "fp32"):
+            raise ValueError(f"wire_dtype = {wire_dtype!r} is not 'bf16' or 'fp32'")
         for layer, names in layers.items():
             for n in names:
                 if n not in params:
@@ -121,6 +134,7 @@ class FollowerShard(DataPlaneSide):
         self.outer_lr = outer_lr
         self.outer_momentum = outer_momentum
         self.state_dtype = state_dtype
+        self.wire_dtype = wire_dtype
         self._staged: dict[tuple[int, str], StagedPush] = {}
         self._rounds_seen: set[int] = set()  # for the window/push failpoints
         # Pushes sent ahead of their round (a slow link), by push id: (cluster, T_j, layers).
@@ -144,6 +158,8 @@ class FollowerShard(DataPlaneSide):
         self._spare.refresh(version, self.params, self.momenta)
         self._lock = threading.RLock()
         self._log = (log_dir / "applied.jsonl") if log_dir else None
+        # A restarted follower keeps refusing pushes of the rounds it applied before.
+        self._admission = Admission(require_tickets, closed=last_round(self._log))
         if log_dir:
             log_dir.mkdir(parents=True, exist_ok=True)
             if self._log.exists() and self._log.stat().st_size:
@@ -166,6 +182,7 @@ class FollowerShard(DataPlaneSide):
             for c, pid in zip(clusters, push_ids or []):
                 if (rnd, c) not in self._staged and pid in self._early and self._early[pid][0] == c:
                     _, tokens, staged = self._early.pop(pid)
+                    self._admission.retire(pid)  # its chunks replayed later are refused
                     self._staged[(rnd, c)] = staged
                     try:
                         self._round_sum(rnd).announce(c, tokens)
@@ -180,21 +197,32 @@ class FollowerShard(DataPlaneSide):
                     err = staged.error if staged and staged.error else f"layers missing: {missing}"
                     out.append((c, False, 0.0, err))
                     continue
-                d, total = [], 0.0
-                for l, names in self.layers.items():
-                    if l not in staged.done and any(n not in staged.formed for n in names):
-                        # single-message layer: Δ formed now, then counted in the round's sum
-                        for n in names:
-                            staged.formed[n] = pseudo_gradient(self.params[n], staged.layers[l][n])
-                            staged.sq[n] = squared_norm([staged.formed[n]])
-                        self._round_sum(rnd).layer_done(c, names, self._delta_of(rnd))
-                    for n in names:
-                        d.append(staged.delta[n] if l in staged.done else staged.formed[n])
-                        total += staged.sq[n]  # per-tensor sums in one order: paths bit-identical
-                deltas[c] = d
+                try:
+                    deltas[c], total = self._scored(rnd, c, staged)
+                except ValueError as exc:  # a value too large to score: the push is invalid
+                    staged.error = str(exc)
+                    out.append((c, False, 0.0, staged.error))
+                    continue
                 self._sq.setdefault(rnd, {})[c] = total
                 out.append((c, True, total, ""))
         return out
+
+    def _scored(self, rnd: int, c: str, staged: StagedPush) -> tuple[list[torch.Tensor], float]:
+        """(Δ per tensor, ‖Δ‖² on this shard) of a complete push (lock held). Layers kept as
+        sent (pushed ahead of their round) get their Δ formed now, checked as at receipt.
+        Raises ValueError (:func:`dips.roles.staging.delta_sq`) for a value too large."""
+        d, total = [], 0.0
+        for l, names in self.layers.items():
+            if l not in staged.done and any(n not in staged.formed for n in names):
+                # kept as sent: Δ formed now, then counted in the round's sum
+                for n in names:
+                    staged.formed[n] = pseudo_gradient(self.params[n], staged.layers[l][n])
+                    staged.sq[n] = delta_sq(n, staged.formed[n])
+                self._round_sum(rnd).layer_done(c, names, self._delta_of(rnd))
+            for n in names:
+                d.append(staged.delta[n] if l in staged.done else staged.formed[n])
+                total += staged.sq[n]  # per-tensor sums in one order: paths bit-identical
+        return d, total
 
     def aggregate(self, rnd: int, clusters: list[str], weights: list[float]) -> float:
         """Form δ = Σ w_j Δ_j over ``clusters`` (already scored); return ‖δ‖² on this shard.
@@ -360,10 +388,13 @@ class FollowerShard(DataPlaneSide):
             self._drop(rnd)
 
     def _drop(self, rnd: int | None) -> None:
-        """Forget what was staged for rounds <= ``rnd`` (None: every round)."""
+        """Forget what was staged for rounds <= ``rnd`` (None: every round); rounds <= ``rnd``
+        are closed: a push for one of them from now on is a replay (STALE_GRANT)."""
         def old(r: int) -> bool:
             return rnd is None or r <= rnd
 
+        if rnd is not None:
+            self._admission.close(rnd)
         for key in [k for k in self._staged if old(k[0])]:
             del self._staged[key]
         for r in [r for r in self._sums if old(r)]:

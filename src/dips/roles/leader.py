@@ -13,14 +13,15 @@ Resilience (§12): clusters and followers heartbeat (:mod:`dips.roles.leader_mem
 cluster silent for 3 intervals is removed (its data chunks return to the ledger) without
 pausing anyone; a silent follower is marked down and no round opens until every follower is
 up again and reconciled to one version. The leader checkpoints its metadata (membership,
-version, penalty history, grace estimates, ledger, counts; a few KB) atomically after every
-decision and round and resumes from it after a restart.
+version, penalty history, grace estimates, ledger, counts; a few KB) atomically and durably
+after every decision and round, reserves round numbers in it before using them, and resumes
+from it after a restart. Hostile members (issue 13): :mod:`dips.roles.leader_push` (what a
+push may claim, admission tickets), :mod:`dips.wire.fields` and :mod:`dips.wire.inflight`.
 """
 
 from __future__ import annotations
 
 import logging
-import secrets
 import threading
 import time
 from dataclasses import replace
@@ -28,18 +29,13 @@ from pathlib import Path
 from typing import Any, Callable
 
 from dips.algo import ScheduleBook
-from dips.algo.ledger import ChunkLedger, LedgerError
+from dips.algo.ledger import ChunkLedger
 from dips.algo.limits import stop_reason
 from dips.algo.penalty import PenaltyState
 from dips.algo.reconcile import FollowerReport, reconcile_target
-from dips.algo.refusal import Refusal, Refused
 from dips.algo.round import (
     Decided,
     Phase,
-    PullDone,
-    PushReported,
-    PushRequested,
-    PushWithdrawn,
     ReadyChanged,
     RoundEnded,
     RoundOpened,
@@ -51,11 +47,11 @@ from dips.algo.round import (
     UpdateFinished,
     WindowClosed,
     next_deadline,
-    slot_of,
     step,
 )
 from dips.roles import failpoints
 from dips.roles.leader_members import Membership
+from dips.roles.leader_push import Pushes
 from dips.roles.leader_records import Records
 from dips.roles.leader_types import (
     ClusterEntry,
@@ -80,7 +76,7 @@ __all__ = ["ClusterEntry", "FollowerControl", "FollowerEntry", "Grant", "Leader"
            "VerdictReply"]
 
 
-class Leader(Membership, Records):
+class Leader(Membership, Records, Pushes):
     """The leader's shell around the round machine; gRPC handlers call its public methods
     from many threads.
 
@@ -107,7 +103,9 @@ class Leader(Membership, Records):
         self.fenced = threading.Event()  # set when this leader stepped down (see step_down)
         self.fenced_reason = ""
         self.tokens_per_window = tokens_per_window
-        self.policy = RoundPolicy(cfg.grace, cfg.timeouts.push_s, cfg.timeouts.pull_s)
+        self.policy = RoundPolicy(cfg.grace, cfg.timeouts.push_s, cfg.timeouts.pull_s,
+                                  push_slack=cfg.timeouts.push_slack,
+                                  push_floor_s=cfg.timeouts.push_floor_s)
         self._connect = connect
         self._clock = clock
         self._cond = threading.Condition()
@@ -138,6 +136,8 @@ class Leader(Membership, Records):
         self._layer_owner: dict[str, int] = {}
         self._book = ScheduleBook()  # follower use across the clusters of a round (§10)
         self._run_dir = run_dir
+        self.rounds_reserved = 0  # the highest round it may open before writing leader.json
+        self._known_followers: dict[int, str] = {}  # from leader.json, until they register
         self._threads = [threading.Thread(target=self._loop, name="leader-loop", daemon=True),
                          threading.Thread(target=self._monitor, name="leader-monitor", daemon=True)]
         if run_dir is not None:
@@ -151,7 +151,9 @@ class Leader(Membership, Records):
 
     @property
     def rounds(self) -> int:
-        """Rounds opened so far."""
+        """The last round number opened: the rounds opened so far, except that a restarted
+        leader continues above every number its previous incarnation reserved
+        (:meth:`reserve_rounds`), so it may skip some."""
         return self._state.rounds
 
     @property
@@ -173,6 +175,7 @@ class Leader(Membership, Records):
             self._cond.notify_all()
 
     def start(self) -> "Leader":
+        self.reserve_rounds(self.rounds)  # this incarnation's first rounds need no write
         for t in self._threads:
             t.start()
         return self
@@ -185,7 +188,7 @@ class Leader(Membership, Records):
             if t.is_alive():
                 t.join(timeout_s)
 
-    # ----- the round machine -------------------------------------------------------------
+    # ----- the round machine (pushes and pulls: dips.roles.leader_push) --------------------
     def _apply(self, event: Any) -> None:
         """Feed one event to the round machine and carry out its actions (lock held).
 
@@ -207,6 +210,8 @@ class Leader(Membership, Records):
         self._state = state
         for a in actions:
             if isinstance(a, RoundOpened):
+                if a.number > self.rounds_reserved:  # durable before any grant of it leaves
+                    self.reserve_rounds(a.number - 1)
                 failpoints.hit("window")
             elif isinstance(a, WindowClosed):
                 failpoints.hit("push")
@@ -217,120 +222,6 @@ class Leader(Membership, Records):
             elif isinstance(a, RoundEnded):
                 self._ended.append(a)
         self._cond.notify_all()
-
-    # ----- push / pull (called by cluster stage workers' client) ------------------------
-    def request_push(self, cluster_id: str, base_version: int, tokens: int, timeout_s: float,
-                     progress: dict[int, int] | None = None,
-                     expected_s: float | None = None) -> Grant:
-        """Block until admitted into a grace window; returns the :class:`Grant`.
-
-        With a ledger, T_j is the ledger's: the windows ``progress`` (chunk → window position
-        reached) trained beyond the accepted positions × ``tokens_per_window``; ``tokens``,
-        the client's own count, is only compared with it. ``expected_s``: the push time the
-        cluster predicts (seconds; serves until the leader measured its pushes).
-        Raises Refused: NOT_JOINED, RUN_FINISHED, NOT_READY (followers down or unreconciled),
-        PUSH_IN_FLIGHT, INVALID_ARGUMENT (negative base version), LEDGER_CONFLICT (a progress
-        report the ledger refuses), NOTHING_TRAINED (no window since the last accepted push),
-        NOT_ADMITTED (not admitted within ``timeout_s`` seconds).
-        """
-        with self._cond:
-            cluster = self._member(cluster_id)
-            if self._state.finished:
-                raise Refused(Refusal.RUN_FINISHED, f"the run finished ({self._state.finished}) "
-                                                    f"at version {self.version}")
-            if not self.ready:
-                raise Refused(Refusal.NOT_READY, "followers not ready (down, missing or reconciling)")
-            now = self._clock()
-            self._sync_ready(now)
-            if self.ledger is not None:
-                try:
-                    windows = self.ledger.windows_in(cluster_id, progress or {})
-                except LedgerError as exc:
-                    raise Refused(Refusal.LEDGER_CONFLICT, str(exc)) from None
-                if windows == 0:
-                    raise Refused(Refusal.NOTHING_TRAINED, f"cluster {cluster_id!r}: no window "
-                                                           "trained since its last accepted push")
-                derived = windows * (self.tokens_per_window or 1)
-                if derived != tokens:
-                    log.info("cluster %s claimed T_j = %d, the ledger says %d", cluster_id,
-                             tokens, derived)
-                tokens = derived
-            push_id = secrets.token_hex(8)
-            state, actions = step(self._state, PushRequested(
-                now, cluster_id, push_id, base_version, tokens,
-                expected_s if expected_s and expected_s > 0 else None), self.policy)
-            if self.ledger is not None:
-                self.ledger.report(cluster_id, progress or {})
-            self._carry(state, actions)
-            if self.training_started_at is None:
-                self.training_started_at = time.time()  # max_time_s counts from here
-            deadline = now + timeout_s
-            while True:
-                slot = slot_of(self._state, cluster_id)
-                if (slot is None or slot.push_id != push_id) and self._state.finished:
-                    raise Refused(Refusal.RUN_FINISHED, f"the run finished "
-                                                        f"({self._state.finished}) before "
-                                                        f"cluster {cluster_id!r}'s push")
-                if slot is None or slot.push_id != push_id:
-                    raise Refused(Refusal.NOT_ADMITTED, f"cluster {cluster_id!r}: push dropped "
-                                                        "before admission (left or removed)")
-                if slot.round is not None:
-                    return Grant(push_id, slot.round, self.version,
-                                 self._schedule(slot.round, cluster.stages))
-                if self._state.staging.get(cluster_id) is slot:  # sent ahead of any round
-                    return Grant(push_id, 0, self.version, self._schedule(0, cluster.stages),
-                                 stage_first=True)
-                left = deadline - self._clock()
-                if left <= 0 or self._stop.is_set():
-                    self._apply(PushWithdrawn(self._clock(), cluster_id, push_id))
-                    if self.ledger is not None:
-                        self.ledger.resolve(cluster_id, False)  # the report goes with it
-                    raise Refused(Refusal.NOT_ADMITTED, f"cluster {cluster_id!r}: push not "
-                                                        f"admitted in {timeout_s} s")
-                self._cond.wait(min(left, 0.5))
-
-    def _schedule(self, rnd: int, stages: list[list[str]]) -> list[list[tuple[int, str, int]]]:
-        """One cluster's §10 schedule ``[[(stage, layer, follower), ...], ...]`` for round
-        ``rnd``: layers in model order (the stages' order), followers least recently used
-        across the clusters already scheduled in this round and the rounds before
-        (:class:`dips.algo.ScheduleBook`); other clusters' schedules are left as they are."""
-        names = [l for s in stages for l in s]
-        index = {l: i for i, l in enumerate(names)}
-        worker_layers = [[index[l] for l in s] for s in stages]
-        owner = {index[l]: self._layer_owner[l] for l in names}
-        steps = self._book.schedule(rnd, worker_layers, owner, max(self.followers) + 1)
-        return [[(t.worker, names[t.layer], t.follower) for t in step] for step in steps]
-
-    def push_done(self, cluster_id: str, push_id: str, ok: bool, error: str,
-                  timeout_s: float) -> VerdictReply:
-        """Report a push delivered (or failed); block until its round is decided.
-
-        A push already decided gets its verdict again (a client that lost the reply asks
-        again). Raises Refused: UNKNOWN_PUSH (not in the current round and not decided),
-        UNDECIDED (not decided within ``timeout_s`` seconds).
-        """
-        with self._cond:
-            self._apply(PushReported(self._clock(), cluster_id, push_id, ok, error))
-            deadline = self._clock() + timeout_s
-            while push_id not in self._state.verdicts:
-                left = deadline - self._clock()
-                if left <= 0 or self._stop.is_set():
-                    raise Refused(Refusal.UNDECIDED, f"push {push_id} of cluster {cluster_id!r} "
-                                                     f"undecided after {timeout_s} s")
-                self._cond.wait(min(left, 0.5))
-            verdict = self._state.verdicts[push_id]
-            if verdict.cluster_id != cluster_id:
-                raise Refused(Refusal.UNKNOWN_PUSH, f"push id {push_id!r} is not cluster "
-                                                    f"{cluster_id!r}'s")
-            return VerdictReply(verdict, self._holdings.get(push_id, []))
-
-    def pull_done(self, cluster_id: str, version: int) -> None:
-        """A cluster of the round pulled ``version`` (-1: it gave up; do not wait for it)."""
-        with self._cond:
-            c = self._member(cluster_id)
-            if version >= 0:
-                c.pulled_version = version
-            self._apply(PullDone(self._clock(), cluster_id))
 
     # ----- the loop thread: clock, reconciliation, update phase ---------------------------
     def _check_limits(self) -> bool:
@@ -400,7 +291,8 @@ class Leader(Membership, Records):
             version, penalty = self.version, self.penalty
         report = run_update(followers, update.number, update.slots, version, penalty,
                             self.cfg.penalty, self.cfg.outer,
-                            on_decided=lambda r: self._decide(update.number, r))
+                            on_decided=lambda r: self._decide(update.number, r),
+                            weight_cap=self.cfg.max_push_tokens)
         with self._cond:
             if report.failed:
                 self.needs_reconcile = True
@@ -457,13 +349,13 @@ class Leader(Membership, Records):
                 # their windows out again (§12; nothing lost, nothing counted twice).
                 for v in [v for v in self._version_stats if v > target]:
                     n, tokens = self._version_stats.pop(v)
-                    self.counts["updates_accepted"] -= n
-                    self.counts["updates_lost"] = self.counts.get("updates_lost", 0) + n
-                    self.counts["tokens_accepted"] -= tokens
-                    self.counts["outer_steps"] -= 1
+                    self._count("updates_accepted", -n)
+                    self._count("updates_lost", n)
+                    self._count("tokens_accepted", -tokens)
+                    self._count("outer_steps", -1)
                 if self.ledger is not None:
                     windows_lost = self.ledger.rollback(target)
-            self.counts["outer_steps_lost"] += lost
+            self._count("outer_steps_lost", lost)
             self.needs_reconcile = False
             self._apply(Tick(self._clock()))  # readiness changed: queued requests may go
         self.event("reconciled", version=target, lost=lost, changed=bool(changed),

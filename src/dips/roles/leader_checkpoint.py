@@ -1,25 +1,23 @@
 """The leader's metadata checkpoint, ``leader.json`` (§12: < 100 KB; here a few KB).
 
-Written atomically (temporary file, fsync, rename) after every decision and round; read when
-a restarted leader resumes.
+Written atomically and durably (temporary file, fsync, rename, fsync of the directory, so
+the rename itself survives a power loss) whenever a round opens, after every decision and
+round; read when a restarted leader resumes.
 """
 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
+from dips.roles.durable import write_atomic
+
 
 def save_state(path: Path, state: dict[str, Any]) -> None:
-    """Write the leader's metadata checkpoint atomically (tmp file + fsync + rename)."""
-    tmp = path.with_suffix(".tmp")
-    with open(tmp, "w") as f:
-        json.dump(state, f, separators=(",", ":"))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    """Write the leader's metadata checkpoint atomically and durably
+    (:func:`dips.roles.durable.write_atomic`). Raises OSError."""
+    write_atomic(path, json.dumps(state, separators=(",", ":")).encode())
 
 
 def load_state(path: Path) -> dict[str, Any] | None:

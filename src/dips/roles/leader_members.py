@@ -9,8 +9,10 @@ removed is a :class:`dips.algo.round.MemberGone` event of the round machine.
 from __future__ import annotations
 
 import logging
+import math
 
 from dips.algo.ledger import ChunkLedger
+from dips.algo.limits import INT64_MAX, lease_allowed
 from dips.algo.refusal import Refusal, Refused
 from dips.algo.round import MemberGone, Phase
 from dips.roles.leader_types import (
@@ -28,6 +30,9 @@ log = logging.getLogger(__name__)
 
 #: Observers (the operator's final pulls, evaluators) whose keys are kept at once.
 OBSERVER_KEYS = 4
+#: The largest training loss a heartbeat shows (nats; a cross-entropy is >= 0, and ln of a
+#: 10^6-token vocabulary is 13.8): what a member says of itself is display only.
+MAX_SHOWN_LOSS = 1e6
 
 
 class Membership:
@@ -39,7 +44,12 @@ class Membership:
         """Add a follower or refresh its heartbeat. A new incarnation (restart) or a follower
         that was down triggers reconciliation. A follower that already follows a higher
         leader term makes this leader step down (Refused STALE_TERM). Returns this leader's
-        term and the data secret. Raises ValueError on overlapping layers."""
+        term and the data secret. Raises ValueError on overlapping layers.
+
+        A follower whose data plane stopped serving says why (``data_plane_error``): it is
+        marked down (not up, reconcile needed, event ``follower_down``) for as long as it says
+        so, since its heartbeats alone would keep it believed to serve; the keys in the
+        answer still go to it. A restart (new incarnation) brings it back up."""
         if entry.leader_term > self.term:
             self.step_down(f"follower {entry.index} follows leader term {entry.leader_term} > "
                            f"{self.term}")
@@ -54,27 +64,39 @@ class Membership:
                                      f"{sorted(set(f.layers) & set(entry.layers))} already owned "
                                      f"by follower {f.index}")
             old = self.followers.get(entry.index)
-            if old is not None and old.incarnation == entry.incarnation and old.up:
+            broken = entry.data_plane_error[:200]
+            if old is not None and old.incarnation == entry.incarnation and (old.up or broken):
                 old.last_seen = self._clock()
-                return answer
-            gone = self._superseded.setdefault(entry.index, [])
-            if entry.incarnation in gone:
-                # The process this one replaced is still alive (one identity, two processes):
-                # the newer process serves the index, the older one is told to stop.
-                raise Refused(Refusal.FORBIDDEN, f"follower {entry.index}: incarnation "
-                                                 f"{entry.incarnation} was superseded by another "
-                                                 "process serving this index")
-            if old is not None and old.incarnation != entry.incarnation:
-                gone[:] = [*gone[-15:], old.incarnation]
-            entry.control = self._connect(entry)
-            entry.last_seen = self._clock()
-            self.followers[entry.index] = entry
-            self.followers_epoch += 1  # clusters abort transfers to the old incarnation
-            self._layer_owner = {l: f.index for f in self.followers.values() for l in f.layers}
-            self.needs_reconcile = True
-            self._sync_ready(self._clock())
-        self.event("follower_up", follower=entry.index, incarnation=entry.incarnation,
-                   restarted=old is not None and old.incarnation != entry.incarnation)
+                if not (old.up and broken):
+                    return answer  # a heartbeat; or down already for it: one event, not one each
+                old.up = False
+                self.followers_epoch += 1  # clusters abort transfers to it
+                self.needs_reconcile = True
+                self._sync_ready(self._clock())
+            else:
+                gone = self._superseded.setdefault(entry.index, [])
+                if entry.incarnation in gone:
+                    # The process this one replaced is still alive (one identity, two
+                    # processes): the newer process serves the index, the older one is told
+                    # to stop.
+                    raise Refused(Refusal.FORBIDDEN, f"follower {entry.index}: incarnation "
+                                                     f"{entry.incarnation} was superseded by "
+                                                     "another process serving this index")
+                if old is not None and old.incarnation != entry.incarnation:
+                    gone[:] = [*gone[-15:], old.incarnation]
+                entry.control = self._connect(entry)
+                entry.last_seen = self._clock()
+                entry.up = not broken
+                self.followers[entry.index] = entry
+                self.followers_epoch += 1  # clusters abort transfers to the old incarnation
+                self._layer_owner = {l: f.index for f in self.followers.values() for l in f.layers}
+                self.needs_reconcile = True
+                self._sync_ready(self._clock())
+        if broken:
+            self.event("follower_down", follower=entry.index, cause="data plane", error=broken)
+        else:
+            self.event("follower_up", follower=entry.index, incarnation=entry.incarnation,
+                       restarted=old is not None and old.incarnation != entry.incarnation)
         return answer
 
     def spec_json(self) -> tuple[str, str]:
@@ -150,13 +172,20 @@ class Membership:
         self.event("cluster_joined", cluster=cluster_id, rejoin=rejoin, version=version)
         return version, followers, key
 
-    def heartbeat(self, cluster_id: str, inner_step: int, tokens: int, loss: float) -> HeartbeatAnswer:
-        """Record a cluster's progress (its own report, shown in the status only). Unknown
+    def heartbeat(self, cluster_id: str, inner_step: int, tokens: int,
+                  loss: float | None) -> HeartbeatAnswer:
+        """Record a cluster's progress (its own report, shown in the status only: it never
+        counts toward the token budget, which counts accepted tokens). Counts are clamped to
+        [0, 2**63 - 1]; a loss that is None, negative or not finite leaves the last one
+        shown, a larger one than :data:`MAX_SHOWN_LOSS` is shown as that. Unknown
         cluster: ``known`` is False and it must re-join."""
         with self._cond:
             c = self.clusters.get(cluster_id)
             if c is not None:
-                c.inner_step, c.tokens, c.last_loss = inner_step, tokens, loss
+                c.inner_step = min(max(int(inner_step), 0), INT64_MAX)
+                c.tokens = min(max(int(tokens), 0), INT64_MAX)
+                if loss is not None and math.isfinite(loss) and loss >= 0:
+                    c.last_loss = min(float(loss), MAX_SHOWN_LOSS)
                 c.last_seen = self._clock()
             return HeartbeatAnswer(self.version, c is not None, self.followers_epoch,
                                    self._state.finished)
@@ -189,14 +218,21 @@ class Membership:
         return known
 
     def lease(self, cluster_id: str, n: int) -> tuple[list[tuple[int, int]], int, int]:
-        """Lease ``n`` more chunks to a member; returns (holdings, windows per chunk, epoch).
+        """Lease up to ``n`` more chunks to a member; returns (holdings, windows per chunk,
+        epoch). A member gets no more than an honest one can hold
+        (:func:`dips.algo.limits.lease_allowed`), so it cannot starve the others of data.
 
-        Raises Refused: NOT_JOINED, NO_LEDGER.
+        Raises Refused: NOT_JOINED, NO_LEDGER, INVALID_ARGUMENT (n < 0).
         """
+        if n < 0:
+            raise Refused(Refusal.INVALID_ARGUMENT, f"lease field 'n' = {n} must be >= 0")
         with self._cond:
             self._member(cluster_id)
             if self.ledger is None:
                 raise Refused(Refusal.NO_LEDGER, "this run has no data-chunk ledger")
+            n = lease_allowed(len(self.ledger.holdings(cluster_id)), n, self.cfg.lease_ahead,
+                              self.cfg.max_push_tokens, self.tokens_per_window or 1,
+                              self.ledger.windows_per_chunk)
             if n > 0:
                 self.ledger.lease(cluster_id, n)
             return self.ledger.holdings(cluster_id), self.ledger.windows_per_chunk, self.ledger.epoch

@@ -26,6 +26,7 @@ from typing import Any
 
 from dips.algo import grace as grace_rules
 from dips.algo.ledger import ChunkLedger
+from dips.algo.limits import INT64_MAX, saturating_add
 from dips.algo.penalty import PenaltyState
 from dips.algo.round import Decided, RoundEnded, RoundState, Verdict, verdicts_of
 from dips.roles.leader_checkpoint import load_state, save_state
@@ -36,12 +37,31 @@ log = logging.getLogger(__name__)
 
 #: Verdicts kept in ``leader.json`` (re-served by push id after a restart); a few KB.
 VERDICTS_PERSISTED = 64
+#: Round numbers reserved by one write of ``leader.json`` (see :meth:`Records.reserve_rounds`).
+ROUND_BLOCK = 64
 
 
 class Records:
     """Durable records of the leader (see the module docstring)."""
 
     ledger: ChunkLedger | None
+    rounds_reserved: int
+    _known_followers: dict[int, str]
+
+    def reserve_rounds(self, above: int) -> None:
+        """Reserve round numbers ``above + 1 .. above + ROUND_BLOCK`` durably before any is
+        used: a leader restarted after a crash resumes above every reserved number, so no
+        round number (and no admission ticket naming it) is used twice (issue 13: replay).
+        One write per :data:`ROUND_BLOCK` rounds; numbers skipped by a restart are harmless
+        (rounds only need to increase)."""
+        with self._cond:
+            self.rounds_reserved = max(self.rounds_reserved, above + ROUND_BLOCK)
+            self.checkpoint()
+
+    def _count(self, key: str, n: int) -> None:
+        """Add ``n`` to count ``key``, saturating in [0, 2**63 - 1] (lock held): no claim can
+        overflow a count or make ``GetStatus`` fail to encode it."""
+        self.counts[key] = saturating_add(self.counts.get(key, 0), n)
 
     # ----- checkpoint and resume ---------------------------------------------------------
     def _resume(self, path: Path) -> None:
@@ -56,13 +76,21 @@ class Records:
         # Measured push times survive a restart: a slow link's next push still goes ahead of
         # its round instead of holding the others' (found by a review: it did not).
         push_s = {str(c): float(x) for c, x in state.get("push_s", {}).items()}
-        self._state = RoundState(rounds=state["rounds"], ready=False, verdicts=verdicts,
+        self._known_followers = {int(i): str(ep)
+                                 for i, ep in (state.get("followers") or {}).items()}
+        # Above every number the crashed incarnation reserved (and so may have granted).
+        rounds = max(int(state["rounds"]), int(state.get("rounds_reserved", 0)))
+        self.rounds_reserved = rounds
+        self._state = RoundState(rounds=rounds, ready=False, verdicts=verdicts,
                                  grace=grace_rules.from_dict(state.get("grace", {})),
                                  push_s=push_s, finished=str(state.get("finished", "")))
         started = state.get("training_started_at")
         self.training_started_at = float(started) if started is not None else None
-        self.counts.update(state["counts"])
-        self.counts["restarts"] += 1
+        # A count is a non-negative int64 whatever the file says (one written by an older
+        # leader may hold a count that overflowed: issue 13).
+        self.counts.update({str(k): min(max(int(v), 0), INT64_MAX)
+                            for k, v in state["counts"].items()})
+        self._count("restarts", 1)
         self.penalty = PenaltyState.from_dict(state["penalty"])
         self._version_stats = {int(v): (int(x[0]), int(x[1]))
                                for v, x in state.get("version_stats", {}).items()}
@@ -85,7 +113,9 @@ class Records:
                      "until stopped", self._state.finished, self.version)
 
     def checkpoint(self) -> None:
-        """Write ``leader.json`` (metadata only; a few KB) atomically."""
+        """Write ``leader.json`` (metadata only; a few KB) atomically and durably. The write
+        happens under the lock: checkpoints from several threads (one is taken as a round
+        opens, inside the lock) land in the order of their snapshots, never interleaved."""
         if self._run_dir is None:
             return
         with self._cond:
@@ -93,7 +123,8 @@ class Records:
             # recorded too: a leader that dies now re-serves them after its restart.
             known = {**self._state.verdicts, **self._recorded}
             recent = list(known.values())[-VERDICTS_PERSISTED:]
-            state = {"version": self.version, "rounds": self.rounds, "counts": dict(self.counts),
+            state = {"version": self.version, "rounds": self.rounds,
+                     "rounds_reserved": self.rounds_reserved, "counts": dict(self.counts),
                      "finished": self._state.finished,
                      "training_started_at": self.training_started_at,
                      "penalty": self.penalty.to_dict(),
@@ -103,14 +134,15 @@ class Records:
                      "grace": grace_rules.to_dict(self._state.grace),
                      "push_s": dict(self._state.push_s),
                      # Where the followers are: a restarted leader takes their leases first.
-                     "followers": {str(f.index): f.control_endpoint
-                                   for f in self.followers.values()},
+                     "followers": {**{str(i): ep for i, ep in self._known_followers.items()},
+                                   **{str(f.index): f.control_endpoint
+                                      for f in self.followers.values()}},
                      # Members' data-plane key ids (not the keys): they stay valid after a
                      # restart, and a removed member's stays refused.
                      "member_keys": dict(self._member_keys), "key_seq": self._key_seq,
                      "verdicts": [{**asdict(v), "holdings": self._holdings.get(v.push_id, [])}
                                   for v in recent]}
-        save_state(self._run_dir / "leader.json", state)
+            save_state(self._run_dir / "leader.json", state)
 
     def event(self, kind: str, **extra: Any) -> None:
         """Append a timestamped event to ``leader_events.jsonl`` (and the log)."""
@@ -131,9 +163,9 @@ class Records:
             out = report.outcome
             self.version, self.penalty = out.version, report.penalty
             tokens = sum(report.tokens[c] for c in out.accepted)
-            self.counts["outer_steps"] += 1
-            self.counts["updates_accepted"] += len(out.accepted)
-            self.counts["tokens_accepted"] += tokens
+            self._count("outer_steps", 1)
+            self._count("updates_accepted", len(out.accepted))
+            self._count("tokens_accepted", tokens)
             self._version_stats[out.version] = (len(out.accepted), tokens)
             for v in sorted(self._version_stats)[:-64]:
                 del self._version_stats[v]
@@ -159,9 +191,9 @@ class Records:
     def _account(self, verdicts: tuple[Verdict, ...], report: UpdateReport,
                  version: int | None) -> None:
         """Counts, ledger and positions of a round's verdicts (lock held)."""
-        self.counts["updates_pushed"] += len(verdicts)
-        self.counts["updates_rejected"] += sum(not v.accepted for v in verdicts)
-        self.counts["tokens_pushed"] += sum(report.tokens.values())
+        self._count("updates_pushed", len(verdicts))
+        self._count("updates_rejected", sum(not v.accepted for v in verdicts))
+        self._count("tokens_pushed", sum(report.tokens.values()))
         for v in verdicts:
             holdings: list[tuple[int, int]] = []
             if self.ledger is not None:

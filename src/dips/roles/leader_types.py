@@ -63,6 +63,7 @@ class FollowerEntry:
     control: Any = None  # a dips.roles.outer_step.FollowerControl once registered
     last_seen: float = 0.0
     up: bool = True
+    data_plane_error: str = ""  # non-empty: its data plane stopped serving (why)
 
 
 @dataclass
@@ -83,13 +84,17 @@ class ClusterEntry:
 class Grant:
     """A push admitted into round ``round``: its id, the leader's version at admission and
     the §10 schedule ``[[(stage, layer, follower), ...], ...]``. ``stage_first``: the push is
-    sent now, ahead of any round (``round`` 0), and joins a round once it arrived."""
+    sent now, ahead of any round (``round`` 0), and joins a round once it arrived.
+    ``ticket``/``ticket_mac``: the signed admission ticket (:mod:`dips.wire.admission`; JSON,
+    32-byte HMAC) the cluster copies into every push header ("" / b"": none)."""
 
     push_id: str
     round: int
     version: int
     schedule: list[list[tuple[int, str, int]]]
     stage_first: bool = False
+    ticket: str = ""
+    ticket_mac: bytes = b""
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ the leader reconciles that follower to the decided version.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Sequence
 
@@ -100,8 +101,8 @@ class UpdateReport:
 
 def run_update(followers: Sequence[tuple[int, FollowerControl]], number: int,
                slots: Sequence[Slot], version: int, penalty: PenaltyState, penalty_cfg: Any,
-               outer: Any, on_decided: Callable[[UpdateReport], None] | None = None
-               ) -> UpdateReport:
+               outer: Any, on_decided: Callable[[UpdateReport], None] | None = None,
+               weight_cap: int | None = None) -> UpdateReport:
     """Score, decide, aggregate, clip and apply round ``number`` on every follower.
 
     Args:
@@ -112,6 +113,8 @@ def run_update(followers: Sequence[tuple[int, FollowerControl]], number: int,
         outer: :class:`dips.spec.OuterConfig`: the clip (``clip``, ``max_norm``,
             ``clip_ratio``; :func:`dips.algo.clip_threshold`) and ``uniform_weights`` (1/n
             weights instead of T_j, an ablation).
+        weight_cap: the most tokens one push weighs in the mean (``cap`` of
+            :func:`dips.algo.token_weights`; None: T_j as it is).
         on_decided: called with the report (its ``outcome`` the decided step, ``penalty`` the
             new history, ``checksums`` those of the prepared shards) once every follower
             prepared the step and before any commit: the leader records it durably there.
@@ -134,9 +137,18 @@ def run_update(followers: Sequence[tuple[int, FollowerControl]], number: int,
             push_ids = [by_id[c].push_id for c in delivered]
             for index, control in followers:
                 for c, valid, sq, err in control.score(number, delivered, push_ids):
+                    if c not in norms:
+                        raise ValueError(f"follower {index}: Score of round {number} names "
+                                         f"cluster {str(c)[:60]!r}, not in the round")
                     if not valid:
                         invalid.setdefault(c, f"follower {index}: {err}")
-                    norms[c] += sq
+                    elif not _finite_square(sq):  # e.g. a push of finite values near 1e30
+                        invalid.setdefault(c, f"follower {index}: ‖Δ‖² = {sq!r} is not a "
+                                              "finite number >= 0")
+                    norms[c] += sq if _finite_square(sq) else 0.0
+        for c, g in norms.items():  # finite shards may still sum beyond the float range
+            if not _finite_square(g):
+                invalid.setdefault(c, f"‖Δ‖² = {g!r} over the shards is not finite")
         scored = {c: g for c, g in norms.items() if c not in invalid}
         report.sq_norms = {c: norms.get(c) for c in clusters}
         report.scored = sorted(scored)
@@ -157,9 +169,11 @@ def run_update(followers: Sequence[tuple[int, FollowerControl]], number: int,
                     log.warning("discard of round %d on follower %d failed: %s", number, index, exc)
             return report
         weights = token_weights({c: by_id[c].tokens for c in accepted}, accepted,
-                                uniform=outer.uniform_weights)
+                                uniform=outer.uniform_weights, cap=weight_cap)
         w = [weights[c] for c in accepted]
         sq_norm = sum(control.aggregate(number, accepted, w) for _, control in followers)
+        if not _finite_square(sq_norm):  # nothing applied: the round fails as a whole
+            raise ValueError(f"round {number}: ‖δ‖² = {sq_norm!r} is not a finite number >= 0")
         clip_norm = clip_threshold(outer.clip, outer.max_norm, outer.clip_ratio, new_penalty.mu)
         clip = clip_factor(sq_norm, clip_norm if clip_norm else float("inf"))
         clip *= staleness_scale(outer.staleness, weights,
@@ -193,6 +207,11 @@ def run_update(followers: Sequence[tuple[int, FollowerControl]], number: int,
             report.commit_failed.append(index)
             log.warning("commit of version %d on follower %d failed: %s", new_version, index, exc)
     return report
+
+
+def _finite_square(x: Any) -> bool:
+    """Whether a follower's squared norm is usable: a finite float >= 0."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0
 
 
 def abort_everywhere(followers: Sequence[tuple[int, FollowerControl]], rnd: int | None) -> None:

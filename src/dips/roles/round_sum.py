@@ -27,6 +27,7 @@ from dips.algo.aggregate import NORM_CHUNK
 # Relative tolerance when matching the leader's weights to T_j / ΣT (both come from the
 # same integers; only float division rounding differs).
 _WEIGHT_TOL = 1e-12
+_MAX_TOKENS = 2**63 - 1  # int64, as every count on the control plane
 
 
 def blocks_of(numel: int) -> list[tuple[int, int]]:
@@ -61,15 +62,18 @@ class RoundSum:
         self.unusable: str | None = None
 
     def announce(self, cluster: str, tokens: object) -> None:
-        """Record T_j from a push header; a missing or inconsistent count disables the sum.
+        """Record T_j (the admission ticket's, or a trusted caller's header's); a missing or
+        inconsistent count disables the sum.
 
-        Raises ValueError if ``tokens`` is present but not an int > 0 (header field 'tokens').
+        Raises ValueError if ``tokens`` is present but not an int in [1, 2**63 - 1] (header
+        field 'tokens').
         """
         if tokens is None:
             self.unusable = self.unusable or f"push of {cluster!r} carries no 'tokens'"
             return
-        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens <= 0:
-            raise ValueError(f"push header field 'tokens' = {tokens!r} is not an int > 0")
+        if type(tokens) is not int or not 0 < tokens <= _MAX_TOKENS:
+            raise ValueError(f"push header field 'tokens' = {repr(tokens)[:40]} is not an int "
+                             f"in [1, 2**63 - 1]")
         if self.tokens.setdefault(cluster, tokens) != tokens:
             self.unusable = (f"cluster {cluster!r} announced tokens {self.tokens[cluster]} "
                              f"and {tokens}")

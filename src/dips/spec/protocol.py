@@ -54,8 +54,16 @@ class Timeouts(Strict):
     rpc_s: float = Field(120.0, gt=0, description="one control-plane call, seconds")
     admit_s: float = Field(30.0, gt=0, description="a cluster's wait to be admitted to a round, "
                                                    "seconds")
-    push_s: float = Field(60.0, gt=0, description="the leader's wait for a round's pushes; a "
-                                                  "cluster's wait for its verdict, seconds")
+    push_s: float = Field(60.0, gt=0, description="the longest wait of the leader for a round's "
+                                                  "pushes (the ceiling once push times are "
+                                                  "measured); a cluster's wait for its verdict, "
+                                                  "seconds")
+    push_floor_s: float = Field(2.0, ge=0, allow_inf_nan=False,
+                                description="once push times are measured, a round waits "
+                                            "push_floor_s + push_slack × the slowest predicted "
+                                            "push of its members (at most push_s), seconds")
+    push_slack: float = Field(4.0, ge=1, description="multiple of the measured push time a round "
+                                                     "waits (see push_floor_s); inf: push_s only")
     pull_s: float = Field(60.0, gt=0, description="the leader's wait for a round's pulls, seconds")
     startup_s: float = Field(180.0, gt=0, description="process start-up and registration, seconds")
     shutdown_s: float = Field(30.0, gt=0, description="SIGTERM to SIGKILL at the end, seconds")

@@ -30,10 +30,15 @@ from dips.spec.training import (
     check_training,
 )
 
-__all__ = ["LeaderConfig", "RunConfig", "RunSpec", "TBF_MIN_BPS", "load_config"]
+__all__ = ["LeaderConfig", "PUSH_TOKENS_SLACK", "RunConfig", "RunSpec", "TBF_MIN_BPS",
+           "load_config"]
 
 #: The lowest rate (bits/s) ``tc tbf`` accepts (:mod:`dips.emu.netns`).
 TBF_MIN_BPS = 8000.0
+
+#: Sync intervals one push may carry at most (a cluster keeps training while a push request or
+#: verdict is retried with backoff): ``max_push_tokens`` = this × H × batch_size × seq_len.
+PUSH_TOKENS_SLACK = 4
 
 
 def _default_clusters() -> list[ClusterConfig]:
@@ -132,14 +137,25 @@ class LeaderConfig(Strict):
                                                                 "outer steps; None: no limit")
     max_time_s: float | None = Field(None, gt=0, description="the run ends this many seconds "
                                                              "after its first push request")
+    max_push_tokens: int | None = Field(
+        None, ge=1, description="the most tokens one push may carry (T_j, tokens): a claim above "
+                                "it is cut to it when there is no ledger, and it bounds the chunks "
+                                "a member may hold; from a run config: PUSH_TOKENS_SLACK × H × "
+                                "batch_size × seq_len; None: 2**63 - 1")
+    lease_ahead: int | None = Field(None, ge=1, description="unfinished chunks a member keeps "
+                                                            "leased (data.lease_ahead); None: a "
+                                                            "lease is not capped")
 
     @classmethod
     def from_run(cls, cfg: RunConfig) -> "LeaderConfig":
         """The leader's part of a run config (the same concept models, not copies)."""
+        inner = cfg.inner
         return cls(grace=cfg.grace, penalty=cfg.penalty, outer=cfg.outer,
                    membership=cfg.membership, timeouts=cfg.timeouts, followers=cfg.followers,
                    token_budget=cfg.token_budget, max_outer_steps=cfg.max_outer_steps,
-                   max_time_s=cfg.max_time_s)
+                   max_time_s=cfg.max_time_s,
+                   max_push_tokens=PUSH_TOKENS_SLACK * inner.H * inner.batch_size * inner.seq_len,
+                   lease_ahead=cfg.data.lease_ahead)
 
 
 class RunSpec(Strict):

@@ -45,7 +45,13 @@ _STATUS = {
     Refusal.LEASE_HELD: grpc.StatusCode.UNAVAILABLE,
     Refusal.MODEL_MISMATCH: grpc.StatusCode.FAILED_PRECONDITION,
     Refusal.RUN_FINISHED: grpc.StatusCode.FAILED_PRECONDITION,
+    Refusal.STALE_GRANT: grpc.StatusCode.FAILED_PRECONDITION,
+    Refusal.BUSY: grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
+
+#: Longest status details sent (characters): a message quoting a huge field value must not
+#: exceed gRPC's metadata limit (8 KiB), which the client would see as an INTERNAL error.
+MAX_DETAILS = 1000
 
 
 def refusal_of(exc: grpc.RpcError) -> Refusal | None:
@@ -75,38 +81,83 @@ def describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
+class Malformed:
+    """What a servicer method receives instead of a request whose bytes do not parse as its
+    message (:func:`grpc_errors` refuses it with INVALID_ARGUMENT)."""
+
+    def __init__(self, method: str, size: int, error: str) -> None:
+        self.method, self.size, self.error = method, size, error
+
+
+def _tolerant(parse: Callable[[bytes], Any], method: str) -> Callable[[bytes], Any]:
+    def deserialize(data: bytes) -> Any:
+        try:
+            return parse(data)
+        except Exception as exc:  # any bytes at all may arrive
+            return Malformed(method, len(data), f"{type(exc).__name__}: {exc}")
+    return deserialize
+
+
+class _TolerantRequests(grpc.ServerInterceptor):
+    """Parses requests so that bytes that are not the method's message reach the servicer as
+    :class:`Malformed` (a typed refusal) instead of failing inside gRPC with a bare INTERNAL
+    status (issue 13: every decoder of network bytes refuses with a code)."""
+
+    def intercept_service(self, continuation: Callable, details: Any) -> Any:
+        handler = continuation(details)
+        if handler is None or handler.unary_unary is None or handler.request_deserializer is None:
+            return handler
+        return grpc.unary_unary_rpc_method_handler(
+            handler.unary_unary,
+            request_deserializer=_tolerant(handler.request_deserializer, details.method),
+            response_serializer=handler.response_serializer)
+
+
 def make_server(max_workers: int = 32) -> grpc.Server:
     """A gRPC server; bind it with :meth:`dips.wire.security.Credentials.add_port` (mutual
     TLS unless insecure), and have its servicers check :func:`dips.wire.security.caller`.
+    A request that does not parse reaches the servicer as :class:`Malformed`.
 
     Args:
-        max_workers: handler threads; leader handlers block (push admission), so keep it
-            above the number of clusters times two.
+        max_workers: handler threads; leader handlers block (push admission), so give its
+            servicer a :meth:`dips.wire.inflight.CallGate.for_server` of this number.
     """
     return grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
+        interceptors=[_TolerantRequests()],
         options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                  ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                  ("grpc.so_reuseport", 0)],
     )
 
 
+def _short(message: str) -> str:
+    if len(message) <= MAX_DETAILS:
+        return message
+    return f"{message[:MAX_DETAILS]}... ({len(message)} characters)"
+
+
 def _refuse(context: grpc.ServicerContext, code: Refusal, message: str) -> None:
     context.set_trailing_metadata(((REFUSAL_KEY, str(int(code))),))
-    context.abort(_STATUS[code], message)
+    context.abort(_STATUS[code], _short(message))
 
 
 def grpc_errors(method: Callable) -> Callable:
-    """Decorate a servicer method: map domain errors to gRPC status codes.
+    """Decorate a servicer method: every exception of one call ends that call only.
 
     :class:`Refused` -> its code's status (``_STATUS``) with the code in the ``dips-refusal``
-    trailing metadata; ``ValueError`` -> INVALID_ARGUMENT (refusal INVALID_ARGUMENT);
-    anything else -> INTERNAL (a bug; logged).
+    trailing metadata; ``ValueError`` -> INVALID_ARGUMENT (refusal INVALID_ARGUMENT), as is
+    a :class:`Malformed` request; anything else -> INTERNAL (a bug; logged). Details longer
+    than :data:`MAX_DETAILS` characters are cut.
     """
 
     @functools.wraps(method)
     def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
         try:
+            if isinstance(request, Malformed):
+                raise Refused(Refusal.INVALID_ARGUMENT, f"{request.method}: {request.size} "
+                                                        f"bytes are not its request message "
+                                                        f"({request.error})")
             return method(self, request, context)
         except Refused as exc:
             _refuse(context, exc.code, exc.message)
@@ -114,7 +165,7 @@ def grpc_errors(method: Callable) -> Callable:
             _refuse(context, Refusal.INVALID_ARGUMENT, str(exc))
         except Exception as exc:
             log.exception("%s failed", method.__name__)
-            context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+            context.abort(grpc.StatusCode.INTERNAL, _short(f"{type(exc).__name__}: {exc}"))
 
     return wrapper
 

@@ -28,20 +28,26 @@ import torch
 import zmq
 
 from dips.algo.refusal import Refusal
-from dips.wire.frames import FrameError, Message, decode, encode, tensor_bytes
+from dips.wire.frames import MAX_HEADER_BYTES, FrameError, Message, decode, encode, tensor_bytes
 from dips.wire.keys import MemberKey
-from dips.wire.seal import SealRing
+from dips.wire.seal import TAG_BYTES, SealRing
 from dips.wire.stream import (
     BEGIN,
     CHUNK,
     DEFAULT_CHUNK_BYTES,
     END,
+    MAX_CHUNK_BYTES,
     StreamReader,
     StreamWriter,
     TensorSpec,
 )
 
 MSG, PULL = b"M", b"R"
+#: The largest frame of a stream or of a header-only message (bytes): a chunk with its GCM
+#: tag, or a header. A peer that exchanges only these needs no larger ``ZMQ_MAXMSGSIZE``.
+STREAM_FRAME_BYTES = max(MAX_CHUNK_BYTES, MAX_HEADER_BYTES) + TAG_BYTES
+#: Replies to other streams held while waiting for one (a follower answers each stream once).
+_MAX_EARLY_REPLIES = 64
 
 
 class DataPlaneError(RuntimeError):
@@ -72,7 +78,7 @@ def xfer_id(value: Any) -> bytes:
     except (TypeError, ValueError):
         x = b""
     if len(x) != 16:
-        raise FrameError(f"field 'xfer' = {value!r} is not a 16-byte hex id")
+        raise FrameError(f"field 'xfer' = {repr(value)[:80]} is not a 16-byte hex id")
     return x
 
 
@@ -85,10 +91,15 @@ class DataClient:
         timeout_s: seconds to wait for each reply or message before ``TimeoutError``.
         limiter: called with a byte count before each message or chunk is sent (e.g.
             :meth:`dips.wire.shaping.TokenBucket.consume`, to emulate a slower link).
+        max_message_bytes: the largest frame this client accepts (``ZMQ_MAXMSGSIZE``, bytes;
+            at least :data:`STREAM_FRAME_BYTES`): a reply carrying whole tensors (a
+            single-message pull) needs the largest of them. libzmq drops a connection that
+            sends more before allocating it (the request then times out).
     """
 
     def __init__(self, key: MemberKey, endpoint: str, timeout_s: float = 60.0,
-                 limiter: Callable[[int], Any] | None = None) -> None:
+                 limiter: Callable[[int], Any] | None = None,
+                 max_message_bytes: int = STREAM_FRAME_BYTES) -> None:
         self._key = key.key
         self._kid = key.key_id.encode()
         self._encrypt = key.encrypt
@@ -96,6 +107,7 @@ class DataClient:
         self.endpoint = endpoint
         self.timeout_s = timeout_s
         self.limiter = limiter
+        self.max_message_bytes = max(max_message_bytes, STREAM_FRAME_BYTES)
         self._ctx = zmq.Context.instance()
         self._sock: zmq.Socket | None = None
         self._early: dict[str, Message] = {}
@@ -111,6 +123,7 @@ class DataClient:
         if self._sock is None:
             sock = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
             sock.setsockopt(zmq.SNDHWM, 0)   # queued chunks are references, not copies
             sock.setsockopt(zmq.RCVHWM, 32)  # at most 32 chunks read ahead of the consumer
             sock.setsockopt(zmq.SNDTIMEO, int(self.timeout_s * 1000))
@@ -148,6 +161,9 @@ class DataClient:
                          require_encrypted=self._encrypt)
             got = msg.header.pop("xfer", None)
             if xfer is not None and got is not None and got != xfer.hex():
+                if len(self._early) >= _MAX_EARLY_REPLIES or not isinstance(got, str):
+                    raise FrameError(f"reply to unknown stream {repr(got)[:40]} from "
+                                     f"{self.endpoint} ({what})")
                 self._early[got] = msg  # the reply to another stream still in flight
                 msg = None
         if msg.header.get("op") == "error":

@@ -13,20 +13,36 @@ checkpoint writes need:
   hands the verified bytes, still in the received frame, to the role's sink (the follower
   forms Δ from them) while later chunks still arrive; then it drops the frame and returns the
   credit. It also serves single-message requests (the ``handler``).
-* ``data-producer`` serves pull streams: it asks the role for each tensor in turn (the
-  follower converts the next layer to BF16 while libzmq sends the current one) and queues its
-  chunks without copying them.
+* ``data-producer`` serves pull streams (:class:`~dips.wire.pushstreams.PullStreams`): it
+  asks the role for each tensor in turn (the follower converts the next layer to BF16 while
+  libzmq sends the current one) and queues its chunks without copying them, each stream only
+  a window ahead of what its connection took, many streams in turn.
 
 Every request names its sender's key id in clear (``[kind, key id, ...]``); the server
 derives that member's key (:class:`~dips.wire.keys.Keyring`), verifies the request with it,
 answers with it, and asks ``authorize`` whether that member may do that (a follower lets a
 cluster push only as itself). Keys are per member: no two members share one.
 
-A :class:`DataClient` (one DEALER socket, one operation at a time) sends single messages
-(:meth:`~DataClient.request`, the codec of :mod:`dips.wire.frames`), pushes streams
-(:meth:`~DataClient.push`) and receives pull streams straight into caller-provided tensors
-(:meth:`~DataClient.pull`). Every blocking call has a timeout; after any failure the client's
-socket is closed and recreated, so no stale message is ever read as a reply.
+The client side is :class:`~dips.wire.dataclient.DataClient` (one DEALER socket).
+
+Hostile input (issue 13): every message is handled on its own — whatever it raises is answered
+with a typed refusal (``code``: a :class:`~dips.algo.refusal.Refusal`; an exception that is no
+refusal is a bug, logged with its traceback once per kind and answered UNSPECIFIED) and the
+threads go on serving. ``ZMQ_MAXMSGSIZE`` bounds each frame libzmq accepts to the largest
+legitimate one (a chunk, a header, or the largest tensor of the follower's shard), so an
+oversized message is dropped before anything is allocated for it. Should a thread die all
+the same, :attr:`DataServer.error` says so and :attr:`DataServer.died` is set; the follower
+reports it in its heartbeat and the leader marks it down.
+
+Memory a member can make the server hold by not reading (issue 13) is bounded per member and
+connection (:mod:`dips.wire.serving`): at most :data:`~dips.wire.serving.MAX_PULLS_PER_MEMBER`
+pull streams in flight (one being produced holds its source: a reader of the version's
+shared BF16 snapshot, or one FP32 tensor copy),
+:data:`~dips.wire.serving.PULL_BYTES_PER_MEMBER` of pull messages handed to libzmq and not
+yet written (plus one message), BUSY beyond; and
+:data:`~dips.wire.serving.SEND_HWM` messages queued per connection, dropped beyond. A pull
+stream that can send nothing for ``pull_stall_s`` is dropped. The kernel's socket buffers
+(``net.ipv4.tcp_wmem``) come on top, per connection.
 """
 
 from __future__ import annotations
@@ -37,90 +53,39 @@ import os
 import queue
 import threading
 import time
-from typing import Any, Callable, Protocol, Sequence
+from collections import deque
+from typing import Callable
 
-import torch
 import zmq
 
 from dips.algo.refusal import Refusal, Refused
 from dips.wire.dataclient import MSG, PULL, DataClient, DataPlaneError
-from dips.wire.dataclient import xfer_id as _xfer_id
-from dips.wire.frames import FrameError, Message, decode, encode
+from dips.wire.frames import FrameError, decode, encode
 from dips.wire.keys import Keyring, MemberKey
-from dips.wire.pki import Identity
-from dips.wire.seal import TAG_BYTES, SealRing
-from dips.wire.stream import (
-    BEGIN,
-    CHUNK,
-    END,
-    MAX_CHUNK_BYTES,
-    StreamReader,
-    StreamWriter,
-    TensorSpec,
-    check_chunk_bytes,
+from dips.wire.pushstreams import PullStreams, PushStreams
+from dips.wire.serving import (
+    MAX_PULLS_PER_MEMBER,
+    PULL_BYTES_PER_MEMBER,
+    PULL_WINDOW_BYTES,
+    REFUSED,
+    SEND_HWM,
+    Authorize,
+    Handler,
+    Incidents,
+    PullLedger,
+    PullSource,
+    PushSink,
+    StreamHandler,
+    allow_all,
+    error_reply,
+    streams_of,
 )
+from dips.wire.stream import BEGIN, CHUNK, END
 
 log = logging.getLogger(__name__)
 _OUTBOX_IDS = itertools.count()
-
-Handler = Callable[[Message], tuple[dict[str, Any], Sequence[tuple[str, torch.Tensor]]]]
-#: ``authorize(sender, header)``: raise Refused(FORBIDDEN) if ``sender`` may not send it.
-Authorize = Callable[[Identity, dict[str, Any]], None]
-
-
-def _allow_all(sender: Identity, header: dict[str, Any]) -> None:
-    return None
-
-
-class PushSink(Protocol):
-    """Where the chunks of one pushed transfer go (called from the consumer thread)."""
-
-    def write(self, index: int, offset: int, data: memoryview) -> None: ...
-    def commit(self) -> dict[str, Any]: ...
-    def abort(self, reason: str) -> None: ...
-
-
-class PullSource(Protocol):
-    """What one pull stream sends: ``header``, ``specs``, then ``tensor(i)`` for each spec;
-    ``finish()`` raises ValueError if what was sent is no longer valid (then no END is sent)."""
-
-    header: dict[str, Any]
-    specs: list[TensorSpec]
-
-    def tensor(self, index: int) -> torch.Tensor: ...
-    def finish(self) -> None: ...
-
-
-class StreamHandler(Protocol):
-    def open_push(self, header: dict[str, Any], specs: list[TensorSpec]) -> PushSink: ...
-    def open_pull(self, header: dict[str, Any]) -> PullSource: ...
-
-
-def _streams_of(handler: Any) -> StreamHandler | None:
-    owner = getattr(handler, "__self__", None)
-    if owner is not None and hasattr(owner, "open_push") and hasattr(owner, "open_pull"):
-        return owner
-    return None
-
-
-#: What a handler raises to refuse a request (the reply names it); anything else is a bug.
-REFUSED = (ValueError, KeyError, Refused)
-
-
-def _error(key: bytes, ident: bytes, exc: BaseException, xfer: bytes | None = None) -> list:
-    """An error reply; ``code`` is the :class:`Refusal` the client decides on."""
-    code = exc.code if isinstance(exc, Refused) else (
-        Refusal.INVALID_ARGUMENT if isinstance(exc, (ValueError, KeyError)) else Refusal.UNSPECIFIED)
-    head = {"op": "error", "error": str(exc), "code": int(code)}
-    if xfer is not None:
-        head["xfer"] = xfer.hex()
-    return [ident, MSG, *encode(key, head)]
-
-
-class _Xfer:
-    def __init__(self, reader: StreamReader, sink: PushSink, key: bytes) -> None:
-        self.reader, self.sink, self.key = reader, sink, key
-        self.failed, self.seen = False, time.monotonic()
+#: Seconds the producer waits for a stream's window to open before it looks for new requests.
+_WAIT_S = 0.005
 
 
 class DataServer:
@@ -129,8 +94,9 @@ class DataServer:
     Args:
         keys: the members' keys (a request under an unknown or malformed key id is dropped).
         handler: ``Message -> (reply header, reply tensors)`` for single-message requests; a
-            raised ``ValueError``/``KeyError`` (including :class:`FrameError`) becomes an
-            ``{"op": "error"}`` reply naming it.
+            raised :class:`~dips.algo.refusal.Refused` or ``ValueError`` (including
+            :class:`FrameError`, code INVALID_ARGUMENT) becomes an ``{"op": "error"}`` reply
+            naming it; any other exception a reply with code UNSPECIFIED (and a log entry).
         host, port: where to bind (port 0 picks a free one, see :attr:`endpoint`).
         poll_s: seconds between checks of the stop flag.
         streams: serves push/pull streams; default: the object ``handler`` is a bound method
@@ -140,6 +106,22 @@ class DataServer:
         stale_s: a push stream idle this long is aborted (its sender died).
         authorize: ``(sender identity, header) -> None``, raising Refused(FORBIDDEN) to refuse
             a request (default: every member may do anything).
+        max_message_bytes: the largest frame accepted (``ZMQ_MAXMSGSIZE``; bytes): libzmq
+            drops the connection of a peer that sends a larger one before allocating it.
+            Default: ``streams.max_message_bytes()`` when the stream handler has it (a
+            follower computes it from its shard), else no limit.
+        max_pulls, pull_bytes: a member's pull streams in flight, and bytes of its pulls
+            not yet written, at most (:class:`~dips.wire.serving.PullLedger`; BUSY beyond).
+        pull_stall_s: a pull stream that could send nothing this long (its peer does not
+            read) is dropped; default ``stale_s``.
+        pull_window_bytes: bytes of one pull stream handed to libzmq and not yet written, at
+            most (:data:`~dips.wire.serving.PULL_WINDOW_BYTES`).
+
+    Attributes:
+        died: set when a serving thread died (see :attr:`error`).
+        pulls: what members' pulls hold (:class:`~dips.wire.serving.PullLedger`).
+        send_dropped: messages libzmq refused because their connection's queue was full
+            (``SEND_HWM``: its peer does not read).
 
     Raises:
         ValueError: ``ring_chunks`` < 1. zmq.ZMQError: the address cannot be bound.
@@ -148,19 +130,40 @@ class DataServer:
     def __init__(self, keys: Keyring, handler: Handler, host: str = "127.0.0.1", port: int = 0,
                  poll_s: float = 0.1, *, streams: StreamHandler | None = None,
                  ring_chunks: int = 8, stale_s: float = 120.0,
-                 authorize: Authorize = _allow_all) -> None:
+                 authorize: Authorize = allow_all, max_message_bytes: int | None = None,
+                 max_pulls: int = MAX_PULLS_PER_MEMBER, pull_bytes: int = PULL_BYTES_PER_MEMBER,
+                 pull_stall_s: float | None = None,
+                 pull_window_bytes: int = PULL_WINDOW_BYTES) -> None:
+        if ring_chunks < 1:
+            raise ValueError(f"ring_chunks = {ring_chunks} must be >= 1")
         self._keys = keys
         self._authorize = authorize
         self._handler = handler
-        self._streams = streams or _streams_of(handler)
+        self._streams = streams or streams_of(handler)
         self._poll_s = poll_s
         self._stale_s = stale_s
+        self._pull_stall_s = stale_s if pull_stall_s is None else pull_stall_s
+        self._pull_window_bytes = pull_window_bytes
+        self.pulls = PullLedger(max_pulls, pull_bytes)
+        self._pull_streams: PullStreams | None = None
+        self._push_streams: PushStreams | None = None
+        self.send_dropped = 0
+        if max_message_bytes is None and hasattr(self._streams, "max_message_bytes"):
+            max_message_bytes = int(self._streams.max_message_bytes())
+        self.max_message_bytes = max_message_bytes
+        self._incident = Incidents()
+        self._error: str | None = None
+        self.died = threading.Event()
         self._ctx = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        if max_message_bytes is not None:
+            self._sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
         self._sock.setsockopt(zmq.RCVHWM, 32)
-        self._sock.setsockopt(zmq.SNDHWM, 0)  # outgoing chunks are zero-copy references
-        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        # Per connection; the chunks are zero-copy references, and pull streams are produced
+        # only a window ahead (PullStreams), so only a peer that does not read reaches it.
+        self._sock.setsockopt(zmq.SNDHWM, SEND_HWM)
+        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a full queue refuses (EAGAIN)
         try:
             if port:
                 self._sock.bind(f"tcp://{host}:{port}")
@@ -177,19 +180,17 @@ class DataServer:
         self._outbox = self._ctx.socket(zmq.PULL)
         self._outbox.setsockopt(zmq.LINGER, 0)
         self._outbox.bind(self._outbox_addr)
-        if ring_chunks < 1:
-            raise ValueError(f"ring_chunks = {ring_chunks} must be >= 1")
         # C-level queues (no Python-level Condition per chunk): one token per credit.
         self._credits: queue.SimpleQueue[None] = queue.SimpleQueue()
         for _ in range(ring_chunks):
             self._credits.put(None)
         self._inq: queue.SimpleQueue[tuple] = queue.SimpleQueue()
-        self._scratch = memoryview(bytearray(MAX_CHUNK_BYTES))  # the consumer's decryptions
         self._pullq: queue.SimpleQueue[tuple] = queue.SimpleQueue()
         self._stop = threading.Event()
-        self._threads = [threading.Thread(target=f, name=n, daemon=True) for f, n in
-                         ((self._serve, "data-io"), (self._consume, "data-consumer"),
-                          (self._produce, "data-producer"))]
+        self._threads = [threading.Thread(target=self._run, args=(f, n), name=n, daemon=True)
+                         for f, n in ((self._serve, "data-io"), (self._consume, "data-consumer"),
+                                      (self._produce, "data-producer"))]
+        self._started = False
 
     def bind(self, endpoint: str) -> None:
         """Also accept requests on ``endpoint`` (e.g. ``ipc://PATH`` for a local reader that
@@ -199,9 +200,37 @@ class DataServer:
         self.extra_endpoints.append(endpoint)
 
     def start(self) -> "DataServer":
+        self._started = True
         for t in self._threads:
             t.start()
         return self
+
+    def _run(self, body: Callable[[], None], name: str) -> None:
+        """A serving thread: should it end before :meth:`stop` (a bug no per-message guard
+        caught), say so instead of serving nothing in silence."""
+        try:
+            body()
+        except BaseException as exc:
+            if not self._stop.is_set():
+                self._error = f"thread {name} died: {type(exc).__name__}: {str(exc)[:200]}"
+                log.critical("data plane stopped serving: %s", self._error, exc_info=exc)
+        finally:
+            if not self._stop.is_set():
+                self._error = self._error or f"thread {name} ended"
+                self.died.set()
+
+    @property
+    def error(self) -> str | None:
+        """Why the data plane stopped serving (a thread died), or None while it serves."""
+        if self._error is None and self._started and not self._stop.is_set():
+            for t in self._threads:
+                if not t.is_alive():
+                    return f"thread {t.name} is not running"
+        return self._error
+
+    def healthy(self) -> bool:
+        """Whether every serving thread runs (always False before :meth:`start`)."""
+        return self._started and self.error is None
 
     def stop(self, timeout_s: float = 5.0) -> None:
         self._stop.set()
@@ -226,37 +255,46 @@ class DataServer:
                         frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
                     except zmq.Again:
                         break
-                    self._receive(frames)
+                    try:
+                        self._receive(frames)
+                    except Exception as exc:  # the message is dropped; the socket serves on
+                        self._incident("receive", exc)
 
     def _forward(self) -> None:
+        # Never blocks: a message for a connection whose queue is full (SEND_HWM: its peer
+        # does not read) or that is gone (EHOSTUNREACH) is dropped. No frame is kept here
+        # after its send, so libzmq alone holds it and its tracker says when it is written.
         for _ in range(256):
             try:
                 frames = self._outbox.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
             try:
-                self._sock.send_multipart(frames, copy=False)
-            except zmq.ZMQError as exc:  # the peer is gone (EHOSTUNREACH): drop its reply
-                log.debug("data-plane reply dropped: %s", exc)
+                self._sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+            except zmq.ZMQError as exc:
+                if exc.errno == zmq.EAGAIN:
+                    self.send_dropped += 1
+                log.debug("data-plane message dropped: %s", exc)
+            del frames
 
     def _receive(self, frames: list[zmq.Frame]) -> None:
         # zero-copy: the frames own the buffers libzmq received the message into
         ident = frames[0].bytes
         kind = frames[1].bytes if len(frames) > 1 else b""
         if kind == CHUNK:
-            while True:
+            # [ident, C, meta, tag, data]; a malformed chunk fails its stream at the consumer.
+            # Only 20 bytes of meta and 16 of tag matter: longer frames are cut, not copied.
+            meta = frames[2].buffer[:64].tobytes() if len(frames) > 2 else b""
+            item = ((ident, CHUNK, meta, frames[3].buffer[:64].tobytes(), frames[4])
+                    if len(frames) == 5 else (ident, CHUNK, meta, b"", None))
+            while True:  # a credit per chunk held: the consumer gives it back
                 try:
                     self._credits.get(timeout=self._poll_s)
                     break
                 except queue.Empty:
                     if self._stop.is_set():
                         return
-            # [ident, C, meta, tag, data]; a malformed chunk fails its stream at the consumer
-            if len(frames) == 5:
-                self._inq.put((ident, CHUNK, frames[2].bytes, frames[3].bytes, frames[4]))
-            else:
-                self._inq.put((ident, CHUNK, frames[2].bytes if len(frames) > 2 else b"", b"",
-                               None))
+            self._inq.put(item)
             return
         rest = [f.buffer for f in frames[2:]]
         if kind in (MSG, BEGIN, END):
@@ -271,30 +309,50 @@ class DataServer:
         out = self._ctx.socket(zmq.PUSH)
         out.setsockopt(zmq.LINGER, 0)
         out.connect(self._outbox_addr)
-        xfers: dict[tuple[bytes, bytes], _Xfer] = {}
+        pushes = PushStreams(self._streams, self._authorize, self._check_member, self._incident,
+                             self._stale_s)
+        self._push_streams = pushes
+        purge_at = 0.0
         try:
             while not self._stop.is_set():
                 try:
                     item = self._inq.get(timeout=self._poll_s)
                 except queue.Empty:
-                    self._purge(xfers)
-                    continue
-                ident, kind = item[0], item[1]
-                if kind == CHUNK:
-                    self._chunk(out, xfers, *item)
-                elif kind == BEGIN:
-                    self._begin(out, xfers, ident, item[2])
-                elif kind == END:
-                    self._end(out, xfers, ident, item[2])
-                else:
-                    reply = self._single(ident, item[2])
-                    if reply:
-                        out.send_multipart(reply, copy=False)
+                    item = None
+                if item is not None:
+                    try:
+                        self._dispatch(out, pushes, item)
+                    except Exception as exc:  # each handler answers its own refusals; a bug
+                        self._incident("consumer", exc)  # here loses this message, not the thread
+                now = time.monotonic()
+                if now >= purge_at:  # also under a steady flow of messages
+                    purge_at = now + self._poll_s
+                    try:
+                        pushes.purge(out)
+                    except Exception as exc:
+                        self._incident("purge", exc)
         finally:
-            for x in xfers.values():
-                if not x.failed:
-                    x.sink.abort("data server stopped")
+            pushes.close()
             out.close(0)
+
+    def _dispatch(self, out: zmq.Socket, pushes: PushStreams, item: tuple) -> None:
+        ident, kind = item[0], item[1]
+        if kind == CHUNK:
+            try:
+                pushes.chunk(out, ident, *item[2:])
+            finally:
+                self._credits.put(None)
+            return
+        if kind == END:  # [meta, mac]: the stream's key was found at its BEGIN
+            pushes.end(out, ident, item[2])
+            return
+        mk = self._member(item[2])
+        if mk is None:
+            return
+        if kind == BEGIN:
+            pushes.begin(out, ident, mk, item[2])
+        else:
+            self._single(out, ident, mk, item[2])
 
     def _member(self, frames: list) -> MemberKey | None:
         """The sender's key from the key-id frame, or None (logged: the request is dropped,
@@ -302,7 +360,7 @@ class DataServer:
         try:
             if not frames:
                 raise FrameError("request has no key id frame")
-            return self._keys.get(bytes(frames[0]))
+            return self._keys.get(bytes(frames[0][:256]))
         except FrameError as exc:
             log.warning("data-plane request dropped: %s", exc)
             return None
@@ -313,143 +371,106 @@ class DataServer:
             raise Refused(Refusal.NOT_JOINED, f"key {mk.key_id[:40]}... is no longer a "
                                               "member's: join again")
 
-    def _single(self, ident: bytes, frames: list) -> list:
-        mk = self._member(frames)
-        if mk is None:
-            return []
+    def _single(self, out: zmq.Socket, ident: bytes, mk: MemberKey, frames: list) -> None:
+        """Answer one single message. A pull is admitted by its member's pull budget
+        (:class:`~dips.wire.serving.PullLedger`, BUSY beyond) and its reply counted against
+        it until libzmq wrote it."""
+        pull = False
         try:
             msg = decode(mk.key, frames[1:], require_encrypted=mk.encrypt)
             self._check_member(mk)
             self._authorize(mk.identity, msg.header)
+            if msg.header.get("op") == "pull":
+                self.pulls.admit(mk.identity.name, stream=False)
+                pull = True
             header, tensors = self._handler(msg)
+            reply = [ident, MSG, *encode(mk.key, header, tensors, encrypt=mk.encrypt)]
         except REFUSED as exc:
-            log.warning("data-plane request refused: %s", exc)
-            return _error(mk.key, ident, exc)
+            pull = False
+            if isinstance(exc, Refused) and exc.code is Refusal.BUSY:
+                log.debug("data-plane request refused: %s", exc)
+            else:
+                log.warning("data-plane request refused: %s", exc)
+            reply = error_reply(mk.key, ident, exc)
         except Exception as exc:  # keep serving other peers; report the failure
-            log.exception("data-plane handler failed")
-            return _error(mk.key, ident, RuntimeError(f"internal: {exc}"))
-        return [ident, MSG, *encode(mk.key, header, tensors, encrypt=mk.encrypt)]
-
-    def _fail(self, out: zmq.Socket, ident: bytes, x: _Xfer, exc: BaseException) -> None:
-        log.warning("data-plane push refused: %s", exc)
-        x.failed = True
-        x.sink.abort(str(exc))
-        out.send_multipart(_error(x.key, ident, exc, x.reader.xfer), copy=False)
-
-    def _begin(self, out: zmq.Socket, xfers: dict, ident: bytes, frames: list) -> None:
-        mk = self._member(frames)
-        if mk is None:
+            pull = False
+            self._incident("request", exc)
+            reply = error_reply(mk.key, ident, exc)
+        if not pull:
+            out.send_multipart(reply, copy=False)
             return
-        reader = None
-        try:
-            if len(frames) != 3:
-                raise FrameError(f"begin message has {len(frames)} frames, expected 3")
-            if self._streams is None:
-                raise ValueError("this data server does not accept streams")
-            reader = StreamReader(mk.key, bytes(frames[1]), bytes(frames[2]),
-                                  require_encrypted=mk.encrypt)
-            self._check_member(mk)
-            self._authorize(mk.identity, reader.header)
-            sink = self._streams.open_push(reader.header, reader.specs)
-        except REFUSED as exc:
-            log.warning("data-plane push refused: %s", exc)
-            out.send_multipart(_error(mk.key, ident, exc, reader and reader.xfer), copy=False)
-            return
-        xfers[(ident, reader.xfer)] = _Xfer(reader, sink, mk.key)
-
-    def _chunk(self, out: zmq.Socket, xfers: dict, ident: bytes, _kind: bytes, meta: bytes,
-               tag: bytes, frame: zmq.Frame | None) -> None:
-        try:
-            x = xfers.get((ident, meta[:16]))
-            if x is None or x.failed:
-                return  # the rest of a refused or forgotten stream
-            x.seen = time.monotonic()
-            try:
-                if frame is None:
-                    raise FrameError("chunk message is not [kind, meta, tag, data]")
-                if len(frame) > MAX_CHUNK_BYTES + TAG_BYTES:
-                    raise FrameError(f"chunk data is {len(frame)} bytes, the limit is "
-                                     f"{MAX_CHUNK_BYTES + TAG_BYTES}")
-                # Verified bytes straight from the frame; decrypted into the scratch buffer
-                # when the member encrypts (the sink copies them out before the next chunk).
-                index, offset, view = x.reader.receive(meta, tag, frame.buffer, self._scratch)
-                x.sink.write(index, offset, view)
-            except REFUSED as exc:
-                self._fail(out, ident, x, exc)
-        finally:
-            self._credits.put(None)
-
-    def _end(self, out: zmq.Socket, xfers: dict, ident: bytes, frames: list) -> None:
-        meta = bytes(frames[0]) if frames else b""
-        x = xfers.pop((ident, meta[:16]), None)
-        if x is None or x.failed:
-            return
-        try:
-            if len(frames) != 2:
-                raise FrameError(f"end message has {len(frames)} frames, expected 2")
-            x.reader.end(meta, bytes(frames[1]))
-            reply = x.sink.commit()
-        except REFUSED as exc:
-            self._fail(out, ident, x, exc)
-            return
-        out.send_multipart([ident, MSG, *encode(x.key, {**reply, "xfer": x.reader.xfer.hex()})],
-                           copy=False)
-
-    def _purge(self, xfers: dict) -> None:
-        now = time.monotonic()
-        for k in [k for k, x in xfers.items() if now - x.seen > self._stale_s]:
-            x = xfers.pop(k)
-            if not x.failed:
-                x.sink.abort(f"stream idle for more than {self._stale_s} s")
+        nbytes = sum(memoryview(f).nbytes for f in reply[1:])
+        last = zmq.Frame(reply[-1], track=True, copy=False)
+        tracker = out.send_multipart([*reply[:-1], last], copy=False, track=True)
+        del last, reply  # libzmq's reference alone keeps the reply: released once written
+        self.pulls.handed(mk.identity.name, nbytes)
+        self.pulls.finish(mk.identity.name, deque([(tracker, nbytes)]), stream=False)
 
     # ----- data-producer -------------------------------------------------------------
     def _produce(self) -> None:
-        self._ring = SealRing()  # this thread's buffers for encrypted pull chunks
         out = self._ctx.socket(zmq.PUSH)
         out.setsockopt(zmq.LINGER, 0)
-        out.setsockopt(zmq.SNDHWM, 0)
+        out.setsockopt(zmq.SNDHWM, SEND_HWM)  # streams are windowed: this only paces a burst
         out.connect(self._outbox_addr)
+        pulls = PullStreams(self._streams, self._authorize, self._check_member, self._incident,
+                            self.pulls, self._pull_stall_s, self._pull_window_bytes)
+        self._pull_streams = pulls
         try:
             while not self._stop.is_set():
+                first = None
+                if not pulls.active:  # nothing to send: wait for a request
+                    try:
+                        first = self._pullq.get(timeout=self._poll_s)
+                    except queue.Empty:
+                        continue
+                self._intake(out, pulls, first)
                 try:
-                    ident, frames = self._pullq.get(timeout=self._poll_s)
-                except queue.Empty:
-                    continue
-                self._serve_pull(out, ident, frames)
+                    moved = pulls.pump(out)
+                except Exception as exc:  # each stream answers its own failure; a bug here
+                    self._incident("producer", exc)
+                    moved = True
+                if not moved and pulls.active and not pulls.wait(_WAIT_S):
+                    try:  # every stream waits for its member's budget: look for requests
+                        self._intake(out, pulls, self._pullq.get(timeout=_WAIT_S))
+                    except queue.Empty:
+                        pass
         finally:
+            pulls.close()
             out.close(0)
 
-    def _serve_pull(self, out: zmq.Socket, ident: bytes, frames: list) -> None:
-        mk = self._member(frames)
-        if mk is None:
-            return
-        xfer = None
-        try:
-            msg = decode(mk.key, frames[1:])
-            xfer = _xfer_id(msg.header.pop("xfer", None))
-            chunk = check_chunk_bytes(msg.header.pop("chunk", None))
-            self._check_member(mk)
-            self._authorize(mk.identity, msg.header)
-            if self._streams is None:
-                raise ValueError("this data server does not serve streams")
-            src = self._streams.open_pull(msg.header)
-            writer = StreamWriter(mk.key, src.header, src.specs, chunk, xfer=xfer,
-                                  encrypt=mk.encrypt, ring=self._ring)
-            out.send_multipart([ident, *writer.begin()])
-            for i in range(len(src.specs)):
-                for parts in writer.chunks(i, src.tensor(i)):
-                    tracker = out.send_multipart([ident, *parts], copy=False,
-                                                 track=writer.encrypted)
-                    if writer.encrypted:
-                        self._ring.track(tracker)
-            src.finish()
-            out.send_multipart([ident, *writer.end()])
-        except REFUSED as exc:
-            log.warning("data-plane pull refused: %s", exc)
-            out.send_multipart(_error(mk.key, ident, exc, xfer), copy=False)
-        except Exception as exc:
-            log.exception("data-plane pull failed")
-            out.send_multipart(_error(mk.key, ident, RuntimeError(f"internal: {exc}"), xfer))
+    def _intake(self, out: zmq.Socket, pulls: PullStreams, first: tuple | None) -> None:
+        """Answer the pull requests waiting (up to 64, ``first`` the first of them): each
+        stream begins, or is refused, at once."""
+        item = first
+        for _ in range(64):
+            if item is None:
+                try:
+                    item = self._pullq.get_nowait()
+                except queue.Empty:
+                    return
+            ident, frames = item
+            item = None
+            mk = self._member(frames)
+            if mk is None:
+                continue
+            try:
+                pulls.open(out, ident, mk, frames)
+            except Exception as exc:  # refusals are answered inside; this is a bug
+                self._incident("producer", exc)
+
+    def pull_stats(self) -> dict[str, int]:
+        """What pulls hold now: ``streams`` in flight and ``held_bytes`` not yet written
+        (every member), ``producing`` streams and their ``queued_bytes``, ``refused`` (BUSY)
+        and ``dropped`` (stalled) pulls, ``send_dropped`` messages, ``sealed_buffers``
+        allocated for encrypted chunks, ``push_streams`` open."""
+        pulls, pushes = self._pull_streams, self._push_streams
+        return {"streams": self.pulls.streams(), "held_bytes": self.pulls.held(),
+                "producing": pulls.active if pulls else 0,
+                "queued_bytes": pulls.queued() if pulls else 0,
+                "refused": self.pulls.refused, "dropped": pulls.dropped if pulls else 0,
+                "send_dropped": self.send_dropped,
+                "sealed_buffers": pulls.ring.allocated if pulls else 0,
+                "push_streams": pushes.open if pushes else 0}
 
 
 __all__ = ["DataClient", "DataPlaneError", "DataServer", "FrameError", "PullSource", "PushSink",

@@ -31,6 +31,13 @@ from dips.wire import seal
 
 PROTOCOL_VERSION = 1
 MAX_HEADER_BYTES = 1 << 20
+#: Most dimensions of one tensor (torch allows 64; a model's parameters have 1 or 2).
+MAX_DIMS = 16
+#: Largest tensor a header may declare (bytes): beyond anything a host can hold, and small
+#: enough that sizes derived from it stay within int64.
+MAX_TENSOR_BYTES = 1 << 48
+#: Longest tensor name (characters).
+MAX_NAME_CHARS = 256
 
 DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp32": torch.float32}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
@@ -132,14 +139,11 @@ def decode(key: bytes, frames: Sequence[bytes | memoryview], *,
     payloads = [memoryview(f) for f in frames[2:]]
     if not hmac.compare_digest(_mac(key, [head, *payloads]), bytes(frames[1])):
         raise FrameError("mac does not match: message unauthenticated or altered")
-    try:
-        header = json.loads(head)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise FrameError(f"header is not JSON: {exc}") from None
+    header = load_json(head, "header")
     if not isinstance(header, dict):
         raise FrameError(f"header is a {type(header).__name__}, expected an object")
     if header.get("v") != PROTOCOL_VERSION:
-        raise FrameError(f"header field 'v' = {header.get('v')!r}, expected {PROTOCOL_VERSION}")
+        raise FrameError(f"header field 'v' = {_show(header.get('v'))}, expected {PROTOCOL_VERSION}")
     meta = header.pop("tensors", [])
     header.pop("v")
     encrypted = header.pop("enc", 0) == 1
@@ -147,7 +151,7 @@ def decode(key: bytes, frames: Sequence[bytes | memoryview], *,
     if require_encrypted and payloads and not encrypted:
         raise FrameError("message payloads are not encrypted, and this member's must be")
     if not isinstance(meta, list) or len(meta) != len(payloads):
-        n = len(meta) if isinstance(meta, list) else meta
+        n = len(meta) if isinstance(meta, list) else _show(meta)
         raise FrameError(f"header lists {n} tensors but {len(payloads)} payload frames arrived")
     if encrypted:
         payloads = _open(key, head, payloads)
@@ -160,6 +164,51 @@ def decode(key: bytes, frames: Sequence[bytes | memoryview], *,
             raise FrameError(f"tensor {name!r} appears twice")
         tensors[name] = t
     return Message(header=header, tensors=tensors)
+
+
+def load_json(raw: bytes, what: str) -> Any:
+    """``raw`` parsed as JSON. Raises FrameError naming ``what``: not UTF-8, not JSON, nested too
+    deeply (``[[[...`` raises RecursionError inside :mod:`json`) or an integer literal of more
+    than 4300 digits."""
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError are ValueErrors
+        raise FrameError(f"{what} is not JSON: {str(exc)[:120]}") from None
+
+
+def _show(value: Any) -> str:
+    """``repr(value)``, cut to 80 characters (a hostile value may be huge)."""
+    r = repr(value)
+    return r if len(r) <= 80 else r[:77] + "..."
+
+
+def check_spec(meta: Any) -> tuple[str, str, tuple[int, ...]]:
+    """``(name, dtype name, shape)`` of one header tensor entry ``{"name", "dtype", "shape"}``.
+
+    Raises FrameError naming the field and its value: not an object, a name that is not a
+    string of at most :data:`MAX_NAME_CHARS`, a dtype not in :data:`DTYPES`, a shape that is
+    not a list of at most :data:`MAX_DIMS` non-negative ints (booleans are not sizes), or a
+    tensor larger than :data:`MAX_TENSOR_BYTES`.
+    """
+    if not isinstance(meta, dict):
+        raise FrameError(f"tensor entry {_show(meta)} is not an object")
+    name, dtype_name, shape = meta.get("name"), meta.get("dtype"), meta.get("shape")
+    if not isinstance(name, str) or len(name) > MAX_NAME_CHARS:
+        raise FrameError(f"tensor field 'name' = {_show(name)} is not a string of at most "
+                         f"{MAX_NAME_CHARS} characters")
+    if not isinstance(dtype_name, str) or dtype_name not in DTYPES:
+        raise FrameError(f"tensor {name!r}: field 'dtype' = {_show(dtype_name)} not in {sorted(DTYPES)}")
+    if (not isinstance(shape, list) or len(shape) > MAX_DIMS
+            or not all(type(d) is int and d >= 0 for d in shape)):
+        raise FrameError(f"tensor {name!r}: field 'shape' = {_show(shape)} is not a list of at "
+                         f"most {MAX_DIMS} sizes (non-negative ints)")
+    nbytes = DTYPES[dtype_name].itemsize
+    for d in shape:
+        nbytes *= d
+        if nbytes > MAX_TENSOR_BYTES:  # checked as it grows: no huge products computed
+            raise FrameError(f"tensor {name!r}: shape {_show(shape)} exceeds "
+                             f"{MAX_TENSOR_BYTES} bytes")
+    return name, dtype_name, tuple(shape)
 
 
 def _open(key: bytes, head: bytes, payloads: list[memoryview]) -> list[memoryview]:
@@ -176,21 +225,11 @@ def _open(key: bytes, head: bytes, payloads: list[memoryview]) -> list[memoryvie
 
 
 def _decode_tensor(meta: Any, payload: memoryview) -> tuple[str, torch.Tensor]:
-    if not isinstance(meta, dict):
-        raise FrameError(f"tensor entry {meta!r} is not an object")
-    name = meta.get("name")
-    dtype_name = meta.get("dtype")
-    shape = meta.get("shape")
-    if not isinstance(name, str):
-        raise FrameError(f"tensor field 'name' = {name!r} is not a string")
-    if dtype_name not in DTYPES:
-        raise FrameError(f"tensor {name!r}: field 'dtype' = {dtype_name!r} not in {sorted(DTYPES)}")
-    if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
-        raise FrameError(f"tensor {name!r}: field 'shape' = {shape!r} is not a list of sizes")
+    name, dtype_name, shape = check_spec(meta)
     dtype = DTYPES[dtype_name]
-    expected = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+    expected = math.prod(shape) * dtype.itemsize
     if payload.nbytes != expected:
-        raise FrameError(f"tensor {name!r}: payload is {payload.nbytes} bytes, shape {shape} "
+        raise FrameError(f"tensor {name!r}: payload is {payload.nbytes} bytes, shape {list(shape)} "
                          f"of {dtype_name} needs {expected}")
     out = torch.empty(shape, dtype=dtype)
     if expected:

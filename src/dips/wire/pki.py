@@ -33,14 +33,14 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 ROLES = ("leader", "follower", "cluster", "admin")
 # An X.509 CN holds at most 64 characters (RFC 5280 ub-common-name; cryptography refuses
 # more), so a cluster id is at most 64 - len("cluster-") = 56 characters.
-_CLUSTER_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,55}")
+CLUSTER_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,55}")
 _INDEX = re.compile(r"0|[1-9][0-9]{0,8}")
 _SKEW = dt.timedelta(minutes=5)  # not-before in the past: hosts' clocks disagree a little
 _NAMES = "leader, admin, follower-<index>, cluster-<id>"
 # role -> (the id's pattern, what a bad id is told)
 _ID_RULES = {"leader": (re.compile(""), "takes no id"), "admin": (re.compile(""), "takes no id"),
              "follower": (_INDEX, "index must be a decimal int >= 0 without leading zeros"),
-             "cluster": (_CLUSTER_ID, "id must match " + _CLUSTER_ID.pattern)}
+             "cluster": (CLUSTER_ID, "id must match " + CLUSTER_ID.pattern)}
 _EXT = ("digital_signature", "content_commitment", "key_encipherment", "data_encipherment",
         "key_agreement", "key_cert_sign", "crl_sign", "encipher_only", "decipher_only")
 
@@ -338,7 +338,7 @@ def read_revoked(path: Path) -> frozenset[str]:
         line = line.strip()
         if not line or line.startswith("#"):
             continue
-        if not _CLUSTER_ID.fullmatch(line):
+        if not CLUSTER_ID.fullmatch(line):
             raise PkiError(f"{path}:{lineno}: {line!r} is not a cluster id")
         ids.add(line)
     return frozenset(ids)

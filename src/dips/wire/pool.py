@@ -36,6 +36,7 @@ class TensorPool:
     Attributes:
         allocated: sets created so far (each touched for the first time once).
         reused: acquisitions served from an idle set.
+        live: sets handed out and not given back (what the data plane holds right now).
     """
 
     def __init__(self, layout: Layout, keep: int = 4) -> None:
@@ -45,9 +46,11 @@ class TensorPool:
         self._lock = threading.Lock()
         self.allocated = 0
         self.reused = 0
+        self.live = 0
 
     def acquire(self) -> dict[str, torch.Tensor]:
         with self._lock:
+            self.live += 1
             if self._idle:
                 self.reused += 1
                 return self._idle.pop()
@@ -56,6 +59,7 @@ class TensorPool:
 
     def release(self, tensors: dict[str, torch.Tensor]) -> None:
         with self._lock:
+            self.live -= 1
             if len(self._idle) < self.keep:
                 self._idle.append(tensors)
 

@@ -10,6 +10,12 @@ Who may call what is decided here, from the caller's certificate
 itself (a ``cluster_id`` in the body must be its own) and only while its id is not revoked;
 only follower *i* registers as follower *i*; only the leader calls a follower's control
 service, and only with a term the follower's fence admits (:mod:`dips.algo.fencing`).
+
+Hostile members (issue 13): after the caller is known, every request passes the check of its
+message in :mod:`dips.wire.fields` before any field is used (a bad field: refusal
+INVALID_ARGUMENT naming it); the leader's calls pass a :class:`dips.wire.inflight.CallGate`
+(a member over its limits: refusal BUSY, at once), and its waiting calls end when their caller
+cancels. Every exception of a call ends that call only (:func:`dips.wire.control.grpc_errors`).
 """
 
 from __future__ import annotations
@@ -20,7 +26,9 @@ from typing import Any, Callable
 import grpc
 
 from dips.algo.refusal import Refusal, Refused
+from dips.wire import fields
 from dips.wire.control import Client, grpc_errors, refusal_of
+from dips.wire.inflight import CallGate
 from dips.wire.pb import control_pb2 as pb
 from dips.wire.pb import control_pb2_grpc as pbg
 from dips.wire.pki import Identity
@@ -34,10 +42,23 @@ def _time_left(context: grpc.ServicerContext, default_s: float = 60.0) -> float:
     return default_s if left is None else max(0.0, left - 0.2)
 
 
+def _cancelled(context: grpc.ServicerContext) -> Callable[[], bool]:
+    """Whether the caller gave up (cancelled, or its deadline passed): a waiting call then
+    ends at once instead of holding its thread (and its member's place) to the deadline."""
+    return lambda: not context.is_active()
+
+
+def _i64(v: int) -> int:
+    """``v`` saturated to int64: a status field never fails to encode (issue 13: an
+    overflowed count made ``GetStatus`` fail, and with it the launcher's liveness probe)."""
+    return max(min(int(v), fields.INT64_MAX), -fields.INT64_MAX - 1)
+
+
 def follower_info(f: Any) -> pb.FollowerInfo:
     return pb.FollowerInfo(index=f.index, data_endpoint=f.data_endpoint,
                            control_endpoint=f.control_endpoint, layers=list(f.layers),
-                           layer_bytes=list(f.layer_bytes), incarnation=f.incarnation)
+                           layer_bytes=[_i64(b) for b in f.layer_bytes],
+                           incarnation=_i64(f.incarnation))
 
 
 def _no_revocations() -> frozenset[str]:
@@ -52,13 +73,17 @@ class LeaderServicer(pbg.LeaderServicer):
         make_follower_entry: ``pb.FollowerInfo -> FollowerEntry`` (the role's dataclass).
         revoked: the cluster ids refused from now on (read at every cluster call, so an
             operator's ``dips init --revoke`` takes effect without a restart).
+        gate: the per-member call limits (default: those of a 32-thread server; give
+            :meth:`CallGate.for_server` of the server's ``max_workers``).
     """
 
     def __init__(self, leader: Any, make_follower_entry: Any,
-                 revoked: Callable[[], frozenset[str]] = _no_revocations) -> None:
+                 revoked: Callable[[], frozenset[str]] = _no_revocations,
+                 gate: CallGate | None = None) -> None:
         self.leader = leader
         self._entry = make_follower_entry
         self._revoked = revoked
+        self.gate = gate or CallGate.for_server(32)
 
     def _caller(self, context: Any, what: str) -> Identity:
         """Who calls, from its certificate; a revoked cluster is refused every call, reads
@@ -85,26 +110,30 @@ class LeaderServicer(pbg.LeaderServicer):
         if who.index != request.index:
             raise Refused(Refusal.FORBIDDEN, f"RegisterFollower: field 'index' = {request.index}, "
                                              f"but the caller's certificate is {who.name!r}")
-        reply = self.leader.register_follower(self._entry(request))
+        info = fields.follower_info(request, self.leader.cfg.followers)
+        with self.gate.enter(who.name, "RegisterFollower"):
+            reply = self.leader.register_follower(self._entry(info))
         return pb.RegisterReply(term=reply.term, data_secret=reply.data_secret,
                                 encrypt=reply.encrypt, member_keys=list(reply.member_keys),
                                 next_key_seq=reply.next_key_seq)
 
     @grpc_errors
     def GetSpec(self, request: pb.SpecRequest, context: Any) -> pb.SpecReply:
-        self._caller(context, "GetSpec")
-        spec, fingerprint = self.leader.spec_json()
+        who = self._caller(context, "GetSpec")
+        with self.gate.enter(who.name, "GetSpec"):
+            spec, fingerprint = self.leader.spec_json()
         return pb.SpecReply(run_spec=spec, fingerprint=fingerprint, term=self.leader.term)
 
     @grpc_errors
     def JoinCluster(self, request: pb.JoinRequest, context: Any) -> pb.JoinReply:
         who = self._caller(context, "JoinCluster")
-        if who.role == "admin":  # an observer: pulls the model, never pushes (no membership)
-            version, followers, key = self.leader.join_observer(who.name)
-        else:
-            cid = self._cluster(context, request.cluster_id, "JoinCluster")
-            version, followers, key = self.leader.join_cluster(
-                cid, [list(s.layers) for s in request.stages], request.fingerprint)
+        with self.gate.enter(who.name, "JoinCluster"):
+            if who.role == "admin":  # an observer: pulls the model, never pushes (no membership)
+                version, followers, key = self.leader.join_observer(who.name)
+            else:
+                cid = self._cluster(context, request.cluster_id, "JoinCluster")
+                _, stages, fingerprint = fields.join_request(request)
+                version, followers, key = self.leader.join_cluster(cid, stages, fingerprint)
         return pb.JoinReply(version=version, followers=[follower_info(f) for f in followers],
                             heartbeat_interval_s=self.leader.cfg.membership.heartbeat_interval_s,
                             push_timeout_s=self.leader.cfg.timeouts.push_s,
@@ -113,23 +142,25 @@ class LeaderServicer(pbg.LeaderServicer):
     @grpc_errors
     def RequestPush(self, request: pb.PushRequest, context: Any) -> pb.PushGrant:
         cid = self._cluster(context, request.cluster_id, "RequestPush")
-        progress = {int(c.chunk): int(c.position) for c in request.progress}
-        if len(progress) != len(request.progress):
-            raise ValueError("push field 'progress' lists a chunk twice")
-        grant = self.leader.request_push(cid, request.base_version, request.tokens,
-                                         _time_left(context), progress,
-                                         request.expected_push_s or None)
+        req = fields.push_request(request)
+        with self.gate.enter(f"cluster-{cid}", "RequestPush"):
+            grant = self.leader.request_push(cid, req.base_version, req.tokens,
+                                             _time_left(context), req.progress, req.expected_s,
+                                             cancelled=_cancelled(context))
         steps = [pb.Step(transfers=[pb.Transfer(stage=s, layer=l, follower=f) for s, l, f in step])
                  for step in grant.schedule]
         return pb.PushGrant(push_id=grant.push_id, round=grant.round,
                             server_version=grant.version, schedule=steps,
-                            stage_first=grant.stage_first)
+                            stage_first=grant.stage_first, ticket=grant.ticket,
+                            ticket_mac=grant.ticket_mac)
 
     @grpc_errors
     def PushDone(self, request: pb.PushDoneRequest, context: Any) -> pb.PushVerdict:
         cid = self._cluster(context, request.cluster_id, "PushDone")
-        reply = self.leader.push_done(cid, request.push_id, request.ok,
-                                      request.error, _time_left(context))
+        _, push_id, ok, error = fields.push_done_request(request)
+        with self.gate.enter(f"cluster-{cid}", "PushDone"):
+            reply = self.leader.push_done(cid, push_id, ok, error, _time_left(context),
+                                          cancelled=_cancelled(context))
         v = reply.verdict
         return pb.PushVerdict(accepted=v.accepted, has_score=v.score is not None,
                               score=v.score if v.score is not None else math.nan,
@@ -141,33 +172,40 @@ class LeaderServicer(pbg.LeaderServicer):
 
     @grpc_errors
     def PullDone(self, request: pb.PullDoneRequest, context: Any) -> pb.Ack:
-        self.leader.pull_done(self._cluster(context, request.cluster_id, "PullDone"),
-                              request.version)
+        cid = self._cluster(context, request.cluster_id, "PullDone")
+        _, version = fields.pull_done_request(request)
+        with self.gate.enter(f"cluster-{cid}", "PullDone"):
+            self.leader.pull_done(cid, version)
         return pb.Ack(ok=True)
 
     @grpc_errors
     def Heartbeat(self, request: pb.HeartbeatRequest, context: Any) -> pb.HeartbeatReply:
         cid = self._cluster(context, request.cluster_id, "Heartbeat")
-        a = self.leader.heartbeat(cid, request.inner_step, request.tokens,
-                                  request.last_loss)
+        _, inner_step, tokens, loss = fields.heartbeat_request(request)
+        with self.gate.enter(f"cluster-{cid}", "Heartbeat"):
+            a = self.leader.heartbeat(cid, inner_step, tokens, loss)
         return pb.HeartbeatReply(version=a.version, known=a.known,
                                  followers_epoch=a.followers_epoch, finished=a.finished)
 
     @grpc_errors
     def LeaveCluster(self, request: pb.LeaveRequest, context: Any) -> pb.Ack:
-        self.leader.leave(self._cluster(context, request.cluster_id, "LeaveCluster"))
+        cid = self._cluster(context, request.cluster_id, "LeaveCluster")
+        fields.leave_request(request)
+        with self.gate.enter(f"cluster-{cid}", "LeaveCluster"):
+            self.leader.leave(cid)
         return pb.Ack(ok=True)
 
     @grpc_errors
     def GetStatus(self, request: pb.StatusRequest, context: Any) -> pb.StatusReply:
-        self._caller(context, "GetStatus")  # any member or the operator
-        s = self.leader.status()
-        clusters = [pb.ClusterStatus(cluster_id=c.cluster_id, inner_step=c.inner_step,
-                                     tokens=c.tokens, last_loss=c.last_loss,
-                                     last_push=c.last_push, pulled_version=c.pulled_version)
+        who = self._caller(context, "GetStatus")  # any member or the operator
+        with self.gate.enter(who.name, "GetStatus"):
+            s = self.leader.status()
+        clusters = [pb.ClusterStatus(cluster_id=c.cluster_id, inner_step=_i64(c.inner_step),
+                                     tokens=_i64(c.tokens), last_loss=c.last_loss,
+                                     last_push=c.last_push, pulled_version=_i64(c.pulled_version))
                     for c in s.clusters]
-        n = s.counts
-        return pb.StatusReply(version=s.version, rounds=s.rounds,
+        n = {k: _i64(v) for k, v in s.counts.items()}
+        return pb.StatusReply(version=_i64(s.version), rounds=_i64(s.rounds),
                               updates_pushed=n["updates_pushed"],
                               updates_accepted=n["updates_accepted"],
                               updates_rejected=n["updates_rejected"],
@@ -175,16 +213,16 @@ class LeaderServicer(pbg.LeaderServicer):
                               outer_steps=n["outer_steps"], phase=s.phase, clusters=clusters,
                               followers=[follower_info(f) for f in s.followers],
                               followers_ready=s.followers_ready,
-                              accepted_windows=s.accepted_windows,
-                              ledger_epoch=s.ledger_epoch,
+                              accepted_windows=_i64(s.accepted_windows),
+                              ledger_epoch=_i64(s.ledger_epoch),
                               outer_steps_lost=n["outer_steps_lost"], finished=s.finished)
 
     @grpc_errors
     def Lease(self, request: pb.LeaseRequest, context: Any) -> pb.LeaseReply:
-        if request.n < 0:
-            raise ValueError(f"lease field 'n' = {request.n} must be >= 0")
         cid = self._cluster(context, request.cluster_id, "Lease")
-        holdings, windows, epoch = self.leader.lease(cid, request.n)
+        _, n = fields.lease_request(request)
+        with self.gate.enter(f"cluster-{cid}", "Lease"):
+            holdings, windows, epoch = self.leader.lease(cid, n)
         return pb.LeaseReply(holdings=[pb.ChunkPos(chunk=c, position=p) for c, p in holdings],
                              windows_per_chunk=windows, epoch=epoch)
 
@@ -201,18 +239,14 @@ class FollowerServicer(pbg.FollowerServicer):
     def _admit(self, context: Any, what: str) -> None:
         require(caller(context), "leader", what)
         raw = dict(context.invocation_metadata() or ()).get(TERM_KEY, "0")
-        try:
-            term = int(raw)
-        except (TypeError, ValueError):
-            raise Refused(Refusal.INVALID_ARGUMENT, f"metadata {TERM_KEY!r} = {raw!r} is not "
-                                                    "an integer") from None
-        self.fence.check(term)
+        self.fence.check(fields.term_metadata(raw, TERM_KEY))
 
     @grpc_errors
     def Fence(self, request: pb.FenceRequest, context: Any) -> pb.FenceReply:
         require(caller(context), "leader", "Fence")
-        if request.version < self.shard.version:  # checked before the term is taken
-            raise Refused(Refusal.STALE_TERM, f"leader state at version {request.version} is "
+        version = fields.fence_request(request)
+        if version < self.shard.version:  # checked before the term is taken
+            raise Refused(Refusal.STALE_TERM, f"leader state at version {version} is "
                                               f"behind this follower's {self.shard.version}: a "
                                               "stale copy must not lead")
         self._admit(context, "Fence")
@@ -221,47 +255,48 @@ class FollowerServicer(pbg.FollowerServicer):
     @grpc_errors
     def Score(self, request: pb.ScoreRequest, context: Any) -> pb.ScoreReply:
         self._admit(context, "Score")
-        norms = self.shard.score(request.round, list(request.cluster_ids),
-                                 list(request.push_ids) or None)
+        rnd, clusters, push_ids = fields.score_request(request)
+        norms = self.shard.score(rnd, clusters, push_ids)
         return pb.ScoreReply(version=self.shard.version, norms=[
             pb.ClusterNorm(cluster_id=c, valid=v, sq_norm=g, error=e) for c, v, g, e in norms])
 
     @grpc_errors
     def Aggregate(self, request: pb.AggregateRequest, context: Any) -> pb.AggregateReply:
         self._admit(context, "Aggregate")
-        return pb.AggregateReply(sq_norm=self.shard.aggregate(
-            request.round, list(request.cluster_ids), list(request.weights)))
+        return pb.AggregateReply(sq_norm=self.shard.aggregate(*fields.aggregate_request(request)))
 
     @grpc_errors
     def Apply(self, request: pb.ApplyRequest, context: Any) -> pb.ApplyReply:
         self._admit(context, "Apply")
-        version, checksum = self.shard.apply(request.round, request.clip_factor,
-                                             request.new_version, list(request.accepted),
-                                             list(request.weights))
+        version, checksum = self.shard.apply(*fields.apply_request(request))
         return pb.ApplyReply(version=version, checksum=checksum)
 
     @grpc_errors
     def Commit(self, request: pb.CommitRequest, context: Any) -> pb.ApplyReply:
         self._admit(context, "Commit")
-        version, checksum = self.shard.commit(request.new_version)
+        version, checksum = self.shard.commit(fields.commit_request(request))
         return pb.ApplyReply(version=version, checksum=checksum)
 
     @grpc_errors
     def Abort(self, request: pb.DiscardRequest, context: Any) -> pb.Ack:
         self._admit(context, "Abort")
-        self.shard.abort(None if request.all_rounds else request.round)
+        rnd, every = fields.discard_request(request)
+        self.shard.abort(None if every else rnd)
         return pb.Ack(ok=True)
 
     @grpc_errors
     def Restore(self, request: pb.RestoreRequest, context: Any) -> pb.ApplyReply:
         self._admit(context, "Restore")
-        version, checksum = self.shard.restore(request.version)
+        try:
+            version, checksum = self.shard.restore(fields.restore_request(request))
+        except FileNotFoundError as exc:  # neither prepared nor checkpointed on this follower
+            raise Refused(Refusal.VERSION_GONE, str(exc)) from None
         return pb.ApplyReply(version=version, checksum=checksum)
 
     @grpc_errors
     def Discard(self, request: pb.DiscardRequest, context: Any) -> pb.Ack:
         self._admit(context, "Discard")
-        self.shard.discard(request.round)
+        self.shard.discard(fields.discard_request(request)[0])
         return pb.Ack(ok=True)
 
     @grpc_errors

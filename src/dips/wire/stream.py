@@ -26,6 +26,7 @@ all chunks (truncated). Nothing here allocates per chunk: data are memoryviews.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import hmac
 import json
@@ -45,6 +46,8 @@ from dips.wire.frames import (
     DTYPES,
     MAX_HEADER_BYTES,
     FrameError,
+    check_spec,
+    load_json,
     tensor_bytes,
 )
 
@@ -54,6 +57,10 @@ DEFAULT_CHUNK_BYTES = 2 << 20
 MIN_CHUNK_BYTES = 256
 MAX_CHUNK_BYTES = 4 << 20
 _META = struct.Struct("<16sI")
+#: Most chunks in one transfer: a chunk's position travels as a uint32.
+MAX_CHUNKS = 2**32 - 1
+#: Most tensors one stream header may announce.
+MAX_TENSORS = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -80,29 +87,55 @@ def check_chunk_bytes(chunk_bytes: Any) -> int:
     """Return ``chunk_bytes`` if it is an int in [256 B, 4 MiB] and a multiple of 4, else raise."""
     if (isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int)
             or not MIN_CHUNK_BYTES <= chunk_bytes <= MAX_CHUNK_BYTES or chunk_bytes % 4):
-        raise FrameError(f"field 'chunk' = {chunk_bytes!r} must be a multiple of 4 in "
+        raise FrameError(f"field 'chunk' = {repr(chunk_bytes)[:80]} must be a multiple of 4 in "
                          f"[{MIN_CHUNK_BYTES}, {MAX_CHUNK_BYTES}] bytes")
     return chunk_bytes
 
 
+class ChunkPlan:
+    """The chunks of a transfer in order, ``plan[seq] = (tensor index, byte offset, nbytes)``,
+    computed on demand: O(tensors) memory and time whatever sizes the header declares (a
+    hostile header must not make the receiver build a list of millions of chunks).
+
+    Attributes:
+        count: number of chunks. starts: the seq of each tensor's first chunk.
+    """
+
+    def __init__(self, specs: Sequence[TensorSpec], chunk_bytes: int) -> None:
+        self._sizes = [s.nbytes for s in specs]
+        self._chunk = chunk_bytes
+        self.starts: list[int] = []
+        n = 0
+        for size in self._sizes:
+            self.starts.append(n)
+            n += -(-size // chunk_bytes)
+        self.count = n
+
+    def __getitem__(self, seq: int) -> tuple[int, int, int]:
+        if not 0 <= seq < self.count:
+            raise IndexError(f"chunk {seq} of {self.count}")
+        # The last tensor starting at or before seq: empty tensors share their start with the
+        # next tensor, so the one found is the non-empty tensor holding the chunk.
+        i = bisect.bisect_right(self.starts, seq) - 1
+        off = (seq - self.starts[i]) * self._chunk
+        return i, off, min(self._chunk, self._sizes[i] - off)
+
+
 def plan_chunks(specs: Sequence[TensorSpec], chunk_bytes: int) -> list[tuple[int, int, int]]:
-    """Chunks of a transfer in order: ``(tensor index, byte offset, nbytes)``."""
-    out = []
-    for i, s in enumerate(specs):
-        n = s.nbytes
-        out.extend((i, off, min(chunk_bytes, n - off)) for off in range(0, n, chunk_bytes))
-    return out
+    """Chunks of a transfer in order: ``(tensor index, byte offset, nbytes)`` (a list; the
+    codec itself uses :class:`ChunkPlan`)."""
+    plan = ChunkPlan(specs, chunk_bytes)
+    return [plan[k] for k in range(plan.count)]
 
 
 def _chunk_key(key: bytes, xfer: bytes, seq: int) -> bytes:
     return hmac.digest(key, b"dips/chunk" + _META.pack(xfer, seq), "sha256")
 
 
-def _end_mac(key: bytes, xfer: bytes, count: int, tags: Sequence[bytes]) -> bytes:
-    mac = hmac.new(key, b"dips/end" + _META.pack(xfer, count), hashlib.sha256)
-    for t in tags:
-        mac.update(t)
-    return mac.digest()
+def _end_mac(key: bytes, xfer: bytes, count: int) -> Any:
+    """The END MAC's running state: each chunk's tag is added as it passes, so neither side
+    keeps a list of tags (16 bytes per chunk, unbounded for a hostile chunk count)."""
+    return hmac.new(key, b"dips/end" + _META.pack(xfer, count), hashlib.sha256)
 
 
 class StreamWriter:
@@ -133,14 +166,16 @@ class StreamWriter:
         self.xfer = xfer or os.urandom(16)
         self.chunk_bytes = check_chunk_bytes(chunk_bytes)
         self.specs = list(specs)
-        self.plan = plan_chunks(self.specs, self.chunk_bytes)
-        self._starts = [sum(1 for c in self.plan if c[0] < i) for i in range(len(self.specs))]
+        self.plan = ChunkPlan(self.specs, self.chunk_bytes)
+        if self.plan.count > MAX_CHUNKS:
+            raise FrameError(f"transfer of {self.plan.count} chunks exceeds {MAX_CHUNKS}")
         sealed = {"enc": 1, "nonce": seal.fresh()} if encrypt else {}
         self.head = json.dumps({"v": STREAM_VERSION, **header, **sealed, "xfer": self.xfer.hex(),
                                 "chunk": self.chunk_bytes,
                                 "tensors": [{"name": s.name, "dtype": s.dtype, "shape": list(s.shape)}
                                             for s in self.specs]}, separators=(",", ":")).encode()
-        self._tags: list[bytes] = []
+        self._sent = 0
+        self._mac = _end_mac(key, self.xfer, self.plan.count)
         self._aead = seal.cipher(key, b"stream", self.head) if encrypt else None
         self._ring = ring
 
@@ -161,10 +196,10 @@ class StreamWriter:
         if TensorSpec.of(spec.name, tensor) != spec or not tensor.is_contiguous():
             raise FrameError(f"tensor {spec.name!r}: {tensor.dtype} {tuple(tensor.shape)} does not "
                              f"match its spec {spec.dtype} {list(spec.shape)} (or not contiguous)")
-        if len(self._tags) != self._starts[index]:
+        if self._sent != self.plan.starts[index]:
             raise FrameError(f"tensor {spec.name!r} sent out of order")
         raw = tensor_bytes(tensor)
-        for seq in range(self._starts[index], len(self.plan)):
+        for seq in range(self.plan.starts[index], self.plan.count):
             i, off, n = self.plan[seq]
             if i != index:
                 break
@@ -174,23 +209,28 @@ class StreamWriter:
                 sealed = (self._ring.take(n + seal.TAG_BYTES) if self._ring is not None
                           else bytearray(n + seal.TAG_BYTES))  # ZeroMQ holds it until sent
                 self._aead.encrypt_into(seal.nonce(seq), data, meta, sealed)
-                self._tags.append(bytes(sealed[n:]))
+                self._mac.update(bytes(sealed[n:]))
+                self._sent += 1
                 yield [CHUNK, meta, b"", sealed]
                 continue
             tag = Poly1305.generate_tag(_chunk_key(self._key, self.xfer, seq), data)
-            self._tags.append(tag)
+            self._mac.update(tag)
+            self._sent += 1
             yield [CHUNK, meta, tag, data]
 
     def end(self) -> list[bytes]:
         """The END message. Raises FrameError if some chunk was not produced."""
-        if len(self._tags) != len(self.plan):
-            raise FrameError(f"stream ended after {len(self._tags)} of {len(self.plan)} chunks")
-        count = len(self.plan)
-        return [END, _META.pack(self.xfer, count), _end_mac(self._key, self.xfer, count, self._tags)]
+        if self._sent != self.plan.count:
+            raise FrameError(f"stream ended after {self._sent} of {self.plan.count} chunks")
+        return [END, _META.pack(self.xfer, self.plan.count), self._mac.copy().digest()]
 
 
 class StreamReader:
     """Verifies one incoming transfer (receiver side); see the module docstring.
+
+    Nothing here grows with the sizes the header declares: the chunk plan is computed on
+    demand and the END MAC runs as chunks pass, so a receiver can check the declared tensors
+    (e.g. against its shard) before it allocates anything for them.
 
     Args:
         key: the sender's member key. head, mac: the BEGIN message's JSON and MAC.
@@ -198,7 +238,7 @@ class StreamReader:
 
     Attributes:
         header: JSON fields other than the reserved ones. specs: the announced tensors.
-        plan: ``(tensor index, byte offset, nbytes)`` per chunk. xfer: the 16-byte id.
+        plan: :class:`ChunkPlan` of the transfer. xfer: the 16-byte id.
 
     Raises:
         FrameError: unauthenticated or malformed header (field and value named).
@@ -209,50 +249,52 @@ class StreamReader:
             raise FrameError(f"header length {len(head)} exceeds {MAX_HEADER_BYTES} bytes")
         if not hmac.compare_digest(hmac.digest(key, b"dips/begin" + head, "sha256"), mac):
             raise FrameError("begin mac does not match: stream unauthenticated or altered")
-        try:
-            h = json.loads(head)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise FrameError(f"stream header is not JSON: {exc}") from None
+        h = load_json(head, "stream header")
         if not isinstance(h, dict) or h.get("v") != STREAM_VERSION:
-            raise FrameError(f"stream header field 'v' = {h.get('v') if isinstance(h, dict) else h!r}, "
-                             f"expected {STREAM_VERSION}")
+            got = h.get("v") if isinstance(h, dict) else h
+            raise FrameError(f"stream header field 'v' = {repr(got)[:80]}, expected {STREAM_VERSION}")
+        xfer = h.pop("xfer", None)
         try:
-            self.xfer = bytes.fromhex(h.pop("xfer"))
-            assert len(self.xfer) == 16
-        except (KeyError, ValueError, TypeError, AssertionError):
-            raise FrameError("stream header field 'xfer' is not a 16-byte hex id") from None
+            self.xfer = bytes.fromhex(xfer) if isinstance(xfer, str) else b""
+        except ValueError:
+            self.xfer = b""
+        if len(self.xfer) != 16:
+            raise FrameError(f"stream header field 'xfer' = {repr(xfer)[:80]} is not a 16-byte hex id")
         self.chunk_bytes = check_chunk_bytes(h.pop("chunk", None))
-        self.specs = [_spec(m) for m in _list(h.pop("tensors", None))]
+        self.specs = [TensorSpec(*check_spec(m)) for m in _list(h.pop("tensors", None))]
         if len({s.name for s in self.specs}) != len(self.specs):
-            raise FrameError(f"stream header lists a tensor twice: {[s.name for s in self.specs]}")
+            raise FrameError(f"stream header lists a tensor twice: {[s.name for s in self.specs][:20]}")
         h.pop("v")
         self.encrypted = h.pop("enc", 0) == 1
         h.pop("nonce", None)
         if require_encrypted and not self.encrypted:
             raise FrameError("stream chunks are not encrypted, and this member's must be")
+        self.plan = ChunkPlan(self.specs, self.chunk_bytes)
+        if self.plan.count > MAX_CHUNKS:
+            raise FrameError(f"stream of {self.plan.count} chunks exceeds {MAX_CHUNKS}")
         self._aead = seal.cipher(key, b"stream", head) if self.encrypted else None
         self.header = h
-        self.plan = plan_chunks(self.specs, self.chunk_bytes)
         self._key = key
-        self._tags: list[bytes] = []
+        self._seq = 0
+        self._mac = _end_mac(key, self.xfer, self.plan.count)
 
     @property
     def received(self) -> int:
-        return len(self._tags)
+        return self._seq
 
     def expect(self, meta: bytes) -> tuple[int, int, int]:
         """Check a chunk's ``meta`` names this transfer and the next position; return its place
         ``(tensor index, byte offset, nbytes)``. Raises FrameError (reordered, lost, surplus)."""
         try:
             xfer, seq = _META.unpack(meta)
-        except struct.error:
+        except (struct.error, TypeError):
             raise FrameError(f"chunk meta is {len(meta)} bytes, expected {_META.size}") from None
         if xfer != self.xfer:
             raise FrameError(f"chunk of transfer {xfer.hex()} inside transfer {self.xfer.hex()}")
-        if seq >= len(self.plan):
-            raise FrameError(f"chunk seq {seq} beyond the {len(self.plan)} chunks announced")
-        if seq != len(self._tags):
-            raise FrameError(f"chunk seq {seq} arrived where seq {len(self._tags)} was expected "
+        if seq >= self.plan.count:
+            raise FrameError(f"chunk seq {seq} beyond the {self.plan.count} chunks announced")
+        if seq != self._seq:
+            raise FrameError(f"chunk seq {seq} arrived where seq {self._seq} was expected "
                              f"(reordered or lost)")
         return self.plan[seq]
 
@@ -273,16 +315,19 @@ class StreamReader:
         """Decrypt the next (encrypted) chunk ``data`` (ciphertext + tag) into ``out``; return
         ``(tensor index, byte offset)``. Raises FrameError: out of order, wrong size, tag
         mismatch (altered, or a chunk of another transfer or position)."""
+        if self._aead is None:
+            raise FrameError("an unencrypted stream's chunk must be verified, not opened")
         i, off, n = self.expect(meta)
         if len(data) != n + seal.TAG_BYTES or len(out) != n:
-            raise FrameError(f"chunk {len(self._tags)} of tensor {self.specs[i].name!r} is "
+            raise FrameError(f"chunk {self._seq} of tensor {self.specs[i].name!r} is "
                              f"{len(data)} bytes, expected {n + seal.TAG_BYTES}")
         try:
-            self._aead.decrypt_into(seal.nonce(len(self._tags)), data, meta, out)
+            self._aead.decrypt_into(seal.nonce(self._seq), data, meta, out)
         except InvalidTag:
-            raise FrameError(f"chunk {len(self._tags)} of tensor {self.specs[i].name!r}: tag "
+            raise FrameError(f"chunk {self._seq} of tensor {self.specs[i].name!r}: tag "
                              f"does not match (altered, or replayed from elsewhere)") from None
-        self._tags.append(bytes(data[n:]))
+        self._mac.update(bytes(data[n:]))
+        self._seq += 1
         return i, off
 
     def verify(self, meta: bytes, tag: bytes, data: memoryview | bytes) -> tuple[int, int]:
@@ -294,47 +339,35 @@ class StreamReader:
             raise FrameError("an encrypted stream's chunk must be opened, not verified")
         i, off, n = self.expect(meta)
         if len(data) != n:
-            raise FrameError(f"chunk {len(self._tags)} of tensor {self.specs[i].name!r} is "
+            raise FrameError(f"chunk {self._seq} of tensor {self.specs[i].name!r} is "
                              f"{len(data)} bytes, expected {n}")
-        seq = len(self._tags)
+        seq = self._seq
         try:
             Poly1305.verify_tag(_chunk_key(self._key, self.xfer, seq), data, tag)
         except InvalidSignature:
             raise FrameError(f"chunk {seq} of tensor {self.specs[i].name!r}: tag does not match "
                              f"(unauthenticated or altered)") from None
-        self._tags.append(bytes(tag))
+        self._mac.update(bytes(tag))
+        self._seq += 1
         return i, off
 
     def end(self, meta: bytes, mac: bytes) -> None:
         """Verify the END message. Raises FrameError if truncated or unauthenticated."""
         try:
             xfer, count = _META.unpack(meta)
-        except struct.error:
+        except (struct.error, TypeError):
             raise FrameError(f"end meta is {len(meta)} bytes, expected {_META.size}") from None
         if xfer != self.xfer:
             raise FrameError(f"end of transfer {xfer.hex()} inside transfer {self.xfer.hex()}")
-        if count != len(self.plan) or len(self._tags) != len(self.plan):
-            raise FrameError(f"stream truncated: {len(self._tags)} of {len(self.plan)} chunks "
+        if count != self.plan.count or self._seq != self.plan.count:
+            raise FrameError(f"stream truncated: {self._seq} of {self.plan.count} chunks "
                              f"received, end says {count}")
-        if not hmac.compare_digest(_end_mac(self._key, self.xfer, count, self._tags), mac):
+        if not hmac.compare_digest(self._mac.copy().digest(), mac):
             raise FrameError("end mac does not match: stream unauthenticated or altered")
 
 
 def _list(x: Any) -> list:
-    if not isinstance(x, list):
-        raise FrameError(f"stream header field 'tensors' = {x!r} is not a list")
+    if not isinstance(x, list) or len(x) > MAX_TENSORS:
+        raise FrameError(f"stream header field 'tensors' = {repr(x)[:80]} is not a list of at "
+                         f"most {MAX_TENSORS} entries")
     return x
-
-
-def _spec(m: Any) -> TensorSpec:
-    if not isinstance(m, dict):
-        raise FrameError(f"tensor entry {m!r} is not an object")
-    name, dtype, shape = m.get("name"), m.get("dtype"), m.get("shape")
-    if not isinstance(name, str):
-        raise FrameError(f"tensor field 'name' = {name!r} is not a string")
-    if dtype not in DTYPES:
-        raise FrameError(f"tensor {name!r}: field 'dtype' = {dtype!r} not in {sorted(DTYPES)}")
-    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool)
-                                              and d >= 0 for d in shape):
-        raise FrameError(f"tensor {name!r}: field 'shape' = {shape!r} is not a list of sizes")
-    return TensorSpec(name, dtype, tuple(shape))

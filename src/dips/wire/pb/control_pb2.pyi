@@ -26,6 +26,8 @@ class Refusal(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     LEASE_HELD: _ClassVar[Refusal]
     MODEL_MISMATCH: _ClassVar[Refusal]
     RUN_FINISHED: _ClassVar[Refusal]
+    STALE_GRANT: _ClassVar[Refusal]
+    BUSY: _ClassVar[Refusal]
 REFUSAL_UNSPECIFIED: Refusal
 NOT_JOINED: Refusal
 PUSH_IN_FLIGHT: Refusal
@@ -43,6 +45,8 @@ STALE_TERM: Refusal
 LEASE_HELD: Refusal
 MODEL_MISMATCH: Refusal
 RUN_FINISHED: Refusal
+STALE_GRANT: Refusal
+BUSY: Refusal
 
 class Ack(_message.Message):
     __slots__ = ("ok", "error")
@@ -53,7 +57,7 @@ class Ack(_message.Message):
     def __init__(self, ok: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
 
 class FollowerInfo(_message.Message):
-    __slots__ = ("index", "data_endpoint", "control_endpoint", "layers", "layer_bytes", "version", "prepared_version", "checkpoints", "incarnation", "leader_term")
+    __slots__ = ("index", "data_endpoint", "control_endpoint", "layers", "layer_bytes", "version", "prepared_version", "checkpoints", "incarnation", "leader_term", "data_plane_error")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     DATA_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     CONTROL_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
@@ -64,6 +68,7 @@ class FollowerInfo(_message.Message):
     CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     LEADER_TERM_FIELD_NUMBER: _ClassVar[int]
+    DATA_PLANE_ERROR_FIELD_NUMBER: _ClassVar[int]
     index: int
     data_endpoint: str
     control_endpoint: str
@@ -74,7 +79,8 @@ class FollowerInfo(_message.Message):
     checkpoints: _containers.RepeatedScalarFieldContainer[int]
     incarnation: int
     leader_term: int
-    def __init__(self, index: _Optional[int] = ..., data_endpoint: _Optional[str] = ..., control_endpoint: _Optional[str] = ..., layers: _Optional[_Iterable[str]] = ..., layer_bytes: _Optional[_Iterable[int]] = ..., version: _Optional[int] = ..., prepared_version: _Optional[int] = ..., checkpoints: _Optional[_Iterable[int]] = ..., incarnation: _Optional[int] = ..., leader_term: _Optional[int] = ...) -> None: ...
+    data_plane_error: str
+    def __init__(self, index: _Optional[int] = ..., data_endpoint: _Optional[str] = ..., control_endpoint: _Optional[str] = ..., layers: _Optional[_Iterable[str]] = ..., layer_bytes: _Optional[_Iterable[int]] = ..., version: _Optional[int] = ..., prepared_version: _Optional[int] = ..., checkpoints: _Optional[_Iterable[int]] = ..., incarnation: _Optional[int] = ..., leader_term: _Optional[int] = ..., data_plane_error: _Optional[str] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
     __slots__ = ("term", "data_secret", "encrypt", "member_keys", "next_key_seq")
@@ -183,18 +189,22 @@ class Step(_message.Message):
     def __init__(self, transfers: _Optional[_Iterable[_Union[Transfer, _Mapping]]] = ...) -> None: ...
 
 class PushGrant(_message.Message):
-    __slots__ = ("push_id", "round", "server_version", "schedule", "stage_first")
+    __slots__ = ("push_id", "round", "server_version", "schedule", "stage_first", "ticket", "ticket_mac")
     PUSH_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
     SCHEDULE_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIRST_FIELD_NUMBER: _ClassVar[int]
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    TICKET_MAC_FIELD_NUMBER: _ClassVar[int]
     push_id: str
     round: int
     server_version: int
     schedule: _containers.RepeatedCompositeFieldContainer[Step]
     stage_first: bool
-    def __init__(self, push_id: _Optional[str] = ..., round: _Optional[int] = ..., server_version: _Optional[int] = ..., schedule: _Optional[_Iterable[_Union[Step, _Mapping]]] = ..., stage_first: _Optional[bool] = ...) -> None: ...
+    ticket: str
+    ticket_mac: bytes
+    def __init__(self, push_id: _Optional[str] = ..., round: _Optional[int] = ..., server_version: _Optional[int] = ..., schedule: _Optional[_Iterable[_Union[Step, _Mapping]]] = ..., stage_first: _Optional[bool] = ..., ticket: _Optional[str] = ..., ticket_mac: _Optional[bytes] = ...) -> None: ...
 
 class PushDoneRequest(_message.Message):
     __slots__ = ("cluster_id", "push_id", "ok", "error")

@@ -1,0 +1,40 @@
+"""Durable files: what a crash or power loss must not leave half-written or lost.
+
+A rename is atomic but not durable until the directory holding it is flushed, and a file's
+bytes are not durable until the file is (POSIX ``fsync(2)``; ext4 and XFS lose a renamed
+file's contents on power loss otherwise). Every state file a role persists — shard
+checkpoints, ``leader.json``, terms — goes through these two functions.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def fsync_path(path: Path) -> None:
+    """Flush ``path`` (a file or a directory) to stable storage. Raises OSError."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: Path, data: bytes, mode: int = 0o644) -> None:
+    """Replace ``path`` with ``data`` atomically and durably: a temporary file in the same
+    directory, created with ``mode`` (never wider, whatever the umask), fsynced, renamed over
+    ``path``, then the directory fsynced. Readers see the old or the new bytes, never a mix.
+    Raises OSError."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    try:
+        os.fchmod(fd, mode)
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    fsync_path(path.parent)

@@ -1,0 +1,99 @@
+"""Per-member limits on concurrent control calls, so that one member cannot starve the rest.
+
+The leader's gRPC server has a fixed pool of handler threads, and two of its calls block by
+design: ``RequestPush`` waits for a grace window, ``PushDone`` for the round's verdict. A
+member that holds a push and sends more requests would otherwise park one thread per call
+until none is left for anyone's heartbeat (issue 13: one held push plus 13 queued requests
+took all 12 threads; an honest cluster's heartbeats hit their deadline and it was removed).
+
+:class:`CallGate` counts the calls in progress and refuses, at once and with
+``Refusal.BUSY``, a call that would exceed
+
+* ``per_call`` blocking calls of one method by one member (a member has one push request
+  and one verdict wait at a time; a second is a retry that must wait for the first to end),
+* ``per_member`` calls of any method by one member,
+* ``blocking`` blocking calls over all members together: the server's other threads stay
+  free for heartbeats, follower registrations and status reads, which never block.
+
+A refused call costs its thread microseconds; nothing is queued.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Iterator
+
+from dips.algo.refusal import Refusal, Refused
+
+#: Calls that wait for an event of the round (seconds to minutes) instead of answering.
+BLOCKING = frozenset({"RequestPush", "PushDone"})
+#: Threads kept free of blocking calls (heartbeats, registrations, status).
+RESERVED_THREADS = 6
+
+
+class CallGate:
+    """Counts calls in progress per member and method (thread-safe).
+
+    Args:
+        blocking: blocking calls (:data:`BLOCKING`) in progress at once over all members.
+        per_member: calls of one member in progress at once.
+        per_call: blocking calls of one method by one member in progress at once.
+
+    Raises:
+        ValueError: a limit below 1.
+    """
+
+    def __init__(self, blocking: int, per_member: int = 6, per_call: int = 1) -> None:
+        if min(blocking, per_member, per_call) < 1:
+            raise ValueError(f"call limits blocking={blocking}, per_member={per_member}, "
+                             f"per_call={per_call} must be >= 1")
+        self.blocking, self.per_member, self.per_call = blocking, per_member, per_call
+        self._lock = threading.Lock()
+        self._calls: dict[tuple[str, str], int] = {}
+        self._members: dict[str, int] = {}
+        self._blocking = 0
+
+    @classmethod
+    def for_server(cls, max_workers: int) -> "CallGate":
+        """Limits for a server of ``max_workers`` handler threads: blocking calls leave
+        :data:`RESERVED_THREADS` threads free (at least one may block)."""
+        return cls(blocking=max(1, max_workers - RESERVED_THREADS))
+
+    @contextlib.contextmanager
+    def enter(self, member: str, method: str) -> Iterator[None]:
+        """Hold a place for ``member``'s call of ``method`` for the ``with`` block.
+
+        Raises Refused(BUSY) naming the limit when there is no place (nothing is held then).
+        """
+        key = (member, method)
+        blocks = method in BLOCKING
+        with self._lock:
+            if blocks and self._calls.get(key, 0) >= self.per_call:
+                raise Refused(Refusal.BUSY, f"{member}: a {method} call of this member is "
+                                            "already in progress: retry when it ended")
+            if self._members.get(member, 0) >= self.per_member:
+                raise Refused(Refusal.BUSY, f"{member}: {self.per_member} calls of this member "
+                                            "in progress: retry later")
+            if blocks and self._blocking >= self.blocking:
+                raise Refused(Refusal.BUSY, f"{member}: {self.blocking} waiting calls in "
+                                            f"progress at the leader: retry {method} later")
+            self._calls[key] = self._calls.get(key, 0) + 1
+            self._members[member] = self._members.get(member, 0) + 1
+            self._blocking += blocks
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._calls[key] -= 1
+                if not self._calls[key]:
+                    del self._calls[key]
+                self._members[member] -= 1
+                if not self._members[member]:
+                    del self._members[member]
+                self._blocking -= blocks
+
+    def in_progress(self) -> int:
+        """Calls in progress now (for tests and status)."""
+        with self._lock:
+            return sum(self._members.values())
