@@ -71,11 +71,14 @@ bench-sweep: install
 	$(PY) benchmarks/compare/bench_sweep.py --sweep $(SWEEP) --counts=$(COUNTS) --etas=$(ETAS) \
 		--jobs 2 --out runs/sweep
 
-# The same on a 5.2M-parameter model (configs/compare/large/): eta = 100 and 16-cluster weak
-# scaling, Di-PS with its defaults against synchronous DiLoCo (~50 min on 2 idle cores).
+# The same on a 5.2M-parameter model (configs/compare/large/): by default eta = 100 and
+# 16-cluster weak scaling, Di-PS with its defaults against synchronous DiLoCo (~50 min on 2 idle
+# cores); the whole grid: LARGE_COUNTS=1,2,4,8,12,16 LARGE_ETAS=10,50,100,200 (about 10 hours).
+LARGE_COUNTS ?= 16
+LARGE_ETAS ?= 100
 bench-large: install
-	$(PY) benchmarks/compare/bench_sweep.py --sweep defaults --size large --counts 16 --etas 100 \
-		--jobs 2 --out runs/sweep
+	$(PY) benchmarks/compare/bench_sweep.py --sweep defaults --size large --counts=$(LARGE_COUNTS) \
+		--etas=$(LARGE_ETAS) --jobs 2 --out runs/sweep
 
 # Fault injection on the demo model: detection and recovery times per fault kind, outer steps
 # lost (issue 4; about 15 minutes on 2 cores). Figures go to RELIABILITY.md.
