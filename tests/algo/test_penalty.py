@@ -238,3 +238,25 @@ def test_partition_of_clusters_and_sorted_output(norms, n_seen):
     assert new.n_seen == n_seen + len(norms)
     assert new.sigma >= max(1e-12, 0.05 * new.mu)
     assert len(new.recent_scores) <= CFG.recent
+
+
+@pytest.mark.xfail(strict=True, reason="issue 13, open: §8's statistics follow a persistent member "
+                                       "that stays just under the threshold (RELIABILITY.md)")
+def test_a_member_just_under_the_threshold_push_after_push_cannot_ratchet_it():
+    """The fresh review's input (2026-11-30), as the pure decision: two honest clusters with
+    ‖Δ‖² near 1 and a hostile one that, every round, sends the largest ‖Δ‖² the penalty still
+    accepts (90% of the threshold). In a real run 12 such pushes took the threshold from 3 to
+    3,020 and μ from 2.35 to 2.2e6, and the honest clusters' loss diverged. The bound asked:
+    the statistics move no further than honest-looking pushes would move them."""
+    state = PenaltyState()
+    honest = [0.9, 1.1, 1.0, 0.95, 1.05, 1.0]
+    for g in honest:  # warm-up and a calm history
+        _, state = decide(state, {"a": g, "b": 2.0 - g}, CFG)
+    mu0 = state.mu
+    for _ in range(12):
+        history = max(state.recent_scores[-CFG.recent:], default=CFG.score_floor)
+        threshold = CFG.beta * max(CFG.score_floor, history)
+        g_h = state.mu + 0.9 * threshold * state.sigma
+        verdict, state = decide(state, {"a": 1.0, "b": 1.0, "h": g_h}, CFG)
+        assert "h" in verdict.accepted
+    assert state.mu < 2 * mu0 and verdict.threshold < 2 * CFG.beta * CFG.score_floor
