@@ -28,12 +28,14 @@ from dips.roles.follower import FollowerShard
 from dips.roles.leader import FollowerEntry, Leader, LeaderConfig
 from dips.spec import GraceConfig, MembershipConfig, Timeouts
 from dips.wire import fields
-from dips.wire.control import REFUSAL_KEY, make_server, refusal_of
+from dips.wire.control import make_server, refusal_of
 from dips.wire.pb import control_pb2 as pb
 from dips.wire.pb import control_pb2_grpc as pbg
-from dips.wire.security import IDENTITY_KEY, Credentials
 from dips.wire.pki import Identity
+from dips.wire.security import IDENTITY_KEY, Credentials
 from dips.wire.services import TERM_KEY, FollowerServicer, LeaderServicer
+from tests.servicer_context import Aborted
+from tests.servicer_context import FakeContext as Context
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -104,38 +106,9 @@ def _request_type(service: str, method: str) -> type:
 
 
 # ----- outcomes -------------------------------------------------------------------------------
-class Aborted(Exception):
-    def __init__(self, code: grpc.StatusCode, details: str, trailing: tuple) -> None:
-        super().__init__(f"{code.name}: {details[:200]}")
-        self.code = code
-        self.refusal = next((int(v) for k, v in trailing if k == REFUSAL_KEY), None)
-
-
-class FakeContext:
-    """A servicer context for direct calls; waits end within ``time_left_s``."""
-
-    def __init__(self, identity: str, term: str | None = None, time_left_s: float = 0.3) -> None:
-        self._meta = ((IDENTITY_KEY, identity),) + (((TERM_KEY, term),) if term else ())
-        self._left = time_left_s
-        self._trailing: tuple = ()
-
-    def auth_context(self):
-        return {}
-
-    def invocation_metadata(self):
-        return self._meta
-
-    def time_remaining(self):
-        return self._left
-
-    def is_active(self):
-        return True
-
-    def set_trailing_metadata(self, md):
-        self._trailing = tuple(md)
-
-    def abort(self, code, details):
-        raise Aborted(code, details, self._trailing)
+def FakeContext(identity: str, term: str | None = None) -> Context:  # noqa: N802
+    """A direct call's context whose waits end within 0.3 s (fuzzing makes thousands)."""
+    return Context(identity, term, time_left_s=0.3)
 
 
 def assert_typed(call, reply_type: type | None = None) -> None:

@@ -14,13 +14,30 @@ import grpc
 import pytest
 
 from dips.algo.ledger import ChunkLedger
-from dips.algo.refusal import Refusal, Refused
 from dips.algo.penalty import PenaltyState
-from dips.algo.round import (PushReported, PushRequested, RoundPolicy, RoundState, Slot, Staged,
-                             Tick, UpdateFinished, UpdateOutcome, step)
+from dips.algo.refusal import Refusal, Refused
+from dips.algo.round import (
+    PushReported,
+    PushRequested,
+    RoundPolicy,
+    RoundState,
+    Slot,
+    Staged,
+    Tick,
+    UpdateFinished,
+    UpdateOutcome,
+    step,
+)
 from dips.roles.leader import FollowerEntry, Leader, LeaderConfig
 from dips.roles.outer_step import run_update
-from dips.spec import GraceConfig, MembershipConfig, OuterConfig, PenaltyConfig, RunConfig, Timeouts
+from dips.spec import (
+    GraceConfig,
+    MembershipConfig,
+    OuterConfig,
+    PenaltyConfig,
+    RunConfig,
+    Timeouts,
+)
 from dips.spec.run import PUSH_TOKENS_SLACK
 from dips.wire import admission
 from dips.wire.control import MAX_DETAILS, REFUSAL_KEY, Client, make_server, refusal_of
@@ -30,6 +47,7 @@ from dips.wire.pb import control_pb2_grpc as pbg
 from dips.wire.pki import Identity
 from dips.wire.security import IDENTITY_KEY, Credentials
 from dips.wire.services import LeaderServicer
+from tests.servicer_context import Aborted, FakeContext
 
 pytestmark = pytest.mark.timeout(120)
 TPW = 64  # tokens per ledger window
@@ -82,42 +100,6 @@ class ManualClock:
 
     def advance(self, seconds: float) -> None:
         self.t += seconds
-
-
-class Aborted(Exception):
-    """What a fake servicer context raises where gRPC would end the call."""
-
-    def __init__(self, code: grpc.StatusCode, details: str, trailing: tuple) -> None:
-        super().__init__(f"{code.name}: {details}")
-        self.code, self.details = code, details
-        self.refusal = next((Refusal(int(v)) for k, v in trailing if k == REFUSAL_KEY), None)
-
-
-class FakeContext:
-    """A servicer context for direct calls: the caller ``identity`` (insecure mode)."""
-
-    def __init__(self, identity: str, time_left_s: float = 5.0) -> None:
-        self._meta = ((IDENTITY_KEY, identity),)
-        self._left = time_left_s
-        self._trailing: tuple = ()
-
-    def auth_context(self):
-        return {}
-
-    def invocation_metadata(self):
-        return self._meta
-
-    def time_remaining(self):
-        return self._left
-
-    def is_active(self):
-        return True
-
-    def set_trailing_metadata(self, md):
-        self._trailing = tuple(md)
-
-    def abort(self, code, details):
-        raise Aborted(code, details, self._trailing)
 
 
 def wait_for(cond, what: str, timeout_s: float = 30.0):
