@@ -5,6 +5,8 @@
   127.0.0.1); see README.
 * ``dips place --bandwidth B.csv --throughput p.csv``: where to put the PS (§10).
 * ``dips init --config FILE --out DIR``: the run's certificates (mutual TLS).
+* ``dips report RUN_DIR [--out DIR]``: report.html and PNG plots of a run or a comparison.
+* ``dips status --leader HOST:PORT [--watch [--every S]] [--json]``: the run as the leader sees it.
 * ``dips leader`` / ``follower`` / ``cluster``: one role on one host (``launch`` starts
   exactly these); see README "Deploy across hosts".
 """
@@ -37,6 +39,14 @@ app.command("leader")(_node.leader)
 app.command("follower")(_node.follower)
 app.command("cluster")(_node.cluster)
 app.command("export")(_node.export)
+
+from dips.bench.runreport.cli import report as _report  # noqa: E402  (light: matplotlib lazily)
+
+app.command("report")(_report)
+
+from dips.node.status_cli import status as _status  # noqa: E402  (light: typer + rich)
+
+app.command("status")(_status)
 
 
 @app.command()

@@ -42,7 +42,7 @@ def test_seed_section_11_is_not_clipped_under_either_clip_rule():
     for g in (4.0, 5.0, 10.5):
         mu = 0.02 * g + 0.98 * mu
     assert mu == pytest.approx(4.620196, abs=1e-9)
-    _, state = decide(PenaltyState(4.5, 1.0, 1000, [0.3, 2.0, -1.0]),
+    _, state = decide(PenaltyState.from_moments(4.5, 1.0, 1000, [0.3, 2.0, -1.0]),
                       {"A": 4.0, "B": 5.0, "C": 81.0}, PenaltyConfig())
     assert state.mu == pytest.approx(mu, rel=1e-12)
     c = clip_threshold(default.clip, default.max_norm, default.clip_ratio, mu)

@@ -61,7 +61,7 @@ def test_seed_11_four_clusters_three_share_the_step_d_waits():
     assert kinds(acts) == ["StartUpdate"] and s.phase is Phase.UPDATE
     assert [x.cluster_id for x in acts[0].slots] == ["A", "B", "C"]
     out = UpdateOutcome(version=1, accepted=("A", "B"), scores={"A": -0.5, "B": 0.5, "C": 76.5},
-                        threshold=6.0, clip_factor=1.0)
+                        thresholds={"A": 6.0, "B": 6.0, "C": 6.0}, clip_factor=1.0)
     s, acts = run([UpdateFinished(112.0, 1, out)], pol, s)
     assert kinds(acts) == ["Decided", "RoundEnded"] and s.phase is Phase.IDLE
     v = {x.cluster_id: x for x in acts[0].verdicts}
@@ -70,6 +70,7 @@ def test_seed_11_four_clusters_three_share_the_step_d_waits():
     assert {x.version for x in v.values()} == {1}
     ended = acts[1]
     assert (ended.window_s, ended.push_s, ended.update_s, ended.pull_s) == (8.0, 3.0, 1.0, 0.0)
+    assert v["C"].threshold == 6.0
     s, acts = run([req(180.0, "D")], pol, s)
     assert acts[0] == RoundOpened(2, 180.0, 188.0)
 
@@ -320,12 +321,15 @@ def test_push_deadline_follows_measured_push_times():
     s, _ = run([req(0.0, "a", tokens=5), Tick(1.0)], pol)
     assert s.current.push_deadline == 61.0  # nothing measured: the timeout
     s, _ = run([PushReported(0.5, "a", s.current.slots["a"].push_id, True)], pol, s)
+    assert s.push_s == {}  # measured once scored complete (review 14, F2)
+    s, _ = run([UpdateFinished(1.2, 1, UpdateOutcome(1, ("a",)))], pol, s)
     assert s.push_s == {"a": 0.5}
-    s, _ = run([UpdateFinished(1.2, 1, UpdateOutcome(1, ("a",))), req(10.0, "a")], pol, s)
+    s, _ = run([req(10.0, "a")], pol, s)
     assert s.current.slots["a"].expected_s == 0.5
     s, acts = run([Tick(11.0)], pol, s)
     assert s.current.push_deadline == 10.0 + 2.0 + 4 * 0.5  # admitted at 10
-    s, acts = run([PushReported(11.5, "a", s.current.slots["a"].push_id, True)], pol, s)
+    s, acts = run([PushReported(11.5, "a", s.current.slots["a"].push_id, True),
+                   UpdateFinished(11.6, 2, UpdateOutcome(2, ("a",)))], pol, s)
     assert s.push_s["a"] == pytest.approx(0.5 * 1.5 + 0.5 * 0.5)  # EMA, alpha 0.5
     # A member's own prediction serves only until the leader measured it.
     s2, _ = run([PushRequested(0.0, "z", "pz", 0, 5, expected_s=3.0), Tick(1.0)], pol)
@@ -383,11 +387,106 @@ def test_a_hopeless_push_travels_ahead_and_joins_a_round_once_it_arrived():
     # c's push arrives 10 s later: it opens a round of its own, already delivered.
     s, acts = run([PushReported(40.2, "c", "pc", True)], pol, s)
     assert kinds(acts) == ["RoundOpened", "Admitted"] and acts[1].slot.done and acts[1].slot.ok
-    assert s.push_s["c"] == pytest.approx(10.0) and s.staging == {}
+    assert s.staging == {}
     s, acts = run([Tick(41.2)], pol, s)
     assert kinds(acts) == ["WindowClosed", "StartUpdate"]  # nothing to wait for
+    s, _ = run([UpdateFinished(41.5, 4, UpdateOutcome(4, ("c",)))], pol, s)
+    assert s.push_s["c"] == pytest.approx(10.0)  # measured from when it was sent ahead
     # A member never measured, or alone, is not sent ahead; nor a push under stage_min_s.
     assert not hopeless(RoundState(), "c", 10.0, pol)
     typical = sorted(v for k, v in s.push_s.items() if k != "c")[1]  # a: 0.6, b: 0.1
     assert not hopeless(s, "c", 0.9, pol) and not hopeless(s, "c", 4 * typical, pol)
     assert hopeless(s, "c", 4 * typical + 0.01, pol)
+
+
+
+def _stall_then_report_empty(pol, cycles):
+    """Review 14, F2: a member stalls a round (admitted, never reports), then reports each push
+    sent ahead of its round as delivered at once with no data; the update finds it incomplete.
+    Returns the state after at most ``cycles`` such reports (fewer if a push of the member is
+    admitted into a round again) and every action since the stall."""
+    s, out = RoundState(), []
+    for k, c in enumerate("ab"):  # honest a and b push in 0.1 s
+        s, _ = run([req(10.0 * k, c), Tick(10.0 * k + 1)], pol, s)
+        s, _ = run([PushReported(10.0 * k + 0.1, c, s.current.slots[c].push_id, True),
+                    UpdateFinished(10.0 * k + 1.2, k + 1, UpdateOutcome(k + 1, (c,)))], pol, s)
+    s, acts = run([req(30.0, "a"), req(30.0, "h"), Tick(30.5)], pol, s)
+    assert {a.slot.cluster_id for a in acts if isinstance(a, Admitted)} == {"a", "h"}
+    s, _ = run([PushReported(30.1, "a", s.current.slots["a"].push_id, True), Tick(31.0)], pol, s)
+    s, _ = run([Tick(s.current.push_deadline)], pol, s)  # h never reports
+    s, _ = run([UpdateFinished(32.5, 3, UpdateOutcome(3, ("a",)))], pol, s)
+    number, now = 3, 40.0
+    for _ in range(cycles):
+        s, acts = run([PushRequested(now, "h", f"h{now}", 0, 5, expected_s=0.0)], pol, s)
+        out += acts
+        if "h" not in s.staging:  # admitted into a round: the stall could begin again
+            return s, out
+        number += 1
+        s, acts = run([PushReported(now, "h", f"h{now}", True), Tick(now + 1.0),
+                       UpdateFinished(now + 1.1, number, UpdateOutcome(
+                           3, (), invalid={"h": "follower 0: layers missing"}))], pol, s)
+        out += acts
+        now += 10.0
+    return s, out
+
+
+def test_a_push_reported_delivered_but_incomplete_keeps_its_member_sent_ahead():
+    """Review 14, F2: two fast dataless reports brought a stalling member's estimate under
+    1 s and it stalled the next round again. A push counts as fast only once scored complete:
+    its incomplete pushes never lower the estimate and keep its pushes sent ahead."""
+    pol = policy(window_s=1.0)  # floor 2 s, slack 4, stage_ratio 4, stage_min_s 1 s
+    s, out = _stall_then_report_empty(pol, cycles=6)
+    staged = [a.slot.push_id for a in out if type(a).__name__ == "Staged"]
+    assert staged == [f"h{40.0 + 10 * k}" for k in range(6)]  # never admitted into a round
+    held = s.push_s["h"]
+    assert held == pytest.approx(2.4)  # admitted at 30 s, timed out at 30 + 2 + 4 × 0.1
+    assert not any(isinstance(a, Admitted) and a.slot.cluster_id == "h" and not a.slot.done
+                   for a in out)
+    verdicts = [v for a in out if isinstance(a, Decided) for v in a.verdicts]
+    assert [(v.cluster_id, v.accepted) for v in verdicts] == [("h", False)] * 6
+    assert "h" in s.send_ahead
+    # Pushes delivered complete end it and bring the estimate down (measured from when each
+    # was sent ahead); once it is fast again, its push is admitted into a round.
+    for k, now in enumerate((100.0, 110.0)):
+        s, acts = run([PushRequested(now, "h", f"hc{k}", 0, 5),
+                       PushReported(now + 0.3, "h", f"hc{k}", True), Tick(now + 1.3),
+                       UpdateFinished(now + 1.4, 10 + k, UpdateOutcome(4 + k, ("h",)))], pol, s)
+        assert type(acts[0]).__name__ == "Staged" and "h" not in s.send_ahead
+        assert [v.accepted for a in acts if isinstance(a, Decided) for v in a.verdicts] == [True]
+    assert s.push_s["h"] == pytest.approx(0.5 * 0.3 + 0.5 * (0.5 * 0.3 + 0.5 * held))
+    s, acts = run([PushRequested(120.0, "h", "hn", 5, 5)], pol, s)
+    assert "h" not in s.staging and s.current.slots["h"].push_id == "hn"
+
+
+def test_a_failed_or_abandoned_push_counts_like_a_timeout_but_not_one_its_round_failed():
+    """Review 14, F2: a push not delivered complete never lowers its member's estimate and
+    sends the member's pushes ahead; a push failed by its round (followers lost) or in a round
+    that failed as a whole before it was scored says nothing of its member's link."""
+    pol = policy(window_s=1.0)
+    base, _ = run([req(0.0, "a"), Tick(1.0)], pol)
+    base, _ = run([PushReported(1.5, "a", base.current.slots["a"].push_id, True),
+                   UpdateFinished(1.6, 1, UpdateOutcome(1, ("a",)))], pol, base)
+    assert base.push_s == {"a": 1.5} and base.send_ahead == frozenset()
+    opened, _ = run([req(10.0, "a"), Tick(11.0)], pol, base)
+    pid = opened.current.slots["a"].push_id
+    # reported failed at once, left mid-push, or reported delivered but refused by a follower
+    for events, outcome in (
+            ([PushReported(11.1, "a", pid, False, "link down")], UpdateOutcome(1)),
+            ([MemberGone(11.1, "a", "left")], UpdateOutcome(1)),
+            ([PushReported(11.1, "a", pid, True)],
+             UpdateOutcome(1, invalid={"a": "follower 0: layers missing"}))):
+        s, _ = run([*events, UpdateFinished(11.2, 2, outcome)], pol, opened)
+        assert s.send_ahead == {"a"} and s.push_s == {"a": 1.5}, events
+        s, acts = run([req(20.0, "a")], pol, s)
+        assert kinds(acts) == ["Staged"]  # alone, so not for its estimate
+    # not the member's doing: nothing changes
+    for events, outcome in (
+            ([ReadyChanged(11.1, False, "follower 0 down")], UpdateOutcome(1)),
+            ([PushReported(11.1, "a", pid, True)], UpdateOutcome(1, error="round failed: x"))):
+        s, _ = run([*events, UpdateFinished(11.2, 2, outcome)], pol, opened)
+        assert s.send_ahead == frozenset() and s.push_s == {"a": 1.5}, events
+    # a complete push moves the estimate either way
+    for at, took in ((13.0, 3.0), (11.2, 1.2)):
+        s, _ = run([PushReported(at, "a", pid, True),
+                    UpdateFinished(at + 0.1, 2, UpdateOutcome(2, ("a",)))], pol, opened)
+        assert s.push_s["a"] == pytest.approx(0.5 * took + 0.5 * 1.5)

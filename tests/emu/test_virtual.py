@@ -20,9 +20,17 @@ def _lines(path: Path) -> list[str]:
     return path.read_text().splitlines()
 
 
-def test_dips_trains_and_accounts(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """The tiny scenario run once through the bench's runner: (scenario, result, run dir),
+    shared by the test of what it trained and the test that a second run is bit-identical."""
     s = tiny(CACHE)
-    r = get_runner("virtual", "di-ps")(s, tmp_path)
+    out = tmp_path_factory.mktemp("tiny-dips")
+    return s, get_runner("virtual", "di-ps")(s, out), out
+
+
+def test_dips_trains_and_accounts(tiny_run) -> None:
+    s, r, tmp_path = tiny_run
     assert r.method == "di-ps" and r.mode == "virtual" and r.shaping == "virtual"
     assert r.curve[0].tokens == 0 and r.curve[-1].tokens == r.tokens >= s.token_budget
     assert r.final_eval_loss < r.curve[0].eval_loss - 0.5
@@ -39,14 +47,13 @@ def test_dips_trains_and_accounts(tmp_path: Path) -> None:
     assert versions == [sum(1 for y in rounds[:i + 1] if y["accepted"]) for i in range(len(rounds))]
 
 
-def test_same_seed_gives_a_bit_identical_run(tmp_path: Path) -> None:
-    s = tiny(CACHE)
-    a = run_dips(s, tmp_path / "a")
-    b = run_dips(s, tmp_path / "b")
+def test_same_seed_gives_a_bit_identical_run(tiny_run, tmp_path: Path) -> None:
+    _, a, a_dir = tiny_run  # run a: the shared run (through the runner, as the bench runs it)
+    b = run_dips(tiny(CACHE), tmp_path / "b")
     assert [(p.time_s, p.tokens, p.eval_loss) for p in a.curve] == \
            [(p.time_s, p.tokens, p.eval_loss) for p in b.curve]
     # Every round's squared norms, scores and clip factors are equal to the last bit.
-    assert _lines(tmp_path / "a" / "events.jsonl") == _lines(tmp_path / "b" / "events.jsonl")
+    assert _lines(a_dir / "events.jsonl") == _lines(tmp_path / "b" / "events.jsonl")
     c = run_dips(tiny(CACHE, seed=1), tmp_path / "c")
     assert [p.eval_loss for p in c.curve[1:]] != [p.eval_loss for p in a.curve[1:]]
 

@@ -55,7 +55,7 @@ def _feed(sink, specs, data) -> None:
         sink.abort(str(exc))
 
 
-@fuzz(120)
+@fuzz(40)
 @given(push_headers(), st.one_of(st.lists(TENSOR_ENTRY, max_size=3),
                                  st.sampled_from([[{"name": n, "dtype": "bf16", "shape": list(SHAPES[n])}
                                                    for n in names] for names in LAYERS.values()])),
@@ -76,7 +76,7 @@ def test_streamed_pushes_are_admitted_by_the_rules_or_refused(header, entries, d
         assert sq >= 0.0 and sq != float("inf") and (valid or err)
 
 
-@fuzz(120)
+@fuzz(40)
 @given(push_headers(), st.lists(st.sampled_from(list(SHAPES)), max_size=3, unique=True),
        st.sampled_from([torch.bfloat16, torch.float32]),
        st.one_of(st.floats(allow_nan=True), st.sampled_from([1e30, -1e19, 3e38])))
@@ -97,7 +97,7 @@ def test_single_message_pushes_are_admitted_by_the_rules_or_refused(header, name
         assert sq >= 0.0 and sq != float("inf") and (valid or err)
 
 
-@fuzz(100)
+@fuzz(35)
 @given(pull_headers())
 def test_pulls_are_served_by_the_rules_or_refused(header):
     s = shard()

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from dips.wire.frames import DTYPES, FrameError, Message, decode, encode
@@ -27,19 +27,23 @@ def _decoded(frames, **kw) -> Message | None:
     return msg
 
 
-@fuzz(300)
+@fuzz(100)
 @given(st.lists(st.binary(max_size=300), max_size=6))
 def test_random_frames_are_refused(frames):
     assert _decoded(frames) is None  # nothing forges the MAC
 
 
-@fuzz(300)
+@fuzz(100)
 @given(header=st.one_of(JSON, st.fixed_dictionaries(
            {"v": st.one_of(st.just(1), JSON), "op": st.one_of(st.just("push"), JSON),
             "tensors": st.one_of(st.lists(TENSOR_ENTRY, max_size=3), JSON),
             "enc": st.one_of(st.just(0), st.just(1), JSON)})),
        payloads=st.lists(st.binary(max_size=2400), max_size=3),
        encrypted=st.booleans())
+# A declared size beyond any tensor, every time (not left to the draw of the examples).
+@example(header={"v": 1, "op": "push", "enc": 0,
+                 "tensors": [{"name": "a.w", "dtype": "bf16", "shape": [2**40, 2**40]}]},
+         payloads=[b"\x00" * 8], encrypted=False)
 def test_signed_headers_decode_consistently_or_are_refused(header, payloads, encrypted):
     """A member holds a valid key: any header it signs must decode by the rules or be
     refused by name, and what is decoded never exceeds what was received."""
@@ -53,7 +57,7 @@ def test_signed_headers_decode_consistently_or_are_refused(header, payloads, enc
         assert math.prod(t.shape) == t.numel()
 
 
-@fuzz(150)
+@fuzz(50)
 @given(st.data())
 def test_a_valid_message_with_one_frame_altered_is_refused(data):
     import torch

@@ -49,16 +49,24 @@ HEADS = st.fixed_dictionaries({
     "enc": st.one_of(st.just(0), st.just(1), JSON)})
 
 
-@fuzz(200)
+@fuzz(70)
 @given(st.binary(max_size=400), st.binary(max_size=40))
 def test_random_begins_are_refused(head, mac):
     assert _reader(head, mac) is None
 
 
-@fuzz(120)
+@fuzz(40)
 @given(HEADS, st.lists(st.tuples(st.binary(max_size=24), st.binary(max_size=20),
                                  st.binary(max_size=1100)), max_size=4),
        st.binary(max_size=24), st.binary(max_size=40), st.booleans())
+# A declared size beyond any tensor, and a tensor listed twice, every time (not left to the
+# draw of the examples).
+@example(header={"v": 2, "op": "push", "xfer": "ab" * 16, "chunk": 1024, "enc": 0,
+                 "tensors": [{"name": "a.w", "dtype": "bf16", "shape": [2**40, 2**40]}]},
+         chunks=[], end_meta=b"", end_mac=b"", valid_meta=False)
+@example(header={"v": 2, "op": "push", "xfer": "ab" * 16, "chunk": 1024, "enc": 0,
+                 "tensors": [{"name": "a.w", "dtype": "bf16", "shape": [2]}] * 2},
+         chunks=[], end_meta=b"", end_mac=b"", valid_meta=False)
 def test_signed_begins_and_random_chunks_are_accepted_by_the_rules_or_refused(
         header, chunks, end_meta, end_mac, valid_meta):
     """The reader costs memory in proportion to its header only (whatever sizes it declares);
@@ -86,7 +94,7 @@ def test_signed_begins_and_random_chunks_are_accepted_by_the_rules_or_refused(
         r.end(end_meta, end_mac)
 
 
-@fuzz(150)
+@fuzz(50)
 @given(st.data())
 def test_a_stream_with_one_message_altered_is_refused(data):
     tensors = [("w", torch.randn(33, 17).to(torch.bfloat16)), ("b", torch.randn(40))]
@@ -108,7 +116,7 @@ def test_a_stream_with_one_message_altered_is_refused(data):
         r.end(*msgs[-1])
 
 
-@fuzz(200)
+@fuzz(70)
 @given(JSON, JSON)
 @example(xfer="ab" * 10**4, chunk=10**400)  # found: the refusal quoted the 401 digits whole
 def test_pull_request_fields_are_refused_by_name(xfer, chunk):

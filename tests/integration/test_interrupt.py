@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -29,76 +28,36 @@ def _alive(pid: int) -> bool:
     return "State:\tZ" not in status
 
 
-def _accepted_steps(log: Path) -> int:
-    """Outer steps (rounds with an accepted update) the leader has logged so far."""
-    return sum(1 for r in jsonl_so_far(log) if r.get("accepted"))
-
-
-def _second_leader_steps_down(run_dir: Path, tmp_path: Path) -> None:
-    """A copy of the live leader's state directory started as a leader on another port: it
-    takes term + 1, finds the followers leased to the live leader, and exits with code 3
-    without having changed a follower."""
-    from dips.emu.launcher import free_port
-
-    copy = tmp_path / "leader-copy"
-    copy.mkdir()
-    for name in ("run.json", "term", "data_secret", "leader.json", "config.json"):
-        shutil.copy2(run_dir / name, copy / name)
-    from dips.algo.fencing import starts_of
-
-    live_starts = int((run_dir / "term").read_text())  # the leader's start count
-    terms = [int((f / "leader_term").read_text()) for f in (run_dir / "followers").iterdir()]
-    assert [starts_of(t) for t in terms] == [live_starts] * len(terms)
-    second = subprocess.run(
-        [sys.executable, "-m", "dips.cli", "leader", "--config", str(copy / "config.json"),
-         "--listen", f"127.0.0.1:{free_port()}", "--state-dir", str(copy),
-         "--tls", str(run_dir / "pki" / "leader")],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
-        env=dict(os.environ, HF_HUB_OFFLINE="1"))
-    assert second.returncode == 3, second.stderr[-2000:]
+@pytest.mark.timeout(600)  # it may be the test that runs the shared run (up to 400 s + stop)
+def test_sigint_writes_summary_and_stops_children(quiet_run):
+    """The shared fault-free run (shared_run.py): once an outer step was accepted, a copy of
+    the live leader's state directory started as a second leader on another port took term +
+    1, found the followers leased to the live leader, and exited with code 3 without having
+    changed a follower; the live leader went on making outer steps; then SIGINT on `dips
+    launch` stopped every process and still wrote the summary."""
+    second = quiet_run.second_leader
+    # The followers followed the live leader's term before the second one started.
+    assert second["follower_starts"] == [second["live_starts"]] * len(second["terms_before"])
+    assert second["returncode"] == 3, second["stderr"][-2000:]
     # Refused either way: its state is behind the followers', or they stay leased to the
     # live leader (when the copy is exactly as recent as they are).
-    assert ("a stale copy must not lead" in second.stderr
-            or "leased to another live leader" in second.stderr), second.stderr[-2000:]
-    assert int((copy / "term").read_text()) == live_starts + 1
-    after = [int((f / "leader_term").read_text()) for f in (run_dir / "followers").iterdir()]
-    assert after == terms  # no follower took the second leader's term
+    assert ("a stale copy must not lead" in second["stderr"]
+            or "leased to another live leader" in second["stderr"]), second["stderr"][-2000:]
+    assert second["copy_term"] == second["live_starts"] + 1
+    assert second["terms_after"] == second["terms_before"]  # no follower took its term
+    run_dir = quiet_run.run_dir
     events = jsonl_so_far(run_dir / "leader_events.jsonl")
     assert not [e for e in events if e.get("event") == "leader_stepped_down"]
+    # The live leader went on making outer steps after the second one exited.
+    steps = [r for r in jsonl_so_far(run_dir / "outer_steps.jsonl") if r.get("accepted")]
+    assert len(steps) > second["steps_at_exit"]
 
-
-def test_sigint_writes_summary_and_stops_children(tmp_path):
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "dips.cli", "launch", "--config", str(ROOT / "configs/tiny.yaml"),
-         "--run-dir", str(tmp_path / "run"), "--max-time", "300"],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env=dict(os.environ, HF_HUB_OFFLINE="1"))
-    try:
-        deadline = time.monotonic() + 240
-        log = tmp_path / "run" / "outer_steps.jsonl"
-        while time.monotonic() < deadline and proc.poll() is None:
-            if _accepted_steps(log):  # the event, not a number of seconds
-                break
-            time.sleep(0.5)
-        assert proc.poll() is None, proc.stdout.read()
-        assert _accepted_steps(log), "no outer step before the deadline"
-        _second_leader_steps_down(tmp_path / "run", tmp_path)
-        steps = _accepted_steps(log)
-        while time.monotonic() < deadline and _accepted_steps(log) == steps:
-            time.sleep(0.5)  # the live leader goes on making outer steps
-        assert _accepted_steps(log) > steps
-        proc.send_signal(signal.SIGINT)
-        out, _ = proc.communicate(timeout=200)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
-    assert "interrupted" in out
-    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert "interrupted" in quiet_run.output
+    summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["interrupted"] is True
     assert summary["outer_steps"] >= 1
     assert summary["eval_loss_final"] is not None
-    events = [json.loads(l) for l in (tmp_path / "run" / "events.jsonl").read_text().splitlines()]
+    events = [json.loads(l) for l in (run_dir / "events.jsonl").read_text().splitlines()]
     pids = [e["pid"] for e in events if e["event"] == "start"]
     assert len(pids) == 6
     assert not [p for p in pids if _alive(p)]

@@ -173,15 +173,16 @@ def test_a_claim_of_1e18_tokens_weighs_only_its_ledger_count(tmp_path):
 def test_a_member_lying_about_its_ledger_positions_weighs_at_most_a_full_push(tmp_path):
     """Found by a review: T_j is the ledger's count of the windows a member *reports*, so a
     member that reported every held chunk trained to its end took 99.4% of the mean (715,520
-    tokens against 2,048). Its weight is now cut to the most one push can train
-    (``max_push_tokens``); the ledger still accounts every window it reported."""
+    tokens against 2,048), and marked all those windows trained. The ledger now credits a push
+    with at most ``max_push_tokens`` worth of windows (chunk order), so the member weighs and
+    uses up at most one full push's data; its verdict's holdings rewind it to the credit."""
     clock = ManualClock()
     leader, fake = make_leader(tmp_path, clock=clock, window_s=5.0, max_push_tokens=3 * TPW)
     try:
         ca, cb = member(leader, "a"), member(leader, "h")
         ga = leader.request_push("a", 0, 3 * TPW, 5.0, {min(ca): 3})
         gh = leader.request_push("h", 0, 3 * TPW, 5.0, {c: 10 for c in cb})  # 2 chunks to the end
-        assert ticket_of(leader, gh).tokens == 20 * TPW  # what the ledger accounts
+        assert ticket_of(leader, gh).tokens == 3 * TPW  # not the 20 windows it reported
         clock.advance(5.0)
         verdicts: list = []
         waiter = threading.Thread(target=lambda: verdicts.append(
@@ -190,7 +191,11 @@ def test_a_member_lying_about_its_ledger_positions_weighs_at_most_a_full_push(tm
         verdicts.append(leader.push_done("a", ga.push_id, True, "", 30.0))
         waiter.join(30)
         assert fake.applied == [(1, ["a", "h"], [0.5, 0.5])]  # not [0.13, 0.87]
-        assert leader.counts["tokens_accepted"] == 23 * TPW
+        assert leader.counts["tokens_accepted"] == 6 * TPW
+        first, second = sorted(cb)
+        held = {v.verdict.cluster_id: dict(v.holdings) for v in verdicts}
+        assert held["h"] == {first: 3, second: 0}  # the rest of its claim is free to train
+        assert leader.ledger.chunks[second].accepted == 0
     finally:
         leader.stop()
 
@@ -308,7 +313,10 @@ class Site:
 
     def stub(self, name: str) -> tuple[pbg.LeaderStub, tuple]:
         """A raw stub (for calls left waiting as futures) and the metadata naming ``name``."""
-        channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
+        # A connection of its own, as each member process has (servers limit calls per
+        # connection: dips.wire.control.STREAMS_PER_CONNECTION).
+        channel = grpc.insecure_channel(f"127.0.0.1:{self.port}",
+                                        options=[("grpc.use_local_subchannel_pool", 1)])
         self.channels.append(channel)
         return pbg.LeaderStub(channel), ((IDENTITY_KEY, name),)
 
@@ -587,3 +595,59 @@ def replace_field(msg, **fields):
             setattr(out, name, value)
     return out
 
+
+
+# ----- a push reported delivered but incomplete (review 14, F2) ------------------------------
+def test_a_member_reporting_empty_pushes_ahead_never_stalls_a_round_again(tmp_path):
+    """Review 14, F2: a member stalled a round, then reported the pushes it was sent ahead
+    with as delivered at once with no data; two such reports made it look fast and it was
+    admitted into a round again, to stall it again. Only a push the followers found complete
+    counts as fast now: the member stays sent ahead, across a leader restart, until it
+    delivers one."""
+    clock = ManualClock()
+    leader, fake = make_leader(tmp_path, ledger=False, clock=clock)
+    complete: set[str] = set()  # push ids of evil's that reached the follower whole
+
+    def score(rnd, clusters, push_ids=None):
+        whole = [c != "evil" or p in complete for c, p in zip(clusters, push_ids)]
+        return [(c, ok, 1.0, "" if ok else "layers missing") for c, ok in zip(clusters, whole)]
+
+    fake.score = score
+    try:
+        member(leader, "good")
+        member(leader, "evil")
+        g = leader.request_push("good", 0, 1, 5.0)
+        assert leader.push_done("good", g.push_id, True, "", 30.0).verdict.accepted
+        wait_for(lambda: leader.phase == "idle", "round 1 ended")
+        stall = leader.request_push("evil", 0, 1, 5.0, expected_s=0.0)
+        assert stall.round and not stall.stage_first  # admitted; it never reports
+        wait_for(lambda: leader.phase == "push", "round 2 in its push phase")
+        clock.advance(3.0)  # its deadline: 2 s + 4 × good's measured 0 s
+        wait_for(lambda: leader.phase == "idle", "round 2 timed out")
+        assert leader._state.push_s["evil"] == 3.0
+        for k in range(4):
+            ahead = leader.request_push("evil", leader.version, 1, 5.0, expected_s=0.0)
+            assert ahead.stage_first and ahead.round == 0, k  # never held a round again
+            reply = leader.push_done("evil", ahead.push_id, True, "", 30.0)
+            assert not reply.verdict.accepted and "layers missing" in reply.verdict.reason
+            g = leader.request_push("good", leader.version, 1, 5.0)
+            assert g.round and leader.push_done("good", g.push_id, True, "", 30.0).verdict.accepted
+            wait_for(lambda: leader.phase == "idle", "good's round ended")
+        assert "evil" in leader._state.send_ahead and leader._state.push_s["evil"] == 3.0
+        leader.checkpoint()
+    finally:
+        leader.stop()
+    again, fake = make_leader(tmp_path, ledger=False, clock=clock)
+    fake.score = score
+    try:
+        assert "evil" in again._state.send_ahead
+        member(again, "evil")
+        ahead = again.request_push("evil", again.version, 1, 5.0, expected_s=0.0)
+        assert ahead.stage_first
+        complete.add(ahead.push_id)
+        clock.advance(0.5)
+        assert again.push_done("evil", ahead.push_id, True, "", 30.0).verdict.accepted
+        assert "evil" not in again._state.send_ahead
+        assert again._state.push_s["evil"] == pytest.approx(0.5 * 0.5 + 0.5 * 3.0)
+    finally:
+        again.stop()

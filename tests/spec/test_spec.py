@@ -170,7 +170,8 @@ def test_leader_config_composes_the_run_config_and_one_grace_default() -> None:
     assert set(LeaderConfig.model_fields) == {"grace", "penalty", "outer", "membership",
                                               "timeouts", "followers", "token_budget",
                                               "max_outer_steps", "max_time_s",
-                                              "max_push_tokens", "lease_ahead"}
+                                              "max_push_tokens", "lease_ahead",
+                                              "lease_timeout_s"}
 
 
 def test_every_field_has_a_description() -> None:

@@ -13,13 +13,13 @@ from typing import Any
 
 _LOCATIONS = {
     "clip_factor": "aggregate", "clip_threshold": "aggregate", "staleness_scale": "aggregate", "squared_norm": "aggregate", "token_weights": "aggregate",
-    "weighted_mean": "aggregate",
+    "weighted_mean": "aggregate", "robust_scale": "aggregate",
     "GraceState": "grace", "expected_cost_s": "grace", "optimal_grace_s": "grace",
     "Refusal": "refusal", "Refused": "refusal",
     "OuterConfig": "outer", "nesterov_step": "outer", "round_state_": "outer", "pseudo_gradient": "outer",
     "min_max_part_sum": "partition", "partition_contiguous": "partition",
     "PenaltyConfig": "penalty", "PenaltyState": "penalty", "Verdict": "penalty",
-    "decide": "penalty",
+    "decide": "penalty", "robust_mu": "penalty",
     "best_placement": "placement", "placement_scores": "placement",
     "ScheduleBook": "schedule", "Transfer": "schedule", "greedy_schedule": "schedule",
 }

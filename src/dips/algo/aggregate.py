@@ -259,3 +259,42 @@ def staleness_scale(mode: str, weights: dict[str, float], staleness: dict[str, i
             raise ValueError(f"staleness of cluster {c!r} = {s!r} must be an integer >= 0")
         mean += w * s
     return 1.0 / (1.0 + mean)
+
+
+def robust_scale(sq_norms: dict[str, float], mu: float | None, mu_robust: float | None,
+                 ratio: float | None) -> tuple[dict[str, float], float | None]:
+    """Bound what one member can do to an outer step (issue 13: hostile members), given the
+    accepted pushes' ‖Δ_j‖² ``sq_norms`` (units of Δ²), the §8 pooled μ ``mu`` and the robust
+    scale ``mu_robust`` (:func:`dips.algo.penalty.robust_mu`, which fewer than half of the
+    members cannot lift):
+
+    * each push is scaled by s_j = min(1, ``ratio`` · √(μ_robust / ‖Δ_j‖²)), so it enters the
+      mean (§8) with norm at most ``ratio`` · √μ_robust: per-member clipping, the centred
+      clipping of Byzantine-robust aggregation (Karimireddy, He & Jaggi, 2021) with the
+      clusters' median scale as its radius;
+    * the μ of the relative clip (:func:`clip_threshold`) is min(μ, ratio² · μ_robust), so a
+      member that drags §8's pooled μ upward (pushing just under the penalty's threshold,
+      round after round) cannot widen the clip.
+
+    With honest clusters ‖Δ_j‖² stays within ratio² of the median scale and neither bound
+    binds (the figures of CONVERGENCE.md are unchanged). ``ratio`` None: s_j = 1, μ unchanged.
+
+    Returns:
+        ({cluster: s_j in (0, 1]}, the clip's μ or None when ``mu`` is None).
+
+    Raises:
+        ValueError: a negative or non-finite norm or scale, ratio <= 1.
+    """
+    for name, v in (("mu", mu), ("mu_robust", mu_robust)):
+        if v is not None and (not math.isfinite(v) or v < 0):
+            raise ValueError(f"{name} must be a finite number >= 0 or None, got {v!r}")
+    for cid, g in sq_norms.items():
+        if isinstance(g, bool) or not isinstance(g, (int, float)) or not math.isfinite(g) or g < 0:
+            raise ValueError(f"sq_norms[{cid!r}] must be a finite number >= 0, got {g!r}")
+    if ratio is None or mu_robust is None:
+        return {cid: 1.0 for cid in sq_norms}, mu
+    if not math.isfinite(ratio) or not ratio > 1:
+        raise ValueError(f"push_norm_ratio must be a finite number > 1 or None, got {ratio!r}")
+    bound = ratio * ratio * mu_robust
+    scales = {cid: 1.0 if g <= bound else math.sqrt(bound / g) for cid, g in sq_norms.items()}
+    return scales, None if mu is None else min(mu, bound)

@@ -19,6 +19,17 @@ Semantics (the rule that makes "never lost, never counted twice" hold):
 * ``release`` (graceful leave, heartbeat timeout, crash before rejoin) returns a cluster's
   chunks to the pool at their accepted positions and discards any pending report.
 * When every chunk is finished, an epoch ends and all chunks become free again at 0.
+* Work stealing at the pool's end (issue 13; review 14, F3: a member leasing chunks and never
+  pushing kept every epoch from ending, since a new epoch needs every chunk finished): when
+  ``lease`` finds too few free chunks, it reassigns chunks of another holder whose accepted
+  position has not advanced for longer than ``idle_s`` seconds (from the accepted position;
+  never a chunk in that holder's unresolved report). The idle holder's later report on the
+  chunk is refused as not held; the holdings the leader returns (a lease, a verdict) no
+  longer list it.
+  Progress is timed with the ``now`` the caller passes to :meth:`lease` and :meth:`observe`:
+  an accepted advance counts as made at the next such call (never earlier than it was), and
+  a holder is first seen at the ``now`` of its first lease. The times are not checkpointed
+  (a clock's zero is its process's): after a restart every holder starts a fresh bound.
 * ``rollback(version)``: when followers are reconciled to an older version (§12; a follower
   lost an outer step it had committed), the windows accepted by the lost versions are
   un-accepted again and their chunks returned to the pool, so that data is trained again.
@@ -34,6 +45,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
+
+
+#: A holder counts as idle only after this many of its own intervals between advances.
+IDLE_INTERVALS = 3
 
 
 class LedgerError(ValueError):
@@ -67,6 +82,13 @@ class ChunkLedger:
     pending: dict[str, dict[int, int]] = field(default_factory=dict)
     history: dict[int, list[tuple[int, int, int]]] = field(default_factory=dict)
     keep_history: int = 64
+    #: holder -> when its accepted position last advanced (seconds, the caller's clock;
+    #: None: advanced since the last ``now`` seen). Not checkpointed.
+    progressed_at: dict[str, float | None] = field(default_factory=dict, repr=False,
+                                                       compare=False)
+    #: holder -> seconds between its last two timed advances (its push interval, as seen).
+    interval: dict[str, float] = field(default_factory=dict, repr=False, compare=False)
+    _previous: dict[str, float] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.num_chunks < 1 or self.windows_per_chunk < 1:
@@ -83,23 +105,63 @@ class ChunkLedger:
     def free_chunks(self) -> list[int]:
         return [i for i, c in enumerate(self.chunks) if c.holder is None and not c.finished]
 
+    def idle_chunks(self, cluster: str, now: float, idle_s: float) -> list[int]:
+        """Chunks ``cluster`` may take from another holder (see the module docstring: work
+        stealing): held by a member whose accepted position has not advanced for more than
+        ``idle_s`` seconds at ``now``, nor for :data:`IDLE_INTERVALS` × its own interval between
+        advances (a slow honest cluster that pushes every hour keeps its chunks for 3 hours), and not in that holder's unresolved report; the longest
+        idle holder's first, then partially accepted ones, then by id. Changes nothing but the
+        progress times (:meth:`observe`).
+        """
+        self.observe(now)
+        out = []
+        for i, c in enumerate(self.chunks):
+            if c.holder in (None, cluster) or i in self.pending.get(c.holder, {}):
+                continue
+            since = self.progressed_at.get(c.holder)
+            bound = max(idle_s, IDLE_INTERVALS * self.interval.get(c.holder, 0.0))
+            if since is not None and now - since > bound:
+                out.append((since, c.accepted == 0, i))
+        return [i for _, _, i in sorted(out)]
+
+    def observe(self, now: float) -> None:
+        """Time the progress made since the last call: a holder whose accepted position
+        advanced meanwhile, or first seen holding chunks, counts as having progressed at
+        ``now`` (seconds); a member holding nothing is forgotten."""
+        holders = {c.holder for c in self.chunks} - {None}
+        for h in holders:
+            if self.progressed_at.get(h) is None and h in self._previous:
+                self.interval[h] = now - self._previous.pop(h)
+        self.progressed_at = {h: now if self.progressed_at.get(h) is None else
+                              self.progressed_at[h] for h in holders}
+        self.interval = {h: v for h, v in self.interval.items() if h in holders}
+
     # ----- transitions ------------------------------------------------------------------
-    def lease(self, cluster: str, n: int) -> list[tuple[int, int]]:
+    def lease(self, cluster: str, n: int, now: float | None = None,
+              idle_s: float | None = None) -> list[tuple[int, int]]:
         """Give ``cluster`` up to ``n`` more free chunks; returns [(chunk, start position)].
 
         Partially accepted chunks go first (they were left by a departed cluster). If no chunk
-        is free and every chunk is finished, a new epoch starts. Raises LedgerError for n < 1
-        or an empty cluster id.
+        is free and every chunk is finished, a new epoch starts. With ``now`` (seconds, the
+        caller's clock) and ``idle_s``, chunks still missing are taken from holders idle for
+        more than ``idle_s`` seconds (:meth:`idle_chunks`); they start at their accepted
+        positions. Raises LedgerError for n < 1 or an empty cluster id.
         """
         if not cluster or n < 1:
             raise LedgerError(f"lease(cluster={cluster!r}, n={n}): need an id and n >= 1")
         if all(c.finished for c in self.chunks):
             self._new_epoch()
-        free = sorted(self.free_chunks(), key=lambda i: (self.chunks[i].accepted == 0, i))
+        take = sorted(self.free_chunks(), key=lambda i: (self.chunks[i].accepted == 0, i))[:n]
+        if now is not None:
+            self.observe(now)
+            if idle_s is not None and len(take) < n:
+                take += self.idle_chunks(cluster, now, idle_s)[:n - len(take)]
         out = []
-        for i in free[:n]:
+        for i in take:
             self.chunks[i].holder = cluster
             out.append((i, self.chunks[i].accepted))
+        if now is not None:
+            self.observe(now)
         return out
 
     def windows_in(self, cluster: str, progress: dict[int, int]) -> int:
@@ -122,6 +184,29 @@ class ChunkLedger:
                                   f"[{c.accepted}, {self.windows_per_chunk}]")
             total += upto - c.accepted
         return total
+
+    def credit(self, cluster: str, progress: dict[int, int],
+               max_windows: int | None) -> dict[int, int]:
+        """The part of ``progress`` one push is credited with: at most ``max_windows`` windows
+        beyond the accepted positions, taken in chunk order, the positions past them cut back
+        (None: all). Bounds the data a member can mark trained per push, whatever positions it
+        reports (issue 13: a member lying about its progress burns at most one push's worth of
+        data per accepted push; an honest cluster rewinds to the credited positions from its
+        verdict and trains the rest again). Changes nothing.
+
+        Raises LedgerError as :meth:`windows_in`, or if ``max_windows`` < 0.
+        """
+        self.windows_in(cluster, progress)
+        if max_windows is None:
+            return dict(progress)
+        if max_windows < 0:
+            raise LedgerError(f"max_windows = {max_windows} must be >= 0")
+        left, out = max_windows, {}
+        for chunk in sorted(progress):
+            accepted = self.chunks[chunk].accepted
+            out[chunk] = accepted + min(progress[chunk] - accepted, left)
+            left -= out[chunk] - accepted
+        return out
 
     def report(self, cluster: str, progress: dict[int, int]) -> int:
         """Record that ``cluster``'s push trained chunk → window position ``progress``; returns
@@ -147,6 +232,9 @@ class ChunkLedger:
             c = self.chunks[chunk]
             if c.holder != cluster:
                 continue  # released meanwhile: the report no longer counts
+            if upto > c.accepted and self.progressed_at.get(cluster) is not None:
+                self._previous[cluster] = self.progressed_at[cluster]
+                self.progressed_at[cluster] = None  # timed at the next observe
             gained += upto - c.accepted
             ranges.append((chunk, c.accepted, upto))
             c.accepted = upto

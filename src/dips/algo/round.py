@@ -12,7 +12,8 @@ One outer step goes through the phases ``idle → window → push → update →
   reported (delivered or failed) or the push timeout passed (a late push fails).
 * **update**: the caller scores, decides, aggregates and applies the round
   (:class:`StartUpdate`); its :class:`UpdateFinished` carries the outcome, from which every
-  admitted push gets its :class:`Verdict`.
+  admitted push gets its :class:`Verdict` and every member's push-time estimate is updated
+  (:func:`_scored`: only a push delivered complete counts as fast; review 14, F2).
 * **pull**: the round's clusters pull the new version. Without the pull barrier the round
   ends at once and the next window may open while they pull (a slow link delays only its own
   cluster); with ``grace.pull_barrier`` (the seed's §6 round) it ends when every cluster
@@ -124,12 +125,13 @@ def _on_request(state: RoundState, ev: PushRequested, policy: RoundPolicy,
         arrivals = grace_rules.observe_request(arrivals, ev.now)
     # The longer of the leader's measurement and the member's own prediction: claiming less
     # cannot shorten the wait below what was measured, claiming more only sends its own push
-    # ahead (and no round waits beyond push_timeout_s).
+    # ahead (and no round waits beyond push_timeout_s). A member whose last push was not
+    # delivered complete is sent ahead whatever it predicts (review 14, F2).
     known = [x for x in (state.push_s.get(ev.cluster_id), ev.expected_s) if x is not None]
     expected = max(known) if known else None
     slot = Slot(ev.cluster_id, ev.push_id, ev.base_version, ev.tokens, ev.now, expected)
     state = replace(state, grace=arrivals)
-    if hopeless(state, ev.cluster_id, expected, policy):
+    if ev.cluster_id in state.send_ahead or hopeless(state, ev.cluster_id, expected, policy):
         slot = replace(slot, admitted_at=ev.now)
         actions.append(Staged(slot))
         return replace(state, staging={**state.staging, ev.cluster_id: slot})
@@ -143,13 +145,39 @@ def _on_withdrawn(state: RoundState, ev: PushWithdrawn, policy: RoundPolicy,
     return replace(state, queue=tuple(s for s in state.queue if s.push_id != ev.push_id))
 
 
-def _measured(state: RoundState, slot: Slot, now: float, policy: RoundPolicy) -> RoundState:
-    """``state`` with the push time of ``slot`` (admission to its report) in its estimate."""
-    took = max(now - slot.admitted_at, 0.0)
-    old = state.push_s.get(slot.cluster_id)
+def _scored(state: RoundState, rnd: Round, outcome: UpdateOutcome,
+            policy: RoundPolicy) -> RoundState:
+    """``state`` with what round ``rnd``'s decided pushes say of their members' links.
+
+    A push counts as fast only once it is known to have been delivered complete: reported
+    delivered and scored (not in ``outcome.invalid``). Its measured time (admission to report)
+    enters the member's moving average, and the member's pushes stop being sent ahead. Any
+    other push — timed out, reported failed, dropped as its member left, or reported delivered
+    but found incomplete when scored — counts as at least as slow as it took: the estimate
+    never drops, and the member's pushes are sent ahead of their round until one is delivered
+    complete (review 14, F2: a member that stalled a round, then reported its pushes sent
+    ahead as delivered with no data, was measured fast again and stalled the next round).
+    A push that failed with its round (followers not ready, ``excused``) or whose round failed
+    as a whole (``outcome.error``) before it was scored says nothing of its member's link.
+    """
+    push_s, ahead = dict(state.push_s), set(state.send_ahead)
     a = policy.estimate_alpha
-    return replace(state, push_s={**state.push_s, slot.cluster_id:
-                                  took if old is None else a * took + (1 - a) * old})
+    for c, s in rnd.slots.items():
+        if s.excused or s.admitted_at is None or s.reported_at is None:
+            continue
+        complete = s.ok and c not in outcome.invalid
+        if complete and outcome.error:
+            continue
+        took = max(s.reported_at - s.admitted_at, 0.0)
+        old = push_s.get(c)
+        mean = took if old is None else a * took + (1 - a) * old
+        if complete:
+            push_s[c] = mean
+            ahead.discard(c)
+        else:
+            push_s[c] = mean if old is None else max(old, mean)
+            ahead.add(c)
+    return replace(state, push_s=push_s, send_ahead=frozenset(ahead))
 
 
 def _on_reported(state: RoundState, ev: PushReported, policy: RoundPolicy,
@@ -158,9 +186,8 @@ def _on_reported(state: RoundState, ev: PushReported, policy: RoundPolicy,
     if ahead is not None and ahead.push_id == ev.push_id:
         # A push sent ahead has arrived (or failed): it joins the open window or the next
         # round as already reported, so no round waits for its transfer.
-        if ev.ok:
-            state = _measured(state, ahead, ev.now, policy)
-        slot = replace(ahead, done=True, ok=ev.ok, error=ev.error, ahead=True)
+        slot = replace(ahead, done=True, ok=ev.ok, error=ev.error, reported_at=ev.now,
+                       ahead=True)
         state = replace(state, staging={c: s for c, s in state.staging.items()
                                         if c != ev.cluster_id})
         in_round = state.current is not None and ev.cluster_id in state.current.slots
@@ -176,9 +203,8 @@ def _on_reported(state: RoundState, ev: PushReported, policy: RoundPolicy,
                                             f"{ev.cluster_id!r} is not part of the current round")
     if slot.done or state.phase not in (Phase.WINDOW, Phase.PUSH):
         return state  # its fate is sealed (timed out, or the round is being decided)
-    if ev.ok and slot.admitted_at is not None:  # how long this member's pushes take
-        state = _measured(state, slot, ev.now, policy)
-    return _with_slot(state, replace(slot, done=True, ok=ev.ok, error=ev.error))
+    return _with_slot(state, replace(slot, done=True, ok=ev.ok, error=ev.error,
+                                     reported_at=ev.now))
 
 
 def _on_update_finished(state: RoundState, ev: UpdateFinished, policy: RoundPolicy,
@@ -195,6 +221,7 @@ def _on_update_finished(state: RoundState, ev: UpdateFinished, policy: RoundPoli
         del kept[next(iter(kept))]
     rnd = replace(rnd, update_done=ev.now, pull_deadline=ev.now + policy.pull_timeout_s)
     actions.append(Decided(rnd.number, tuple(verdicts), rnd))
+    state = _scored(state, rnd, ev.outcome, policy)
     return replace(state, phase=Phase.PULL, current=rnd, verdicts=kept)
 
 
@@ -217,7 +244,8 @@ def _on_gone(state: RoundState, ev: MemberGone, policy: RoundPolicy,
         # Dropped from the round even if delivered: its data chunks go back to the ledger
         # now, so its push must not be applied too (issue 10). In the update phase it is too
         # late to drop it: the caller credits it instead (its chunks wait for the verdict).
-        slot = replace(slot, done=True, ok=False, error=ev.reason)
+        slot = replace(slot, done=True, ok=False, error=ev.reason,
+                       reported_at=ev.now if slot.reported_at is None else slot.reported_at)
     return _with_slot(state, replace(slot, pulled=True))
 
 
@@ -231,7 +259,7 @@ def _on_ready(state: RoundState, ev: ReadyChanged, policy: RoundPolicy,
     # round ends now instead of at its deadline (§12: a fault stays a local event).
     if state.phase is Phase.WINDOW:
         actions.append(WindowClosed(rnd.number, ev.now))
-    failed = {c: replace(s, done=True, ok=False, error=ev.reason)
+    failed = {c: replace(s, done=True, ok=False, error=ev.reason, excused=True)
               for c, s in rnd.slots.items() if not s.done or s.ok}
     return replace(state, phase=Phase.PUSH,
                    current=replace(rnd, slots={**rnd.slots, **failed}, push_deadline=ev.now))
@@ -247,14 +275,12 @@ def _on_tick(state: RoundState, ev: Tick, policy: RoundPolicy,
         rnd = replace(rnd, push_deadline=push_deadline(rnd, ev.now, policy, state.push_s))
         return replace(state, phase=Phase.PUSH, current=rnd)
     if state.phase is Phase.PUSH and ev.now >= rnd.push_deadline:
-        late = {c: replace(s, done=True, ok=False, error="push not delivered in time")
+        # A push that never arrived counts as one that took this long, and its member's
+        # pushes are sent ahead of their round once it is decided (:func:`_scored`; issue 13:
+        # a stalling member holds one round).
+        late = {c: replace(s, done=True, ok=False, error="push not delivered in time",
+                           reported_at=ev.now)
                 for c, s in rnd.slots.items() if not s.done}
-        for s in late.values():
-            # A push that never arrived counts as one that took this long: the member's next
-            # push is predicted this slow, so it is sent ahead of its round (``hopeless``)
-            # instead of holding another round (issue 13: a stalling member holds one round).
-            if s.admitted_at is not None:
-                state = _measured(state, s, ev.now, policy)
         return replace(state, current=replace(rnd, slots={**rnd.slots, **late}))
     return state
 
@@ -308,7 +334,8 @@ def verdicts_of(rnd: Round, outcome: UpdateOutcome) -> tuple[Verdict, ...]:
         reason = "accepted" if ok else outcome.invalid.get(
             c, outcome.error or "penalty: score above threshold")
         out.append(Verdict(s.push_id, c, rnd.number, ok, outcome.version, reason,
-                           outcome.scores.get(c), outcome.threshold, outcome.clip_factor))
+                           outcome.scores.get(c), outcome.thresholds.get(c),
+                           outcome.clip_factor))
     return tuple(out)
 
 
@@ -316,7 +343,8 @@ def _admit(state: RoundState, slots: list[Slot], actions: list[Action], now: flo
     rnd = state.current
     admitted = {}
     for s in slots:
-        s = replace(s, round=rnd.number, admitted_at=now)
+        # A push sent ahead keeps the time it was sent: its push time is measured from there.
+        s = replace(s, round=rnd.number, admitted_at=s.admitted_at if s.ahead else now)
         admitted[s.cluster_id] = s
         actions.append(Admitted(s))
     return replace(state, current=replace(rnd, slots={**rnd.slots, **admitted}))

@@ -41,7 +41,8 @@ class RoundPolicy:
             ``stage_min_s`` seconds and more than ``stage_ratio`` times the median of the other
             members' measured pushes sends its push ahead, outside any round, and joins a round
             only once it has arrived: its slow link never holds the others' window or push
-            phase. ``stage_ratio`` inf: never.
+            phase. ``stage_ratio`` inf: never by its prediction (a member in
+            :attr:`RoundState.send_ahead` still is).
         verdicts_kept: verdicts remembered by push id (re-served to a client that asks again).
     """
 
@@ -61,8 +62,12 @@ class Slot:
     """One push request: queued (``round`` None) or admitted into round ``round``.
 
     ``tokens``: T_j, the push's aggregation weight (tokens). ``requested_at``: seconds.
-    ``expected_s``: predicted push seconds (None: unknown). ``admitted_at``: seconds.
+    ``expected_s``: predicted push seconds (None: unknown). ``admitted_at``: when its transfer
+    was allowed to start (admitted into a round, or sent ahead of any), seconds.
     ``done``/``ok``/``error``: the push was reported delivered (ok) or failed (error).
+    ``reported_at``: when it was reported, timed out or failed, seconds: its measured push
+    time is ``reported_at - admitted_at``. ``excused``: failed by its round, not by its member
+    (the followers stopped being ready): it counts neither way in the member's estimate.
     ``pulled``: the cluster pulled the round's version (or gave up, or left). ``ahead``: the
     push was sent ahead of any round (a slow link) and joined this one once it arrived.
     """
@@ -78,6 +83,8 @@ class Slot:
     done: bool = False
     ok: bool = False
     error: str = ""
+    reported_at: float | None = None
+    excused: bool = False
     pulled: bool = False
     ahead: bool = False
 
@@ -100,8 +107,9 @@ class Round:
 class Verdict:
     """The decision on one push (§8): accepted or not, why, and the version to pull.
 
-    ``score``/``threshold``: E_j and β·max(E) of §8 (None in the penalty's warm-up or for a
-    push that was never scored). ``clip_factor``: min(1, c/‖δ‖) of the round (None when
+    ``score``/``threshold``: E_j and the threshold it was tested against, β·max(floor, recent E)
+    of §8 (:func:`dips.algo.penalty.decide`; None in the penalty's warm-up or for a push that
+    was never scored). ``clip_factor``: min(1, c/‖δ‖) of the round (None when
     nothing was accepted).
     """
 
@@ -121,6 +129,7 @@ class UpdateOutcome:
     """What the update phase decided (the caller's outer step, :mod:`dips.roles.outer_step`).
 
     ``version``: the global version after the round (unchanged if nothing was applied).
+    ``scores`` / ``thresholds``: E_j and its threshold per scored cluster (§8).
     ``invalid``: cluster -> why its push could not be scored (not delivered, refused by a
     follower). ``error``: set when the round failed and nothing was applied anywhere.
     """
@@ -128,7 +137,7 @@ class UpdateOutcome:
     version: int
     accepted: tuple[str, ...] = ()
     scores: Mapping[str, float | None] = field(default_factory=dict)
-    threshold: float | None = None
+    thresholds: Mapping[str, float] = field(default_factory=dict)
     clip_factor: float | None = None
     invalid: Mapping[str, str] = field(default_factory=dict)
     error: str | None = None
@@ -142,9 +151,13 @@ class RoundState:
     checkpoint may start it higher, so that no number is used twice). ``ready``: the followers are
     all registered, up and reconciled (reported by the caller). ``verdicts``: push id ->
     verdict, the most recent ``policy.verdicts_kept``. ``push_s``: cluster -> moving average
-    of its measured push seconds (admission to report). ``staging``: cluster -> a push sent
-    ahead of any round (a slow link), until it has arrived. ``finished``: why the run ended
-    (:class:`RunFinished`; "" while it runs): no request is queued and no round opens again.
+    of its measured push seconds (admission to report), updated when a round is decided: only
+    a push delivered complete can lower it (review 14, F2). ``send_ahead``: clusters whose last
+    decided push was not delivered complete (timed out, failed, or reported delivered but
+    found incomplete): each of their pushes is sent ahead of its round until one is.
+    ``staging``: cluster -> a push sent ahead of any round (a slow link or ``send_ahead``),
+    until it has arrived. ``finished``: why the run ended (:class:`RunFinished`; "" while it
+    runs): no request is queued and no round opens again.
     """
 
     phase: Phase = Phase.IDLE
@@ -155,6 +168,7 @@ class RoundState:
     grace: GraceState = GraceState()
     verdicts: Mapping[str, Verdict] = field(default_factory=dict)
     push_s: Mapping[str, float] = field(default_factory=dict)
+    send_ahead: frozenset[str] = frozenset()
     staging: Mapping[str, Slot] = field(default_factory=dict)
     finished: str = ""
 

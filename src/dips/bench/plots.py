@@ -1,7 +1,10 @@
 """PNG plots of ``dips bench compare`` (matplotlib, Agg backend; seed §14's curves).
 
 * ``loss_vs_tokens.png`` / ``loss_vs_time.png``: validation loss (nats/token) of every method
-  against tokens consumed and against (virtual) seconds;
+  against tokens consumed and against (virtual) seconds. The y-range comes from the methods
+  that converge; a method that diverged (:func:`diverged`) is drawn, but clipped to that
+  range, labelled "(diverged)" and marked by an arrow, at its last point in range, that
+  gives its final loss, so one blown-up ablation never flattens the others' curves;
 * ``throughput.png``: aggregate tokens/s per method (bars), DiLoCo's as a dashed line;
 * weak scaling: ``weak_scaling.png`` (aggregate tokens/s against clusters, with the ideal) and
   ``weak_scaling_efficiency.png`` (% of the ideal).
@@ -9,6 +12,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -17,18 +21,12 @@ import matplotlib
 matplotlib.use("Agg")  # files only; never a display
 
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
 
+from dips.bench import curves  # noqa: E402
 from dips.emu.result import MethodResult  # noqa: E402
 
-__all__ = ["plot_compare", "plot_weak_scaling"]
-
-
-def _style(method: str) -> dict[str, Any]:
-    if method == "di-ps":
-        return {"linewidth": 2.2, "color": "C3"}
-    if method.startswith("di-ps"):
-        return {"linewidth": 1.0, "linestyle": ":"}
-    return {"linewidth": 1.4}
+__all__ = ["diverged", "loss_figure", "loss_range", "plot_compare", "plot_weak_scaling"]
 
 
 def _save(fig: Any, path: Path) -> str:
@@ -38,23 +36,65 @@ def _save(fig: Any, path: Path) -> str:
     return path.name
 
 
+def diverged(result: MethodResult) -> bool:
+    """Whether ``result``'s validation-loss curve diverged (:func:`dips.bench.curves.diverged`)."""
+    return curves.diverged([p.eval_loss for p in result.curve])
+
+
+def loss_range(results: list[MethodResult]) -> tuple[float, float] | None:
+    """The y-range (nats/token) of the loss plots (:func:`dips.bench.curves.loss_range`)."""
+    return curves.loss_range([p.eval_loss for p in r.curve] for r in results)
+
+
+def _mark_diverged(ax: Any, r: MethodResult, xs: list[float], ys: list[float], k: int) -> None:
+    """Arrow at the last point of ``r``'s curve inside the y-range (after it, the curve stays
+    out of range), with its final loss; ``k`` staggers the notes of several diverged methods."""
+    lo, hi = ax.get_ylim()
+    inside = [i for i, y in enumerate(ys) if math.isfinite(y) and lo <= y <= hi]
+    last = inside[-1] if inside else None
+    x, y = (xs[last], ys[last]) if last is not None else (xs[0], hi)
+    x0, x1 = ax.get_xlim()
+    right = x1 > x0 and (x - x0) / (x1 - x0) > 0.5
+    final = f"{ys[-1]:,.2f}" if math.isfinite(ys[-1]) else str(ys[-1])
+    note = f"{r.method} diverged: final loss {final}"
+    ax.annotate(note, xy=(x, y), xytext=(-12 if right else 12, -30 - 16 * k),
+                textcoords="offset points", ha="right" if right else "left", va="top",
+                fontsize=8, color="C3", arrowprops={"arrowstyle": "->", "color": "C3"},
+                bbox={"boxstyle": "round,pad=0.2", "fc": "white", "ec": "C3", "alpha": 0.9})
+
+
+def loss_figure(results: list[MethodResult], key: str, xlabel: str, title: str) -> Figure:
+    """One loss plot: validation loss (nats/token) of every method against ``key`` (``tokens``
+    or ``time_s``, seconds) as an open Figure (the caller saves and closes it). The y-range is
+    :func:`loss_range`; each diverged method is labelled and annotated, never rescaling it."""
+    fig, ax = plt.subplots(figsize=(8.6, 4.2))
+    bad = [r for r in results if diverged(r)]
+    for r in results:
+        xs = [getattr(p, key) for p in r.curve]
+        ys = [p.eval_loss for p in r.curve]
+        label = f"{r.method} (diverged)" if any(r is b for b in bad) else r.method
+        ax.plot(xs, ys, label=label, marker=".", markersize=3, **curves.method_style(r.method))
+    limits = loss_range(results)
+    if limits is not None:
+        ax.set_ylim(*limits)
+    for k, r in enumerate(bad):
+        _mark_diverged(ax, r, [getattr(p, key) for p in r.curve],
+                       [p.eval_loss for p in r.curve], k)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("validation loss (nats/token)")
+    ax.set_title(f"{title}: validation loss")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside: notes stay clear
+    return fig
+
+
 def plot_compare(results: list[MethodResult], out_dir: Path, title: str) -> list[str]:
     """Write the three comparison plots into ``out_dir``; returns their file names."""
-    names = []
-    for key, label, fname in (("tokens", "tokens consumed (all clusters)", "loss_vs_tokens.png"),
-                              ("time_s", "time (s, virtual)" if results and results[0].mode == "virtual"
-                               else "time (s)", "loss_vs_time.png")):
-        fig, ax = plt.subplots(figsize=(7, 4.2))
-        for r in results:
-            xs = [getattr(p, key) for p in r.curve]
-            ys = [p.eval_loss for p in r.curve]
-            ax.plot(xs, ys, label=r.method, marker=".", markersize=3, **_style(r.method))
-        ax.set_xlabel(label)
-        ax.set_ylabel("validation loss (nats/token)")
-        ax.set_title(f"{title}: validation loss")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-        names.append(_save(fig, out_dir / fname))
+    virtual = bool(results) and results[0].mode == "virtual"
+    axes = (("tokens", "tokens consumed (all clusters)", "loss_vs_tokens.png"),
+            ("time_s", "time (s, virtual)" if virtual else "time (s)", "loss_vs_time.png"))
+    names = [_save(loss_figure(results, key, label, title), out_dir / fname)
+             for key, label, fname in axes]
     fig, ax = plt.subplots(figsize=(7, 4.2))
     labels = [r.method for r in results]
     ax.bar(labels, [r.tokens_per_s for r in results],
@@ -81,7 +121,7 @@ def plot_weak_scaling(points: list[dict[str, Any]], out_dir: Path, title: str) -
     ax.plot(ns, [ideal[n] for n in ns], "k--", label="ideal (independent, no outer comm.)")
     for m in methods:
         pts = sorted((p["clusters"], p["tokens_per_s"]) for p in points if p["method"] == m)
-        ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=m, **_style(m))
+        ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=m, **curves.method_style(m))
     ax.set_xlabel("clusters")
     ax.set_ylabel("aggregate tokens/s")
     ax.set_title(f"{title}: weak scaling")
@@ -92,7 +132,7 @@ def plot_weak_scaling(points: list[dict[str, Any]], out_dir: Path, title: str) -
     for m in methods:
         pts = sorted((p["clusters"], 100 * (p["frac_of_ideal"] or 0)) for p in points
                      if p["method"] == m)
-        ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=m, **_style(m))
+        ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=m, **curves.method_style(m))
     ax.axhline(97, color="grey", linestyle=":", linewidth=1, label="97% target")
     ax.set_xlabel("clusters")
     ax.set_ylabel("% of ideal throughput")

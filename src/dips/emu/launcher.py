@@ -69,6 +69,7 @@ class Launch:
     children: dict[str, Child] = field(default_factory=dict)
     events: list[dict[str, Any]] = field(default_factory=list)
     net: Any = None  # dips.emu.netns.ShapedNetwork when cfg.network == "netns"
+    progress: Progress | None = None  # what the console shows once training started
 
     def prefix_of(self, name: str) -> list[str]:
         """argv prefix that runs child ``name`` in its network namespace ([] on loopback)."""
@@ -219,6 +220,16 @@ def _role_args(run: Launch, spec_cfg: Path, host: str, leader_port: int,
             "cluster", "--leader", leader_addr, "--cluster-id", c.id,
             "--state-dir", str(d / "clusters" / c.id), "--tls", str(pki / f"cluster-{c.id}"),
             "--cache-dir", str(run.cfg.data.cache_dir.resolve())]
+    # Every process serves Prometheus metrics (README "Metrics"); metrics.json says where.
+    targets = {}
+    for name, argv in args.items():
+        port = free_port()
+        # With netns each cluster has its own address (dips.emu.netns), the servers the hub's.
+        own = (run.net.addr(name[len("cluster-"):]) if run.net is not None
+               and name.startswith("cluster-") else host)
+        argv += ["--metrics-port", str(port), "--metrics-host", own]
+        targets[name] = f"{own}:{port}"
+    (d / "metrics.json").write_text(json.dumps(targets, indent=1))
     return args
 
 
@@ -281,7 +292,7 @@ def launch(cfg: RunConfig, run_dir: Path, max_time_s: float | None = None,
         (run_dir / "config.json").write_text(cfg.model_dump_json(indent=1))
         console.print(f"model {spec.params:,} parameters; {spec.train_tokens:,} train / "
                       f"{spec.val_tokens:,} validation tokens; initial validation loss "
-                      f"{spec.eval_loss_initial:.3f}")
+                      f"{spec.eval_loss_initial:.3f}", soft_wrap=True)
         # Ports free here (the servers' namespace, with netns, is another: a heuristic there).
         args = _role_args(run, run_dir / "config.json", host, free_port(),
                           [(free_port(), free_port()) for _ in range(cfg.followers)])
@@ -302,8 +313,8 @@ def launch(cfg: RunConfig, run_dir: Path, max_time_s: float | None = None,
         # time to the token budget does.
         _wait_for(lambda: (s := _status(client)) and len(s.clusters) > 0,
                   cfg.timeouts.startup_s, "first cluster joined", run)
-        t_train = time.monotonic()
-        (run_dir / "train_start").write_text(repr(time.time()))
+        t_train, t0_wall = time.monotonic(), time.time()
+        (run_dir / "train_start").write_text(repr(t0_wall))
         phase = "training"
         injector = None
         if faults is not None and faults.faults:
@@ -312,8 +323,8 @@ def launch(cfg: RunConfig, run_dir: Path, max_time_s: float | None = None,
         # Bandwidth schedules: tc tbf rate changes here (netns); the clusters' token buckets
         # follow them themselves on loopback (recorded here as events all the same).
         links = LinkSchedule(cfg.clusters, run.net, run.event)
-        interrupted = _train(run, client, Progress(cfg, console), t_train, max_time_s, injector,
-                             links)
+        run.progress = Progress(cfg, console, run_dir, t0_wall)
+        interrupted = _train(run, client, run.progress, t_train, max_time_s, injector, links)
         phase = "final export"
         summary = _finish(run, client, creds, spec, t_start, t_train, interrupted)
     except KeyboardInterrupt as exc:
@@ -409,6 +420,7 @@ def _train(run: Launch, client: Any, progress: Progress, t_train: float,
                 leader_pid = run.pid_of("leader")
                 if alive:
                     last_ok, answered = time.monotonic(), leader_pid
+                progress.log(status)
                 if status is not None:
                     live.update(progress.render(status, elapsed))
                 elif (cfg.supervise and leader_pid is not None and answered == leader_pid
@@ -453,6 +465,8 @@ def _finish(run: Launch, client: Any, creds: Credentials, spec: RunSpec, t_start
             if status is None or status.phase == Phase.IDLE.value:
                 break
             time.sleep(0.2)
+    if run.progress is not None:  # the last rounds' lines, before the summary
+        run.progress.log(status)
     key = None
     if status is not None:  # the operator's pull-only data-plane key
         try:

@@ -1,9 +1,19 @@
-"""Live progress of a launched run (rich): per cluster and for the global model."""
+"""Progress of a launched run: a live rich table on a terminal, one line per event in a log.
+
+On a terminal (``console.is_terminal``) the launcher redraws a table (per cluster and for the
+global model) in place. Anywhere else (stdout redirected to a file, CI) it never prints a
+table: it writes one line per outer step and one per fault event, read from the run
+directory's own records (``outer_steps.jsonl``, ``leader_events.jsonl``, ``events.jsonl``), so
+a weeks-long run's log grows with what happened, not with the time it ran. Fault events are
+printed on a terminal too, above the table.
+"""
 
 from __future__ import annotations
 
+import json
 import math
-from typing import Any
+from pathlib import Path
+from typing import Any, Self
 
 from rich.console import Console, Group
 from rich.live import Live
@@ -12,26 +22,101 @@ from rich.text import Text
 
 from dips.spec import RunConfig
 
+# Leader events (leader_events.jsonl) that are faults or recoveries (also: a cluster's re-join,
+# a follower's restart, a reconciliation that changed or lost versions; not a graceful leave).
+LEADER_FAULTS = {"cluster_removed", "follower_down", "reconcile_failed", "leader_resumed",
+                 "leader_stepped_down"}
+# Launcher events (events.jsonl) that are not faults: starts, the final stops, the stop itself.
+LAUNCHER_QUIET = {"start", "stop", "stopped", "network", "interrupt"}
+
 
 class Progress:
-    """Renders the leader's status: per cluster its inner step, tokens, last loss and last
-    push result; the global version, outer steps and accepted/rejected counts."""
+    """Shows the leader's status: per cluster its inner step, tokens, last loss and last push
+    result; the global version, outer steps and accepted/rejected counts.
 
-    def __init__(self, cfg: RunConfig, console: Console) -> None:
+    ``run_dir``: the run directory whose records :meth:`log` reads (None: no lines);
+    ``t0``: wall-clock time (``time.time()``, seconds) training started, the origin of every
+    line's elapsed seconds."""
+
+    def __init__(self, cfg: RunConfig, console: Console, run_dir: Path | None = None,
+                 t0: float = 0.0) -> None:
         self.cfg = cfg
         self.console = console
         self._slow = {c.id: c.slowdown for c in cfg.clusters}
         self._stages = {c.id: c.stages for c in cfg.clusters}
+        self.run_dir = run_dir
+        self.t0 = t0
+        names = ("outer_steps.jsonl", "leader_events.jsonl", "events.jsonl")
+        self._tails = {n: _Tail(run_dir / n) for n in names} if run_dir is not None else {}
+        self._tokens: dict[int, int] = {}  # version -> tokens accepted into it (the ledger's)
+        self._loss: dict[str, float] = {}  # cluster -> its last training loss (nats/token)
 
-    def live(self) -> "Live | _Lines":
-        """A rich Live context on a terminal; otherwise (logs, CI) a context that prints the
-        global line and the table every ``interval_s`` = 10 s instead of redrawing."""
+    def live(self) -> Live | _Quiet:
+        """A rich Live context on a terminal; otherwise a context that draws nothing (the
+        lines of :meth:`log` tell the run) and announces the run in one line."""
         if self.console.is_terminal:
             return Live(Text("starting clusters..."), console=self.console, refresh_per_second=2,
                         transient=False, redirect_stdout=False)
-        return _Lines(self.console, 10.0)
+        clusters = ", ".join(
+            f"{c.id} (x{c.slowdown:.2f}{f', {c.stages} stages' if c.stages > 1 else ''})"
+            for c in self.cfg.clusters)
+        self._say(f"training: clusters {clusters}; {self.cfg.followers} followers; token "
+                  f"budget {self.cfg.token_budget:,}; one line per outer step and per fault")
+        return _Quiet()
+
+    def log(self, status: Any = None) -> None:
+        """Print what the run recorded since the last call, in time order: off a terminal one
+        line per decided round (:func:`step_line`), on both one line per fault event
+        (:func:`event_line`). ``status``: the leader's latest ``StatusReply``, or None (its
+        clusters' last training losses go into the step lines)."""
+        for c in status.clusters if status is not None else []:
+            if not math.isnan(c.last_loss):
+                self._loss[c.cluster_id] = c.last_loss
+        if not self._tails:
+            return
+        steps = not self.console.is_terminal
+        lines: list[tuple[float, str]] = []
+        for rec in self._tails["outer_steps.jsonl"].new():
+            line = self._outer(rec)
+            if line is not None and (steps or "event" in rec):
+                lines.append((rec.get("time", 0.0), line))
+        for rec in self._tails["leader_events.jsonl"].new():
+            if _leader_fault(rec):
+                lines.append((rec.get("time", 0.0), event_line(rec, self.t0, "leader")))
+        for rec in self._tails["events.jsonl"].new():
+            if rec.get("event") not in LAUNCHER_QUIET:
+                lines.append((rec.get("time", 0.0), event_line(rec, self.t0)))
+        for _, line in sorted(lines, key=lambda tl: tl[0]):  # stable: in time order
+            self._say(line)
+
+    def _outer(self, rec: dict[str, Any]) -> str | None:
+        """The line of one ``outer_steps.jsonl`` record (None: nothing to say), keeping the
+        tokens accepted per version (a rollback takes its versions' tokens back)."""
+        kind = rec.get("event")
+        if kind is None:
+            accepted = rec.get("accepted") or []
+            if accepted:
+                self._tokens[rec["version"]] = sum(rec.get("tokens", {}).get(c, 0)
+                                                   for c in accepted)
+            losses = [self._loss[c] for c in accepted if c in self._loss]
+            return step_line(rec, sum(self._tokens.values()), self.cfg.token_budget,
+                             sum(losses) / len(losses) if losses else None, self.t0)
+        if kind == "rollback":
+            for v in [v for v in self._tokens if v > rec.get("version", 0)]:
+                del self._tokens[v]
+            return event_line(rec, self.t0, "leader")
+        if kind == "round_end" and rec.get("commit_failed"):
+            return event_line({"time": rec.get("time", self.t0), "event": "commit_failed",
+                               "round": rec.get("round"), "version": rec.get("version"),
+                               "followers": rec["commit_failed"]}, self.t0, "leader")
+        return None
+
+    def _say(self, line: str) -> None:
+        self.console.print(line, soft_wrap=True, markup=False, highlight=False)
 
     def render(self, status: Any, elapsed_s: float) -> Group:
+        """The live table of ``status`` (the leader's ``StatusReply``) after ``elapsed_s``
+        seconds of training."""
         head = Text.assemble(
             ("global ", "bold"), f"version {status.version}  outer steps {status.outer_steps}  ",
             f"rounds {status.rounds}  pushed {status.updates_pushed}  ",
@@ -53,28 +138,81 @@ class Progress:
         return Group(head, table)
 
 
-class _Lines:
-    """Non-terminal stand-in for rich Live: print the latest renderable every interval_s."""
+def _leader_fault(rec: dict[str, Any]) -> bool:
+    """Whether a ``leader_events.jsonl`` record is a fault or a recovery worth a line."""
+    kind = rec.get("event")
+    return (kind in LEADER_FAULTS or (kind == "cluster_joined" and bool(rec.get("rejoin")))
+            or (kind == "follower_up" and bool(rec.get("restarted")))
+            or (kind == "reconciled" and bool(rec.get("lost") or rec.get("changed"))))
 
-    def __init__(self, console: Console, interval_s: float) -> None:
-        self.console = console
-        self.interval_s = interval_s
-        self._last = -interval_s
-        self._latest: Any = None
 
-    def __enter__(self) -> "_Lines":
+def _stamp(rec: dict[str, Any], t0: float) -> str:
+    return f"[{max(0.0, rec.get('time', t0) - t0):6.0f} s]"
+
+
+def step_line(rec: dict[str, Any], tokens: int, budget: int, loss: float | None,
+              t0: float) -> str:
+    """One decided round of ``outer_steps.jsonl`` as a line: seconds since ``t0`` (wall
+    clock), the version it made (or that nothing was applied), the accepted clusters, the
+    rejected ones with their reason, the accepted clusters' mean last training ``loss``
+    (nats/token; omitted when None), and ``tokens`` accepted so far of the ``budget``."""
+    rejected = "; rejected " + ", ".join(
+        f"{c} ({v.get('reason', '?') if isinstance(v, dict) else v})"
+        for c, v in rec["rejected"].items()) if rec.get("rejected") else ""
+    if rec.get("accepted"):
+        what = f"outer step v{rec['version']} (round {rec['round']}): accepted " + \
+            ", ".join(rec["accepted"])
+    else:
+        what = f"round {rec['round']}: nothing applied" + (
+            f" ({rec['error']})" if rec.get("error") else "")
+    loss_s = f"; train loss {loss:.3f}" if loss is not None else ""
+    return f"{_stamp(rec, t0)} {what}{rejected}{loss_s}; tokens {tokens:,}/{budget:,}"
+
+
+def event_line(rec: dict[str, Any], t0: float, source: str | None = None) -> str:
+    """One fault event as a line: seconds since ``t0`` (wall clock), its kind, the process
+    (or ``source``), then its other fields as ``key=value``."""
+    who = rec.get("process", source or "")
+    rest = " ".join(f"{k}={v}" for k, v in rec.items() if k not in ("time", "event", "process"))
+    return f"{_stamp(rec, t0)} {rec.get('event')}: {who} {rest}".rstrip()
+
+
+class _Tail:
+    """The complete lines a JSONL file gained since the last :meth:`new` (another process may
+    be appending; a half-written last line waits for the next call)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._offset = 0
+
+    def new(self) -> list[dict[str, Any]]:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self._offset)
+                data = f.read()
+        except FileNotFoundError:
+            return []
+        end = data.rfind(b"\n") + 1
+        self._offset += end
+        out = []
+        for line in data[:end].splitlines():
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(rec, dict):
+                out.append(rec)
+        return out
+
+
+class _Quiet:
+    """Non-terminal stand-in for rich Live: draws nothing (the log gets lines instead)."""
+
+    def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
-        if self._latest is not None:
-            self.console.print(self._latest)
+    def __exit__(self, *exc: object) -> None:
+        return None
 
     def update(self, renderable: Any) -> None:
-        import time
-
-        self._latest = renderable
-        now = time.monotonic()
-        if now - self._last >= self.interval_s:
-            self._last = now
-            self.console.print(renderable)
-            self._latest = None
+        """Ignore ``renderable``: off a terminal no table is drawn."""

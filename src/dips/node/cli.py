@@ -17,7 +17,7 @@ from typing import Annotated, Optional
 import typer
 
 from dips.algo.refusal import Refused
-from dips.node.common import RoleError, Stopped, credentials, setup_logging
+from dips.node.common import LOG_FORMATS, RoleError, Stopped, credentials, setup_logging
 
 TLS_HELP = "directory of this process's bundle from `dips init` (ca.crt, tls.crt, tls.key)"
 INSECURE_HELP = "no TLS: plaintext, identities are claimed, not proven (trusted networks only)"
@@ -26,11 +26,28 @@ Tls = Annotated[Optional[Path], typer.Option("--tls", help=TLS_HELP)]
 Insecure = Annotated[bool, typer.Option("--insecure", help=INSECURE_HELP)]
 StateDirOpt = Annotated[Path, typer.Option("--state-dir", help="this process's own directory")]
 LeaderAddr = Annotated[str, typer.Option("--leader", help="HOST:PORT of the leader")]
+MetricsPort = Annotated[Optional[int], typer.Option(
+    "--metrics-port", min=0, max=65535,
+    help="serve Prometheus metrics on this port (0: a free port, logged; default: none)")]
+MetricsHost = Annotated[str, typer.Option("--metrics-host",
+                                          help="address the metrics endpoint binds")]
+LogFormat = Annotated[str, typer.Option(
+    "--log-format", help="text, or json: one JSON object per line (time, level, logger, "
+                         "message, extra fields)")]
 
 
 def _fail(command: str, exc: Exception) -> None:
     print(f"dips {command}: {exc}", file=sys.stderr, flush=True)
     raise typer.Exit(2)
+
+
+def _logging(name: str, fmt: str) -> None:
+    """Set up logging as ``name`` in ``fmt`` (exit 2 naming --log-format if unknown)."""
+    if fmt not in LOG_FORMATS:
+        print(f"dips: --log-format {fmt!r} is not one of {', '.join(LOG_FORMATS)}",
+              file=sys.stderr, flush=True)
+        raise typer.Exit(2)
+    setup_logging(name, fmt)
 
 
 def leader(config: Annotated[Path, typer.Option("--config", exists=True, dir_okay=False,
@@ -44,6 +61,8 @@ def leader(config: Annotated[Path, typer.Option("--config", exists=True, dir_oka
                "--cache-dir", help="tokenizer/corpus cache (default: the config's)")] = None,
            status_socket: Annotated[Optional[Path], typer.Option(
                "--status-socket", help="also serve on this unix socket (a local operator)")] = None,
+           metrics_port: MetricsPort = None, metrics_host: MetricsHost = "0.0.0.0",
+           log_format: LogFormat = "text",
            ) -> None:
     """The leader (§5): membership, grace windows, verdicts, the version (metadata only)."""
     from dips.node.leader import run_leader
@@ -51,14 +70,15 @@ def leader(config: Annotated[Path, typer.Option("--config", exists=True, dir_oka
     from dips.train.run import stop_on_signals
     from dips.wire.pki import Identity
 
-    setup_logging("leader")
+    _logging("leader", log_format)
     stop = stop_on_signals()
     try:
         cfg = load_config(config)
         creds = credentials(tls, insecure, Identity.leader())
         code = run_leader(cfg, listen, state_dir.resolve(), creds, stop, advertise=advertise,
                           cache_dir=cache_dir, status_socket=status_socket,
-                          revoked_file=tls / "revoked.txt" if tls is not None else None)
+                          revoked_file=tls / "revoked.txt" if tls is not None else None,
+                          metrics_port=metrics_port, metrics_host=metrics_host)
     except (RoleError, SpecError, OSError) as exc:
         _fail("leader", exc)
     raise typer.Exit(code)
@@ -81,6 +101,8 @@ def follower(leader_addr: LeaderAddr,
                  help="version 0: a safetensors file or an HF checkpoint directory "
                       "(default: built from the config's seed)")] = None,
              data_ipc: Annotated[Optional[Path], typer.Option("--data-ipc", hidden=True)] = None,
+             metrics_port: MetricsPort = None, metrics_host: MetricsHost = "0.0.0.0",
+             log_format: LogFormat = "text",
              ) -> None:
     """A follower (§5): one shard of θ and its momentum; scores, aggregates, applies."""
     from dips.node.common import advertised
@@ -88,13 +110,14 @@ def follower(leader_addr: LeaderAddr,
     from dips.train.run import stop_on_signals
     from dips.wire.pki import Identity
 
-    setup_logging(f"follower-{index}")
+    _logging(f"follower-{index}", log_format)
     stop = stop_on_signals()
     try:
         creds = credentials(tls, insecure, Identity.follower(index))
         code = run_follower(leader_addr, index, listen, advertised(listen, advertise, "--advertise"),
                             data_listen, advertised(data_listen, data_advertise, "--data-advertise"),
-                            state_dir.resolve(), creds, stop, init=init, data_ipc=data_ipc)
+                            state_dir.resolve(), creds, stop, init=init, data_ipc=data_ipc,
+                            metrics_port=metrics_port, metrics_host=metrics_host)
     except Stopped:
         code = 0
     except (RoleError, OSError) as exc:
@@ -109,18 +132,21 @@ def cluster(leader_addr: LeaderAddr,
                 "--cache-dir", help="tokenizer/corpus cache (default: the config's)")] = None,
             stages: Annotated[Optional[int], typer.Option(
                 "--stages", min=1, help="stage workers (default: the run config's)")] = None,
+            metrics_port: MetricsPort = None, metrics_host: MetricsHost = "0.0.0.0",
+            log_format: LogFormat = "text",
             ) -> None:
     """A cluster's built-in training loop (§3): H inner AdamW steps, push, verdict, pull."""
     from dips.node.cluster import run_cluster
     from dips.train.run import stop_on_signals
     from dips.wire.pki import Identity
 
-    setup_logging(f"cluster-{cluster_id}")
+    _logging(f"cluster-{cluster_id}", log_format)
     stop = stop_on_signals()
     try:
         creds = credentials(tls, insecure, Identity.cluster(cluster_id))
         code = run_cluster(leader_addr, cluster_id, state_dir.resolve(), creds, stop,
-                           cache_dir=cache_dir, stages=stages)
+                           cache_dir=cache_dir, stages=stages, metrics_port=metrics_port,
+                           metrics_host=metrics_host)
     except Stopped:
         code = 0
     except (RoleError, OSError, ValueError, RuntimeError, Refused) as exc:  # refused for good
@@ -135,6 +161,7 @@ def export(leader_addr: LeaderAddr,
                "--cache-dir", help="tokenizer/corpus cache (default: the config's)")] = None,
            timeout: Annotated[float, typer.Option("--timeout", min=1.0,
                                                   help="seconds to reach the leader")] = 60.0,
+           log_format: LogFormat = "text",
            ) -> None:
     """Pull the global model (the final one once the run finished) as the operator (pki/admin),
     evaluate it and save it as an HF checkpoint with export.json."""
@@ -144,7 +171,7 @@ def export(leader_addr: LeaderAddr,
     from dips.train.run import stop_on_signals
     from dips.wire.pki import Identity
 
-    setup_logging("export")
+    _logging("export", log_format)
     stop = stop_on_signals()
     try:
         creds = credentials(tls, insecure, Identity.admin())

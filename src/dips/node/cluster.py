@@ -16,6 +16,7 @@ import os
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 from dips.algo.refusal import Refusal, Refused
 from dips.node.common import RoleError, StateDir, fetch_spec
@@ -27,18 +28,17 @@ log = logging.getLogger(__name__)
 
 def run_cluster(leader_addr: str, cluster_id: str, state: Path, creds: Credentials,
                 stop: threading.Event, *, cache_dir: Path | None = None,
-                stages: int | None = None) -> int:
-    """Train cluster ``cluster_id`` until ``stop``; returns the exit code. Raises RoleError if
-    it cannot start."""
+                stages: int | None = None, metrics_port: int | None = None,
+                metrics_host: str = "0.0.0.0") -> int:
+    """Train cluster ``cluster_id`` until ``stop``; returns the exit code. ``metrics_port``:
+    serve Prometheus metrics there (:mod:`dips.node.metrics_members`; 0: a free port, logged;
+    None: none). Raises RoleError if it cannot start."""
     import torch
 
-    from dips.emu.pacing import Pacer
     from dips.roles.client import ClusterClient
     from dips.spec import ClusterConfig
     from dips.train.corpus import load_tokenizer
-    from dips.train.dips_sync import DiPSSync
     from dips.train.model import fingerprint_of
-    from dips.train.run import TrainLog, run_loop
     from dips.train.trainer import build_trainer
 
     if creds.identity != Identity.cluster(cluster_id):
@@ -69,6 +69,35 @@ def run_cluster(leader_addr: str, cluster_id: str, state: Path, creds: Credentia
                            data=trainer.batches,
                            limiter=bucket.consume if bucket is not None else None, stop=stop,
                            fingerprint=fingerprint.to_json(), wire_dtype=cfg.outer.wire_dtype)
+    observed = metrics = None
+    if metrics_port is not None:
+        from prometheus_client import CollectorRegistry
+
+        from dips.node.metrics import serve_metrics
+        from dips.node.metrics_members import ClusterMetrics
+
+        observed = ClusterMetrics(CollectorRegistry())
+        observed.attach(client)
+        try:
+            metrics = serve_metrics(observed.registry, metrics_port, metrics_host)
+        except RoleError:
+            client.close(leave=False)
+            raise
+    try:
+        return _train(cluster_id, cfg, me, trainer, client, bucket, state, stop, observed)
+    finally:
+        if metrics is not None:
+            metrics.close()
+
+
+def _train(cluster_id: str, cfg: Any, me: Any, trainer: Any, client: Any, bucket: Any,
+           state: Path, stop: threading.Event, observed: Any) -> int:
+    """Join, train until the run ends or ``stop`` (``train.jsonl`` fed to ``observed``, the
+    ClusterMetrics or None), close the client; returns the exit code."""
+    from dips.emu.pacing import Pacer
+    from dips.train.dips_sync import DiPSSync
+    from dips.train.run import TrainLog, run_loop
+
     sync = DiPSSync(client)
     # The leader may be restarting or waiting for followers: the join is retried.
     try:
@@ -94,7 +123,8 @@ def run_cluster(leader_addr: str, cluster_id: str, state: Path, creds: Credentia
         bucket.start(t_start)  # link.schedule times count from the training start
     log.info("cluster %s joined at version %d, stages %s", cluster_id, client.version,
              client.stage_layers)
-    out = TrainLog(state / "train.jsonl", stamp=time.time, delay=False)
+    out = TrainLog(state / "train.jsonl", stamp=time.time, delay=False,
+                   observer=observed.observe if observed is not None else None)
     out.write({"event": "join", "version": client.version, "stages": client.stage_layers})
     try:
         run_loop(trainer, sync, stop, pacer, out, clock=lambda: time.time() - t_start)

@@ -5,6 +5,7 @@ run spec fetched from the leader (no shared filesystem between hosts).
 from __future__ import annotations
 
 import fcntl
+import json
 import logging
 import os
 import sys
@@ -64,8 +65,45 @@ class RoleError(RuntimeError):
     names what and where; the command prints it and exits 2."""
 
 
-def setup_logging(name: str) -> None:
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(levelname)s %(message)s")
+#: Attributes every LogRecord has: what a JSON line adds beyond them are the ``extra`` fields.
+_RECORD_FIELDS = frozenset(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {
+    "message", "asctime", "taskName"}
+LOG_FORMATS = ("text", "json")
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: ``time`` (epoch seconds), ``level``, ``logger``, ``process``
+    (the role, e.g. ``follower-0``), ``message``, every ``extra`` field (values that are not
+    JSON become their ``repr``) and ``exc_info`` (the traceback) when there is one."""
+
+    def __init__(self, process: str) -> None:
+        super().__init__()
+        self.process = process
+
+    def format(self, record: logging.LogRecord) -> str:
+        doc: dict = {"time": round(record.created, 6), "level": record.levelname,
+                     "logger": record.name, "process": self.process,
+                     "message": record.getMessage()}
+        for key, value in vars(record).items():
+            if key not in _RECORD_FIELDS and key not in doc:
+                doc[key] = value
+        if record.exc_info:
+            doc["exc_info"] = self.formatException(record.exc_info)
+        return json.dumps(doc, default=repr, ensure_ascii=False)
+
+
+def setup_logging(name: str, fmt: str = "text") -> None:
+    """Log INFO and above to stderr as ``name``: ``text`` lines (time, name, level, message)
+    or ``json`` lines (:class:`JsonFormatter`). Raises ValueError for another format."""
+    if fmt not in LOG_FORMATS:
+        raise ValueError(f"--log-format {fmt!r} is not one of {LOG_FORMATS}")
+    if fmt == "text":
+        logging.basicConfig(level=logging.INFO,
+                            format=f"%(asctime)s {name} %(levelname)s %(message)s")
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(JsonFormatter(name))
+    logging.basicConfig(level=logging.INFO, handlers=[handler])
 
 
 @dataclass

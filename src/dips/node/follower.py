@@ -66,9 +66,11 @@ def _initial_params(spec, names: list[str], init: Path | None):
 
 def run_follower(leader_addr: str, index: int, listen: str, advertise: str, data_listen: str,
                  data_advertise: str, state: Path, creds: Credentials, stop: threading.Event,
-                 *, init: Path | None = None, data_ipc: Path | None = None) -> int:
-    """Serve follower ``index`` until ``stop``; returns the exit code. Raises RoleError if it
-    cannot start (see :mod:`dips.node.common`)."""
+                 *, init: Path | None = None, data_ipc: Path | None = None,
+                 metrics_port: int | None = None, metrics_host: str = "0.0.0.0") -> int:
+    """Serve follower ``index`` until ``stop``; returns the exit code. ``metrics_port``: serve
+    Prometheus metrics there (:mod:`dips.node.metrics_members`; 0: a free port, logged; None:
+    none). Raises RoleError if it cannot start (see :mod:`dips.node.common`)."""
     import torch
 
     from dips.roles import failpoints
@@ -96,6 +98,13 @@ def run_follower(leader_addr: str, index: int, listen: str, advertise: str, data
     layers = {l: table[l] for l in owned}
     names = [n for ns in layers.values() for n in ns]
     ckpt_dir = state / "checkpoints"
+    observed = None
+    if metrics_port is not None:
+        from prometheus_client import CollectorRegistry
+
+        from dips.node.metrics_members import FollowerMetrics
+
+        observed = FollowerMetrics(CollectorRegistry())
     saved = complete_versions(ckpt_dir)
     momenta, version = None, 0
     if saved:  # a restart: resume from the newest complete checkpoint (§12)
@@ -106,7 +115,8 @@ def run_follower(leader_addr: str, index: int, listen: str, advertise: str, data
     shard = FollowerShard(index, layers, params, cfg.outer.lr, cfg.outer.momentum,
                           log_dir=state, version=version, momenta=momenta, ckpt_dir=ckpt_dir,
                           keep=cfg.checkpoint_keep, state_dtype=cfg.outer.state_dtype,
-                          wire_dtype=cfg.outer.wire_dtype, require_tickets=True)
+                          wire_dtype=cfg.outer.wire_dtype, require_tickets=True,
+                          on_checkpoint=observed.on_checkpoint if observed else None)
     fence = Fence(state / "leader_term", fencing.lease_seconds(
         cfg.membership.heartbeat_interval_s, cfg.membership.missed_heartbeats))
     keyring = Keyring()
@@ -120,10 +130,24 @@ def run_follower(leader_addr: str, index: int, listen: str, advertise: str, data
     if data_ipc is not None:  # a local reader outside the servers' network namespace
         data.bind(f"ipc://{data_ipc}")
     data.start()
+    metrics = None
+    if observed is not None:
+        from dips.node.metrics import serve_metrics
+
+        observed.attach(shard, data, ckpt_dir)
+        try:
+            metrics = serve_metrics(observed.registry, metrics_port, metrics_host)
+        except RoleError:
+            data.stop()
+            shard.close()
+            raise
     server = make_server(max_workers=8)
-    pbg.add_FollowerServicer_to_server(FollowerServicer(shard, fence), server)
+    pbg.add_FollowerServicer_to_server(
+        FollowerServicer(observed.timed(shard) if observed else shard, fence), server)
     if creds.add_port(server, listen) == 0:
         data.stop()
+        if metrics is not None:
+            metrics.close()
         raise RoleError(f"--listen {listen}: cannot bind (in use, or not an address of this "
                         "host)")
     server.start()
@@ -165,4 +189,6 @@ def run_follower(leader_addr: str, index: int, listen: str, advertise: str, data
     data.stop()
     shard.close()
     leader.close()
+    if metrics is not None:
+        metrics.close()
     return code

@@ -119,10 +119,13 @@ def take_leases(endpoints: dict[int, str], connect: Any, lease_s: float,
 def run_leader(cfg: RunConfig, listen: str, state: Path, creds: Credentials,
                stop: threading.Event, *, advertise: str | None = None,
                cache_dir: Path | None = None, status_socket: Path | None = None,
-               revoked_file: Path | None = None) -> int:
+               revoked_file: Path | None = None, metrics_port: int | None = None,
+               metrics_host: str = "0.0.0.0") -> int:
     """Serve the leader until ``stop`` is set or it steps down; returns the exit code (0, or
-    :data:`EXIT_FENCED`). Raises RoleError if it cannot start (state directory in use, a
-    config that differs from the prepared spec, an address that cannot be bound)."""
+    :data:`EXIT_FENCED`). ``metrics_port``: serve Prometheus metrics there
+    (:mod:`dips.node.metrics`; 0: a free port, logged; None: none). Raises RoleError if it
+    cannot start (state directory in use, a config that differs from the prepared spec, an
+    address that cannot be bound)."""
     from dips.algo.ledger import ChunkLedger
     from dips.roles.leader import FollowerEntry, Leader, LeaderConfig
     from dips.roles.leader_types import Issued
@@ -158,6 +161,18 @@ def run_leader(cfg: RunConfig, listen: str, state: Path, creds: Credentials,
     leader = Leader(LeaderConfig.from_run(cfg), lambda e: connect(e.index, e.control_endpoint),
                     state, ledger=ledger, tokens_per_window=cfg.inner.seq_len, issued=issued)
     holder["leader"] = leader
+    metrics = None
+    if metrics_port is not None:  # before the leader acts: no record is missed
+        from prometheus_client import CollectorRegistry
+
+        from dips.node.metrics import LeaderMetrics, serve_metrics
+
+        registry = CollectorRegistry()
+        observed = LeaderMetrics(registry)
+        observed.replay(state)  # counters go on from the previous process's records
+        observed.attach(leader)
+        leader.observer = observed.observe
+        metrics = serve_metrics(registry, metrics_port, metrics_host)
 
     def entry(info: Any) -> FollowerEntry:
         return FollowerEntry(info.index, info.data_endpoint, info.control_endpoint,
@@ -174,6 +189,8 @@ def run_leader(cfg: RunConfig, listen: str, state: Path, creds: Credentials,
     pbg.add_LeaderServicer_to_server(LeaderServicer(leader, entry, revoked,
                                                     CallGate.for_server(workers)), server)
     if creds.add_port(server, listen) == 0:
+        if metrics is not None:
+            metrics.close()
         raise RoleError(f"--listen {listen}: cannot bind (in use, or not an address of this host)")
     if status_socket is not None:  # for a local operator outside the servers' namespaces
         status_socket.unlink(missing_ok=True)
@@ -186,6 +203,8 @@ def run_leader(cfg: RunConfig, listen: str, state: Path, creds: Credentials,
         stop.wait(0.2)
     leader.stop()
     server.stop(grace=2.0).wait(5.0)
+    if metrics is not None:
+        metrics.close()
     if leader.fenced.is_set():
         log.error("leader term %d stepped down: %s", term, leader.fenced_reason)
         return EXIT_FENCED

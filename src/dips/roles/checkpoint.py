@@ -18,7 +18,9 @@ import json
 import logging
 import shutil
 import threading
+import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -95,14 +97,18 @@ class CheckpointWriter:
         root: checkpoint directory of this follower.
         index: follower index (recorded in meta.json).
         keep: complete checkpoints to keep (K >= 2, so a rollback target always exists).
+        on_saved: called with (version, seconds the write took) after each complete
+            checkpoint, on the writer's thread (``dips follower``'s metrics).
     """
 
-    def __init__(self, root: Path, index: int, keep: int = 3) -> None:
+    def __init__(self, root: Path, index: int, keep: int = 3,
+                 on_saved: Callable[[int, float], None] | None = None) -> None:
         if keep < 2:
             raise ValueError(f"checkpoint keep = {keep} must be >= 2")
         self.root = root
         self.index = index
         self.keep = keep
+        self._on_saved = on_saved
         self._cond = threading.Condition()
         self._job: tuple[int, dict, dict, str] | None = None
         self._written = max(complete_versions(root), default=-1)
@@ -145,6 +151,7 @@ class CheckpointWriter:
                     return
                 version, params, momenta, checksum = self._job
                 self._job = None
+            started = time.monotonic()
             try:
                 save_checkpoint(self.root, version, self.index, params, momenta, checksum, self.keep)
             except OSError:
@@ -153,6 +160,11 @@ class CheckpointWriter:
             with self._cond:
                 self._written = max(self._written, version)
                 self._cond.notify_all()
+            if self._on_saved is not None:
+                try:
+                    self._on_saved(version, time.monotonic() - started)
+                except Exception:
+                    log.exception("the checkpoint observer failed")
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Finish the pending write (if any) and stop the thread."""

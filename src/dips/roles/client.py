@@ -153,6 +153,7 @@ class ClusterClient(SyncMixin):
         self._backoff_s = 0.5
         self._last_sync_step = 0
         self.version = -1
+        self.leader_version = -1  # the global version in the leader's last heartbeat reply
         self.inner_step = 0
         self.tokens_total = 0
         self.tokens_since_pull = 0
@@ -335,6 +336,7 @@ class ClusterClient(SyncMixin):
                         tokens=self.tokens_total, last_loss=self.last_loss),
                         timeout=max(self._hb_interval, 1.0))
                     self._followers_epoch = reply.followers_epoch
+                    self.leader_version = reply.version
                     if reply.finished and not self.finished:
                         self.finished = f"the run finished ({reply.finished})"
                     if not reply.known:

@@ -114,6 +114,10 @@ class SyncMixin:
             if code is Refusal.RUN_FINISHED:  # not a failure: the loop stops
                 self.finished = exc.details() or "run finished"
                 return SyncResult(False, self.version, -1, tokens, ok=False, reason=reason)
+            if code is Refusal.LEDGER_CONFLICT:
+                # The leader's ledger disagrees (e.g. an idle chunk was reassigned): adopt its
+                # holdings now, keeping local progress on the chunks still held.
+                self.refill()
             if code is Refusal.NOTHING_TRAINED:  # not a failure: push after more training
                 self._last_sync_step = self.inner_step
             else:

@@ -3,7 +3,7 @@
 A rename is atomic but not durable until the directory holding it is flushed, and a file's
 bytes are not durable until the file is (POSIX ``fsync(2)``; ext4 and XFS lose a renamed
 file's contents on power loss otherwise). Every state file a role persists — shard
-checkpoints, ``leader.json``, terms — goes through these two functions.
+checkpoints, ``leader.json``, terms, a follower's used push ids — goes through these functions.
 """
 
 from __future__ import annotations
@@ -30,11 +30,29 @@ def write_atomic(path: Path, data: bytes, mode: int = 0o644) -> None:
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
     try:
         os.fchmod(fd, mode)
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-        os.fsync(fd)
+        _write_all(fd, data)
     finally:
         os.close(fd)
     os.replace(tmp, path)
     fsync_path(path.parent)
+
+
+def append_durable(path: Path, data: bytes, mode: int = 0o644) -> None:
+    """Append ``data`` to ``path`` (created with ``mode`` if missing) and flush it; a new
+    file's directory entry is flushed too. A crash may leave a cut tail: readers must drop an
+    incomplete last record. Raises OSError."""
+    created = not path.exists()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, mode)
+    try:
+        _write_all(fd, data)
+    finally:
+        os.close(fd)
+    if created:
+        fsync_path(path.parent)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+    os.fsync(fd)

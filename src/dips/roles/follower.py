@@ -29,7 +29,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import xxhash
@@ -93,7 +93,8 @@ class FollowerShard(DataPlaneSide):
         outer_lr, outer_momentum: Nesterov hyper-parameters (§13: 0.7, 0.8).
         state_dtype: "fp32" (§12) or "bf16": θ and momentum rounded to BF16 after each outer
             step (``OuterConfig.state_dtype``, :func:`dips.algo.outer.round_state_`).
-        log_dir: directory for ``applied.jsonl`` (None: no log).
+        log_dir: directory for ``applied.jsonl`` and the admitted push ids
+            (:class:`~dips.roles.follower_admit.PushIds`; None: neither).
         version: version of ``params``.
         momenta: Nesterov momentum of that version (None: zeros, a fresh run).
         ckpt_dir: where shard checkpoints go (None: no checkpoints); version ``version`` is
@@ -104,6 +105,8 @@ class FollowerShard(DataPlaneSide):
         require_tickets: refuse every push without a valid admission ticket, and every push
             until :meth:`set_admission_key` (a follower process). False: tickets are checked
             once a key is set (:mod:`dips.roles.follower_admit`).
+        on_checkpoint: called with (version, seconds) after each checkpoint written
+            (:class:`dips.roles.checkpoint.CheckpointWriter`'s ``on_saved``).
 
     Raises:
         ValueError: a parameter is missing or not FP32, or an unknown wire dtype.
@@ -114,7 +117,8 @@ class FollowerShard(DataPlaneSide):
                  log_dir: Path | None = None, version: int = 0,
                  momenta: dict[str, torch.Tensor] | None = None,
                  ckpt_dir: Path | None = None, keep: int = 3, state_dtype: str = "fp32",
-                 wire_dtype: str | None = None, require_tickets: bool = False) -> None:
+                 wire_dtype: str | None = None, require_tickets: bool = False,
+                 on_checkpoint: Callable[[int, float], None] | None = None) -> None:
         round_state_([], state_dtype)  # refuses an unknown precision before any state exists
         if wire_dtype not in (None, "bf16", "fp32"):
             raise ValueError(f"wire_dtype = {wire_dtype!r} is not 'bf16' or 'fp32'")
@@ -151,7 +155,7 @@ class FollowerShard(DataPlaneSide):
         if ckpt_dir is not None:
             from dips.roles.checkpoint import CheckpointWriter
 
-            self._writer = CheckpointWriter(ckpt_dir, index, keep)
+            self._writer = CheckpointWriter(ckpt_dir, index, keep, on_saved=on_checkpoint)
             if self._writer.written < version:
                 self._writer.submit(version, self.params, self.momenta, self.checksum,
                                     copy=False)
@@ -159,7 +163,8 @@ class FollowerShard(DataPlaneSide):
         self._lock = threading.RLock()
         self._log = (log_dir / "applied.jsonl") if log_dir else None
         # A restarted follower keeps refusing pushes of the rounds it applied before.
-        self._admission = Admission(require_tickets, closed=last_round(self._log))
+        self._admission = Admission(require_tickets, closed=last_round(self._log),
+                                    state_dir=log_dir)
         if log_dir:
             log_dir.mkdir(parents=True, exist_ok=True)
             if self._log.exists() and self._log.stat().st_size:

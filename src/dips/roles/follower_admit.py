@@ -13,9 +13,22 @@ leader's ticket (:mod:`dips.wire.admission`) for exactly this cluster, round and
 and T_j is the ticket's, never the header's. Replay is refused with STALE_GRANT: a round at
 or below the highest round the follower closed (discarded, aborted or applied: the
 *watermark*), a push id already taken into a round or replaced by a newer push of its
-cluster, and a base version ahead of the follower's. Without a key (trusted in-process
-callers: the virtual-time engine and unit tests) the ticket is not required and T_j comes
-from the header; every other check still applies.
+cluster, a push id admitted by an earlier process of this follower, and a base version ahead
+of the follower's. Without a key (trusted in-process callers: the virtual-time engine and
+unit tests) the ticket is not required and T_j comes from the header; every other check
+still applies.
+
+Replay refusal survives a restart for every kind of ticket (issue 13; review 14, finding F4:
+a push sent ahead of its round, round 0, is not covered by the watermark, and a round open at
+the crash is above it). The first time a ticket's push id is admitted, before the push is
+staged or acknowledged, it is appended to ``push_ids`` in the follower's state directory and
+fsynced (one line of 17 bytes per push and follower, not per layer: :class:`PushIds`). A
+restarted follower loads the file and refuses every push id in it: whatever it had staged
+for that push died with the process, so no layer of it can complete here (the leader fails
+the pushes of a round when a follower restarts, and a push sent ahead of its round is scored
+"layers missing"). The file keeps the newest :data:`RETIRED_IDS` ids, compacted with
+:func:`dips.roles.durable.write_atomic`; an id older than that is forgotten, in a running
+follower as after a restart.
 """
 
 from __future__ import annotations
@@ -27,6 +40,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from dips.algo.refusal import Refusal, Refused
+from dips.roles.durable import append_durable, write_atomic
 from dips.wire import admission
 from dips.wire.admission import PUSH_ID
 from dips.wire.pki import CLUSTER_ID
@@ -36,8 +50,11 @@ INT64_MAX = 2**63 - 1
 MAX_LAYER_CHARS = 200
 #: Pushes sent ahead of their round held at once, all clusters together (one per cluster).
 MAX_EARLY_PUSHES = 64
-#: Push ids remembered as used (taken into a round, or replaced), oldest forgotten first.
+#: Push ids remembered (admitted, taken into a round, or replaced), oldest forgotten first;
+#: as many are kept on disk across restarts (:class:`PushIds`).
 RETIRED_IDS = 4096
+#: The file in a follower's state directory that keeps the push ids it admitted.
+PUSH_IDS_FILE = "push_ids"
 # A leader's push id is 16 hex digits; the virtual-time engine's are "<cluster>-<step>".
 _DTYPES = ("bf16", "fp32")
 
@@ -134,6 +151,75 @@ def pull_fields(h: Mapping[str, Any], layers: Mapping[str, Any],
     return version, want, dname
 
 
+class PushIds:
+    """The push ids a follower admitted under a ticket, kept across restarts (issue 13;
+    review 14, finding F4).
+
+    ``path`` is append-only, one id a line (16 hex digits and a newline); :meth:`add` fsyncs
+    its line before it returns, so an id is on disk before any byte of its push is staged or
+    acknowledged. The ids found in the file at start are *earlier*: admitted by a previous
+    process of this follower. At most ``keep`` ids are held, the oldest forgotten first; the
+    file is rewritten with them (:func:`~dips.roles.durable.write_atomic`) at start if it
+    differs (a line cut by a crash, too many ids), when it has grown to ``2 * keep`` lines,
+    and after a failed write. Not thread-safe (see :class:`Admission`).
+
+    Args:
+        path: the file (None: in memory only, nothing survives the process).
+        keep: ids held (>= 1).
+
+    Raises:
+        OSError: the file cannot be read or rewritten.
+    """
+
+    def __init__(self, path: Path | None, keep: int = RETIRED_IDS) -> None:
+        self.path, self.keep = path, keep
+        self._ids: OrderedDict[str, bool] = OrderedDict()  # id -> admitted by an earlier process
+        self._lines, self._suspect = 0, False
+        if path is not None and path.exists():
+            raw = path.read_bytes()
+            for line in raw.decode("ascii", errors="replace").splitlines():
+                if PUSH_ID.fullmatch(line):  # a line cut by a crash was never acknowledged
+                    self._ids[line] = True
+                    self._ids.move_to_end(line)
+            self._trim()
+            if raw != self._body():
+                write_atomic(path, self._body())
+            self._lines = len(self._ids)
+
+    def earlier(self, push_id: str) -> bool:
+        """Whether ``push_id`` was admitted by a previous process of this follower."""
+        return self._ids.get(push_id, False)
+
+    def add(self, push_id: str) -> None:
+        """Keep ``push_id`` (a no-op if held): on disk, fsynced, when this returns. Raises
+        OSError (then it is not held either)."""
+        if push_id in self._ids:
+            return
+        self._ids[push_id] = False
+        try:
+            if self.path is not None and (self._suspect or self._lines + 1 >= 2 * self.keep):
+                self._trim()
+                write_atomic(self.path, self._body())
+                self._lines, self._suspect = len(self._ids), False
+            elif self.path is not None:
+                append_durable(self.path, f"{push_id}\n".encode())
+                self._lines += 1
+        except OSError:
+            # The file may now end in a cut line, or hold bytes the disk never took: the
+            # next id rewrites it whole rather than appending to it.
+            del self._ids[push_id]
+            self._suspect = True
+            raise
+        self._trim()
+
+    def _trim(self) -> None:
+        while len(self._ids) > self.keep:
+            self._ids.popitem(last=False)
+
+    def _body(self) -> bytes:
+        return "".join(f"{i}\n" for i in self._ids).encode()
+
+
 class Admission:
     """Admission tickets and replay state of one follower (see the module docstring).
 
@@ -144,11 +230,18 @@ class Admission:
             first registration); False: without a key, no ticket is required.
         key: the admission key (:func:`dips.wire.admission.admission_key`), or None.
         closed: the watermark to start from (see :func:`last_round`).
+        state_dir: the follower's state directory, where :data:`PUSH_IDS_FILE` keeps the push
+            ids it admitted across restarts (:class:`PushIds`); None: in memory only.
+
+    Raises:
+        OSError: the push ids file cannot be read or rewritten.
     """
 
-    def __init__(self, required: bool = False, key: bytes | None = None, closed: int = 0) -> None:
+    def __init__(self, required: bool = False, key: bytes | None = None, closed: int = 0,
+                 state_dir: Path | None = None) -> None:
         self.required, self.key, self.closed = required, key, closed
         self._retired: OrderedDict[str, None] = OrderedDict()
+        self._admitted = PushIds(None if state_dir is None else state_dir / PUSH_IDS_FILE)
 
     def set_key(self, key: bytes) -> None:
         """Check tickets under ``key`` from now on."""
@@ -168,10 +261,13 @@ class Admission:
     def admit(self, f: PushFields, header: Mapping[str, Any], version: int) -> PushFields:
         """``f`` with T_j and base version from the ticket, if the push may be staged.
 
-        Raises Refused: NOT_READY (a key is required and not yet known), FORBIDDEN (no ticket,
-        a forged one, or one for another cluster, round or push id), INVALID_ARGUMENT (a
-        malformed ticket), STALE_GRANT (a closed round, a used push id, a base version
-        ahead of ``version``, the follower's).
+        A ticket's push id admitted for the first time is recorded durably before this
+        returns (:class:`PushIds`). Raises Refused: NOT_READY (a key is required and not yet
+        known), FORBIDDEN (no ticket, a forged one, or one for another cluster, round or push
+        id), INVALID_ARGUMENT (a malformed ticket), STALE_GRANT (a closed round, a used push
+        id, a push id admitted before this follower restarted, a base version ahead of
+        ``version``, the follower's). Raises OSError if the push id cannot be recorded (the
+        push is then not staged).
         """
         if self.key is None:
             if self.required:
@@ -195,6 +291,12 @@ class Admission:
                                                f"(closed up to round {self.closed}): a replay")
         if f.push_id is not None and f.push_id in self._retired:
             raise Refused(Refusal.STALE_GRANT, f"push id {f.push_id} was already used")
+        if self.key is not None:
+            if self._admitted.earlier(f.push_id):
+                raise Refused(Refusal.STALE_GRANT, f"push id {f.push_id} was admitted before "
+                                                   f"this follower restarted (what it staged "
+                                                   f"is gone): a replay")
+            self._admitted.add(f.push_id)
         return f
 
 

@@ -365,6 +365,12 @@ class Leader(Membership, Records, Pushes):
         self.checkpoint()
 
     # ----- status ----------------------------------------------------------------------
+    def ledger_summary(self) -> dict[str, Any] | None:
+        """The data-chunk ledger's counts (:meth:`dips.algo.ledger.ChunkLedger.summary`:
+        epoch, accepted windows, finished/held/free chunks), or None without a ledger."""
+        with self._cond:
+            return self.ledger.summary() if self.ledger is not None else None
+
     def status(self) -> LeaderStatus:
         """A consistent snapshot of the run (copies; safe to read without the lock)."""
         with self._cond:

@@ -187,6 +187,8 @@ class Membership:
                 if loss is not None and math.isfinite(loss) and loss >= 0:
                     c.last_loss = min(float(loss), MAX_SHOWN_LOSS)
                 c.last_seen = self._clock()
+                if self.ledger is not None:
+                    self.ledger.observe(c.last_seen)  # times accepted progress (review 14, F3)
             return HeartbeatAnswer(self.version, c is not None, self.followers_epoch,
                                    self._state.finished)
 
@@ -220,7 +222,11 @@ class Membership:
     def lease(self, cluster_id: str, n: int) -> tuple[list[tuple[int, int]], int, int]:
         """Lease up to ``n`` more chunks to a member; returns (holdings, windows per chunk,
         epoch). A member gets no more than an honest one can hold
-        (:func:`dips.algo.limits.lease_allowed`), so it cannot starve the others of data.
+        (:func:`dips.algo.limits.lease_allowed`); once no chunk is free, it gets those of a
+        member whose accepted position stood still for ``cfg.lease_timeout_s`` seconds
+        (:meth:`dips.algo.ledger.ChunkLedger.idle_chunks`, review 14, F3), so a lease without
+        progress starves no one of data nor keeps the epoch from ending. ``n`` = 0 returns the
+        holdings unchanged: a member re-syncs with it.
 
         Raises Refused: NOT_JOINED, NO_LEDGER, INVALID_ARGUMENT (n < 0).
         """
@@ -233,9 +239,19 @@ class Membership:
             n = lease_allowed(len(self.ledger.holdings(cluster_id)), n, self.cfg.lease_ahead,
                               self.cfg.max_push_tokens, self.tokens_per_window or 1,
                               self.ledger.windows_per_chunk)
+            taken: dict[str, list[int]] = {}
             if n > 0:
-                self.ledger.lease(cluster_id, n)
-            return self.ledger.holdings(cluster_id), self.ledger.windows_per_chunk, self.ledger.epoch
+                holders = [c.holder for c in self.ledger.chunks]
+                for chunk, _ in self.ledger.lease(cluster_id, n, self._clock(),
+                                                  self.cfg.lease_timeout_s):
+                    if holders[chunk] is not None:
+                        taken.setdefault(holders[chunk], []).append(chunk)
+            answer = (self.ledger.holdings(cluster_id), self.ledger.windows_per_chunk,
+                      self.ledger.epoch)
+        for idle, chunks in sorted(taken.items()):
+            self.event("chunks_reassigned", cluster=cluster_id, idle_holder=idle, chunks=chunks,
+                       idle_after_s=self.cfg.lease_timeout_s)
+        return answer
 
     def _member(self, cluster_id: str) -> ClusterEntry:
         if cluster_id not in self.clusters:

@@ -51,7 +51,8 @@ class Pushes:
         signed admission ticket (:mod:`dips.wire.admission`).
 
         With a ledger, T_j is the ledger's: the windows ``progress`` (chunk → window position
-        reached) trained beyond the accepted positions × ``tokens_per_window``; ``tokens``,
+        reached) trained beyond the accepted positions, at most ``cfg.max_push_tokens`` worth
+        (:meth:`dips.algo.ledger.ChunkLedger.credit`), × ``tokens_per_window``; ``tokens``,
         the client's own count, is only compared with it. Without one, ``tokens`` is cut to
         ``cfg.max_push_tokens`` (:func:`dips.algo.limits.push_tokens`). ``expected_s``: the
         push time the cluster predicts (seconds; serves until the leader measured its
@@ -88,8 +89,11 @@ class Pushes:
             now = self._clock()
             self._sync_ready(now)
             if self.ledger is not None:
+                per_push = (None if self.cfg.max_push_tokens is None else
+                            self.cfg.max_push_tokens // max(self.tokens_per_window or 1, 1))
                 try:
-                    windows = self.ledger.windows_in(cluster_id, progress or {})
+                    progress = self.ledger.credit(cluster_id, progress or {}, per_push)
+                    windows = self.ledger.windows_in(cluster_id, progress)
                 except LedgerError as exc:
                     raise Refused(Refusal.LEDGER_CONFLICT, str(exc)) from None
                 if windows == 0:
@@ -161,7 +165,9 @@ class Pushes:
                   timeout_s: float, cancelled: Callable[[], bool] | None = None) -> VerdictReply:
         """Report a push delivered (or failed); block until its round is decided.
 
-        A push already decided gets its verdict again (a client that lost the reply asks
+        ``ok`` is the member's word: its push counts as delivered for its push-time estimate
+        and for being sent ahead (:class:`dips.algo.round.RoundState`) only once the followers
+        scored it complete (review 14, F2). A push already decided gets its verdict again (a client that lost the reply asks
         again). ``cancelled``: polled while waiting; true ends the wait (UNDECIDED).
         Raises Refused: UNKNOWN_PUSH (not in the current round and not decided),
         UNDECIDED (not decided within ``timeout_s`` seconds).

@@ -22,7 +22,7 @@ import os
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from dips.algo import grace as grace_rules
 from dips.algo.ledger import ChunkLedger
@@ -47,6 +47,20 @@ class Records:
     ledger: ChunkLedger | None
     rounds_reserved: int
     _known_followers: dict[int, str]
+    #: Called with (``"outer_steps"`` or ``"leader_events"``, record) for every record the
+    #: leader writes (also without a run directory): the metrics of ``dips leader`` are fed
+    #: from here. It runs on the writing thread, sometimes under the lock: it must be quick.
+    observer: Callable[[str, dict[str, Any]], None] | None = None
+
+    def _observe(self, stream: str, record: dict[str, Any]) -> None:
+        """Hand ``record`` to :attr:`observer`; an observer that fails is logged, never
+        raised into the leader."""
+        if self.observer is None:
+            return
+        try:
+            self.observer(stream, record)
+        except Exception:
+            log.exception("the observer failed on a %s record", stream)
 
     def reserve_rounds(self, above: int) -> None:
         """Reserve round numbers ``above + 1 .. above + ROUND_BLOCK`` durably before any is
@@ -76,6 +90,8 @@ class Records:
         # Measured push times survive a restart: a slow link's next push still goes ahead of
         # its round instead of holding the others' (found by a review: it did not).
         push_s = {str(c): float(x) for c, x in state.get("push_s", {}).items()}
+        # So do the members sent ahead until they deliver a complete push (review 14, F2).
+        send_ahead = frozenset(str(c) for c in state.get("send_ahead", []))
         self._known_followers = {int(i): str(ep)
                                  for i, ep in (state.get("followers") or {}).items()}
         # Above every number the crashed incarnation reserved (and so may have granted).
@@ -83,7 +99,8 @@ class Records:
         self.rounds_reserved = rounds
         self._state = RoundState(rounds=rounds, ready=False, verdicts=verdicts,
                                  grace=grace_rules.from_dict(state.get("grace", {})),
-                                 push_s=push_s, finished=str(state.get("finished", "")))
+                                 push_s=push_s, send_ahead=send_ahead,
+                                 finished=str(state.get("finished", "")))
         started = state.get("training_started_at")
         self.training_started_at = float(started) if started is not None else None
         # A count is a non-negative int64 whatever the file says (one written by an older
@@ -133,6 +150,7 @@ class Records:
                      "version_stats": {str(v): list(x) for v, x in self._version_stats.items()},
                      "grace": grace_rules.to_dict(self._state.grace),
                      "push_s": dict(self._state.push_s),
+                     "send_ahead": sorted(self._state.send_ahead),
                      # Where the followers are: a restarted leader takes their leases first.
                      "followers": {**{str(i): ep for i, ep in self._known_followers.items()},
                                    **{str(f.index): f.control_endpoint
@@ -147,9 +165,11 @@ class Records:
     def event(self, kind: str, **extra: Any) -> None:
         """Append a timestamped event to ``leader_events.jsonl`` (and the log)."""
         log.info("%s %s", kind, extra)
+        record = {"time": time.time(), "event": kind, **extra}
         if self._run_dir is not None:
             with open(self._run_dir / "leader_events.jsonl", "a") as f:
-                f.write(json.dumps({"time": time.time(), "event": kind, **extra}) + "\n")
+                f.write(json.dumps(record) + "\n")
+        self._observe("leader_events", record)
 
     # ----- decisions ----------------------------------------------------------------------
     def _decide(self, number: int, report: UpdateReport) -> None:
@@ -237,3 +257,4 @@ class Records:
                 if durable:
                     f.flush()
                     os.fsync(f.fileno())
+        self._observe("outer_steps", record)

@@ -24,8 +24,15 @@ from typing import Any, Callable, Protocol, Sequence
 
 import grpc
 
-from dips.algo import clip_factor, clip_threshold, decide, staleness_scale, token_weights
-from dips.algo.penalty import PenaltyState
+from dips.algo import (
+    clip_factor,
+    clip_threshold,
+    decide,
+    robust_scale,
+    staleness_scale,
+    token_weights,
+)
+from dips.algo.penalty import PenaltyState, robust_mu
 from dips.algo.refusal import Refused
 from dips.algo.round import Slot, UpdateOutcome
 from dips.roles import failpoints
@@ -58,7 +65,8 @@ class UpdateReport:
     ``outcome``: what the round machine needs (:class:`dips.algo.round.UpdateOutcome`).
     ``penalty``: the §8 history after this round (the caller keeps it unless ``failed``).
     ``sq_norms``: G_j = Σ_i ‖Δ^(i,j)‖² per delivered cluster; ``weights``: normalised token
-    weights of the accepted set; ``delta_sq_norm``: ‖δ‖² (units of θ²); ``checksums``:
+    weights of the accepted set; ``push_scales``: cluster -> s_j < 1 for a push scaled down to
+    the robust bound (:func:`dips.algo.robust_scale`; empty when none was); ``delta_sq_norm``: ‖δ‖² (units of θ²); ``checksums``:
     follower index -> XXH3 of its shard at the new version (reported when it prepared the
     step); ``commit_failed``: followers whose commit failed; ``failed``: the round failed
     before its decision (nothing applied).
@@ -73,6 +81,7 @@ class UpdateReport:
     sq_norms: dict[str, float | None] = field(default_factory=dict)
     scored: list[str] = field(default_factory=list)
     weights: dict[str, float] = field(default_factory=dict)
+    push_scales: dict[str, float] = field(default_factory=dict)
     delta_sq_norm: float | None = None
     checksums: dict[int, str] = field(default_factory=dict)
     commit_failed: list[int] = field(default_factory=list)
@@ -87,10 +96,10 @@ class UpdateReport:
                "rejected": {c: {"score": out.scores.get(c),
                                 "reason": out.invalid.get(c, out.error or "penalty")}
                             for c in self.clusters if c not in accepted},
-               "scores": dict(out.scores), "threshold": out.threshold,
+               "scores": dict(out.scores), "thresholds": dict(out.thresholds),
                "sq_norms": self.sq_norms, "tokens": self.tokens,
                "base_versions": self.base_versions, "ahead": self.ahead,
-               "weights": self.weights,
+               "weights": self.weights, "push_scales": self.push_scales,
                "delta_sq_norm": self.delta_sq_norm, "clip_factor": out.clip_factor,
                "checksums": {str(k): v for k, v in self.checksums.items()},
                "invalid": dict(out.invalid), "scored": self.scored}
@@ -154,14 +163,15 @@ def run_update(followers: Sequence[tuple[int, FollowerControl]], number: int,
         report.scored = sorted(scored)
         accepted: list[str] = []
         scores: dict[str, float | None] = {}
-        threshold = None
+        thresholds: dict[str, float] = {}
         new_penalty = penalty
         if scored:
             verdict, new_penalty = decide(penalty, scored, penalty_cfg)
-            accepted, scores, threshold = list(verdict.accepted), dict(verdict.scores), verdict.threshold
+            accepted, scores = list(verdict.accepted), dict(verdict.scores)
+            thresholds = dict(verdict.thresholds)
         report.penalty = new_penalty
         if not accepted:
-            report.outcome = UpdateOutcome(version, (), scores, threshold, None, invalid)
+            report.outcome = UpdateOutcome(version, (), scores, thresholds, None, invalid)
             for index, control in followers:  # best effort: a reconcile drops leftovers anyway
                 try:
                     control.discard(number)
@@ -170,11 +180,16 @@ def run_update(followers: Sequence[tuple[int, FollowerControl]], number: int,
             return report
         weights = token_weights({c: by_id[c].tokens for c in accepted}, accepted,
                                 uniform=outer.uniform_weights, cap=weight_cap)
-        w = [weights[c] for c in accepted]
+        # Issue 13: no push enters the mean larger than the clusters' median scale allows, and
+        # the clip's μ cannot be dragged up by a minority (dips.algo.aggregate.robust_scale).
+        scales, clip_mu = robust_scale({c: scored[c] for c in accepted}, new_penalty.mu,
+                                       robust_mu(new_penalty), outer.push_norm_ratio)
+        w = [weights[c] * scales[c] for c in accepted]
+        report.push_scales = {c: s for c, s in scales.items() if s < 1.0}
         sq_norm = sum(control.aggregate(number, accepted, w) for _, control in followers)
         if not _finite_square(sq_norm):  # nothing applied: the round fails as a whole
             raise ValueError(f"round {number}: ‖δ‖² = {sq_norm!r} is not a finite number >= 0")
-        clip_norm = clip_threshold(outer.clip, outer.max_norm, outer.clip_ratio, new_penalty.mu)
+        clip_norm = clip_threshold(outer.clip, outer.max_norm, outer.clip_ratio, clip_mu)
         clip = clip_factor(sq_norm, clip_norm if clip_norm else float("inf"))
         clip *= staleness_scale(outer.staleness, weights,
                                 {c: max(0, version - by_id[c].base_version) for c in accepted})
@@ -191,12 +206,12 @@ def run_update(followers: Sequence[tuple[int, FollowerControl]], number: int,
         abort_everywhere(followers, number)
         report.failed = True
         report.penalty = penalty
-        report.outcome = UpdateOutcome(version, (), {}, None, None, invalid,
+        report.outcome = UpdateOutcome(version, (), {}, {}, None, invalid,
                                        error=f"round failed: {describe(exc)}")
         return report
     # Every follower prepared: the step is decided. The caller records it durably before any
     # commit, so a restarted leader never loses or repeats it.
-    report.outcome = UpdateOutcome(new_version, tuple(accepted), scores, threshold, clip, invalid)
+    report.outcome = UpdateOutcome(new_version, tuple(accepted), scores, thresholds, clip, invalid)
     if on_decided is not None:
         on_decided(report)
     failpoints.hit("update")

@@ -145,6 +145,10 @@ class LeaderConfig(Strict):
     lease_ahead: int | None = Field(None, ge=1, description="unfinished chunks a member keeps "
                                                             "leased (data.lease_ahead); None: a "
                                                             "lease is not capped")
+    lease_timeout_s: float | None = Field(
+        None, gt=0, allow_inf_nan=False,
+        description="seconds without an accepted advance after which a member's chunks go to "
+                    "a member that asks once none is free (data.lease_timeout_s); None: never")
 
     @classmethod
     def from_run(cls, cfg: RunConfig) -> "LeaderConfig":
@@ -155,7 +159,7 @@ class LeaderConfig(Strict):
                    token_budget=cfg.token_budget, max_outer_steps=cfg.max_outer_steps,
                    max_time_s=cfg.max_time_s,
                    max_push_tokens=PUSH_TOKENS_SLACK * inner.H * inner.batch_size * inner.seq_len,
-                   lease_ahead=cfg.data.lease_ahead)
+                   lease_ahead=cfg.data.lease_ahead, lease_timeout_s=cfg.data.lease_timeout_s)
 
 
 class RunSpec(Strict):

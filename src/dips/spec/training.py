@@ -88,6 +88,13 @@ class DataConfig(Strict):
     cache_dir: Path = Field(Path(".cache/dips"), description="tokenizer and encoded-corpus cache")
     lease_ahead: int = Field(2, ge=1, description="unfinished chunks a cluster holds at a time "
                                                   "(the leader's data ledger, dips launch)")
+    lease_timeout_s: float | None = Field(
+        30.0, gt=0, allow_inf_nan=False,
+        description="seconds a member's accepted data position may stand still before, once no "
+                    "chunk is free, its chunks are leased to a member that asks (review 14, F3: a "
+                    "lease without progress must not keep the epoch from ending); a floor: a "
+                    "member also keeps them for 3 of its own intervals between accepted pushes; "
+                    "None: never reassigned")
 
 
 class InnerConfig(Strict):
@@ -133,6 +140,12 @@ class OuterConfig(Strict):
                                "none: a stale pseudo-gradient at full weight (the seed)")
     uniform_weights: bool = Field(False, description="ablation: weights 1/n instead of the "
                                                      "token weights T_j/ΣT (§8)")
+    push_norm_ratio: float | None = Field(
+        2.0, gt=1, allow_inf_nan=False,
+        description="each accepted pseudo-gradient is scaled to at most this × √μ_robust, and "
+                    "the relative clip's μ is capped at its square × μ_robust (μ_robust: the "
+                    "lower median of the clusters' own mean ‖Δ_j‖², which fewer than half of "
+                    "the members cannot lift; issue 13); None: neither bound")
     wire_dtype: Literal["bf16", "fp32"] = Field(
         "bf16", description="dtype of the parameters clusters push and pull (§12: BF16 halves "
                             "the bytes; fp32: exact, twice the bytes)")

@@ -26,6 +26,7 @@ time, so the leader's process can use :func:`stop_on_signals` without loading to
 from __future__ import annotations
 
 import json
+import logging
 import signal
 import threading
 import time
@@ -89,18 +90,28 @@ class TrainLog:
         stamp: the ``time`` of a record: epoch seconds for ``dips launch`` (``time.time``),
             seconds since the common start for the baselines.
         delay: record ``delay_s`` on step records (the baselines do, Di-PS never did).
+        observer: called with every record once written (``dips cluster``'s metrics); it
+            runs on the training thread, so it must be quick.
     """
 
-    def __init__(self, path: Path, stamp: Callable[[], float], delay: bool = True) -> None:
+    def __init__(self, path: Path, stamp: Callable[[], float], delay: bool = True,
+                 observer: Callable[[dict[str, Any]], None] | None = None) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         self._file = open(path, "a", buffering=1)
         self._stamp = stamp
         self._delay = delay
+        self._observer = observer
 
     def write(self, rec: dict[str, Any]) -> None:
-        """Append ``rec`` as one line (``time`` added unless present)."""
+        """Append ``rec`` as one line (``time`` added unless present), then hand it to the
+        observer (one that fails is logged, never raised into training)."""
         rec.setdefault("time", self._stamp())
         self._file.write(json.dumps(rec) + "\n")
+        if self._observer is not None:
+            try:
+                self._observer(rec)
+            except Exception:
+                logging.getLogger(__name__).exception("the train.jsonl observer failed")
 
     def step(self, step: int, result: StepResult, tokens: int, delay_s: float,
              fields: dict[str, Any]) -> None:

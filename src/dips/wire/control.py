@@ -22,6 +22,15 @@ from dips.wire.security import Credentials
 log = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 4 << 20
+#: Concurrent calls (HTTP/2 streams) one connection may have at a server: a member's calls
+#: beyond this wait in its own client, not in the server's queue ahead of everyone else's
+#: (issue 13, review of 2026-12-01: 2,000 outstanding calls of one member made honest
+#: heartbeats wait 2.3 s and clusters were removed). Above CallGate's 6 calls per member, so
+#: a client that exceeds the gate still gets its typed BUSY.
+STREAMS_PER_CONNECTION = 8
+#: Calls accepted (running or queued) per handler thread over all connections; beyond it gRPC
+#: refuses RESOURCE_EXHAUSTED at once, so the queue (and its memory) stays bounded.
+CALLS_PER_WORKER = 8
 
 
 REFUSAL_KEY = "dips-refusal"
@@ -116,7 +125,9 @@ class _TolerantRequests(grpc.ServerInterceptor):
 def make_server(max_workers: int = 32) -> grpc.Server:
     """A gRPC server; bind it with :meth:`dips.wire.security.Credentials.add_port` (mutual
     TLS unless insecure), and have its servicers check :func:`dips.wire.security.caller`.
-    A request that does not parse reaches the servicer as :class:`Malformed`.
+    A request that does not parse reaches the servicer as :class:`Malformed`. Each connection
+    has at most :data:`STREAMS_PER_CONNECTION` calls in progress, and the server at most
+    ``CALLS_PER_WORKER × max_workers`` (RESOURCE_EXHAUSTED beyond).
 
     Args:
         max_workers: handler threads; leader handlers block (push admission), so give its
@@ -125,7 +136,9 @@ def make_server(max_workers: int = 32) -> grpc.Server:
     return grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
         interceptors=[_TolerantRequests()],
-        options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        maximum_concurrent_rpcs=CALLS_PER_WORKER * max_workers,
+        options=[("grpc.max_concurrent_streams", STREAMS_PER_CONNECTION),
+                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                  ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                  ("grpc.so_reuseport", 0)],
     )

@@ -148,6 +148,10 @@ class DataServer:
         self._pull_streams: PullStreams | None = None
         self._push_streams: PushStreams | None = None
         self.send_dropped = 0
+        # Bytes of every frame received and sent on the socket (counted by its one serving
+        # thread; read without a lock: an int read is atomic).
+        self.bytes_received = 0
+        self.bytes_sent = 0
         if max_message_bytes is None and hasattr(self._streams, "max_message_bytes"):
             max_message_bytes = int(self._streams.max_message_bytes())
         self.max_message_bytes = max_message_bytes
@@ -255,6 +259,7 @@ class DataServer:
                         frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
                     except zmq.Again:
                         break
+                    self.bytes_received += sum(len(f) for f in frames)
                     try:
                         self._receive(frames)
                     except Exception as exc:  # the message is dropped; the socket serves on
@@ -271,6 +276,7 @@ class DataServer:
                 return
             try:
                 self._sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+                self.bytes_sent += sum(len(f) for f in frames)
             except zmq.ZMQError as exc:
                 if exc.errno == zmq.EAGAIN:
                     self.send_dropped += 1
@@ -462,7 +468,8 @@ class DataServer:
         """What pulls hold now: ``streams`` in flight and ``held_bytes`` not yet written
         (every member), ``producing`` streams and their ``queued_bytes``, ``refused`` (BUSY)
         and ``dropped`` (stalled) pulls, ``send_dropped`` messages, ``sealed_buffers``
-        allocated for encrypted chunks, ``push_streams`` open."""
+        allocated for encrypted chunks, ``push_streams`` open; ``bytes_received`` and
+        ``bytes_sent`` on the socket since the start (every frame, headers included)."""
         pulls, pushes = self._pull_streams, self._push_streams
         return {"streams": self.pulls.streams(), "held_bytes": self.pulls.held(),
                 "producing": pulls.active if pulls else 0,
@@ -470,7 +477,8 @@ class DataServer:
                 "refused": self.pulls.refused, "dropped": pulls.dropped if pulls else 0,
                 "send_dropped": self.send_dropped,
                 "sealed_buffers": pulls.ring.allocated if pulls else 0,
-                "push_streams": pushes.open if pushes else 0}
+                "push_streams": pushes.open if pushes else 0,
+                "bytes_received": self.bytes_received, "bytes_sent": self.bytes_sent}
 
 
 __all__ = ["DataClient", "DataPlaneError", "DataServer", "FrameError", "PullSource", "PushSink",

@@ -88,7 +88,9 @@ class Credentials:
             return 0
 
     def channel(self, target: str, peer: Identity, options: Sequence[tuple[str, Any]]) -> grpc.Channel:
-        """A channel to ``target`` whose server must prove it is ``peer`` (TLS)."""
+        """A channel to ``target`` whose server must prove it is ``peer`` (TLS), on a connection
+        of its own (servers limit calls per connection: :mod:`dips.wire.control`)."""
+        options = [*options, ("grpc.use_local_subchannel_pool", 1)]
         if self.bundle is None:
             return grpc.insecure_channel(target, options=list(options))
         creds = grpc.ssl_channel_credentials(root_certificates=self.bundle.ca,

@@ -1,0 +1,165 @@
+"""``dips report RUN_DIR``: read a run (or a comparison), draw its plots, write the page.
+
+Two kinds of input, told apart by their files:
+
+* a **comparison** (``dips bench compare --out DIR``): a ``compare.json`` in the directory, or
+  in folders below it (``runs/compare`` holds one per scenario) — loss curves per method, and
+  the staleness and scores of its ``di-ps`` method;
+* a **run** (``dips launch``, or the state directories of a hand-deployed run copied from
+  several hosts into subfolders): everything of :mod:`dips.bench.runreport.files`.
+
+:func:`write_report` writes ``report.html`` and the PNGs into the output directory and returns
+what it drew, so callers (and tests) can inspect the figures and their series.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dips.bench.runreport.compare_plots import curves_of, plot_compare_losses
+from dips.bench.runreport.figs import Plot
+from dips.bench.runreport.files import RunFiles, find, load_run, read_json, read_jsonl
+from dips.bench.runreport.page import Page, render
+from dips.bench.runreport.round_plots import plot_scores, plot_staleness, plot_timeline
+from dips.bench.runreport.run_plots import (
+    plot_followers,
+    plot_loss_vs_time,
+    plot_loss_vs_tokens,
+    plot_tokens_per_cluster,
+)
+
+__all__ = ["Report", "write_report"]
+
+_SUMMARY_FACTS = (("method", "method"), ("clusters", "clusters"), ("followers", "followers"),
+                  ("H", "inner steps per push (H)"), ("outer_steps", "outer steps"),
+                  ("updates_pushed", "updates pushed"), ("updates_accepted", "updates accepted"),
+                  ("updates_rejected", "updates rejected"), ("tokens_consumed", "tokens trained on"),
+                  ("tokens_accepted", "tokens accepted"),
+                  ("eval_loss_initial", "held-out loss, initial (nats/token)"),
+                  ("eval_loss_final", "held-out loss, final (nats/token)"),
+                  ("train_time_s", "training time (s)"), ("wall_time_s", "wall time (s)"),
+                  ("tokens_per_s", "tokens/s"))
+
+
+@dataclass
+class Report:
+    """What :func:`write_report` wrote.
+
+    Attributes:
+        html: the page's path.
+        mode: ``run`` or ``compare``.
+        plots: every plot, drawn or not (a plot without a figure has a note).
+        pngs: the PNG files written, in page order.
+        problems: input skipped, ``path:line: reason``.
+    """
+
+    html: Path
+    mode: str
+    plots: list[Plot] = field(default_factory=list)
+    pngs: list[Path] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:,.4g}" if abs(v) < 1e4 else f"{v:,.0f}"
+    return f"{v:,}" if isinstance(v, int) and not isinstance(v, bool) else str(v)
+
+
+def _run_page(run: RunFiles) -> Page:
+    page = Page(title=f"dips report: {run.root.name}", problems=run.problems, sources=run.sources)
+    s = run.summary or {}
+    page.facts = [(label, _fmt(s[k])) for k, label in _SUMMARY_FACTS if k in s]
+    stops = [e.get("reason") for e in run.events if e.get("event") == "stop" and e.get("reason")]
+    if stops:
+        page.facts.append(("stopped by", str(stops[-1])))
+    reasons = Counter(str(r.get("reason")) for rec in run.outer_steps
+                      for r in (rec.get("rejected") or {}).values() if isinstance(r, dict))
+    if reasons:
+        page.facts.append(("rejections by reason", ", ".join(f"{k}: {v}" for k, v in reasons.items())))
+    page.facts.append(("rounds in outer_steps.jsonl", str(len(run.outer_steps))))
+    if run.rollbacks:
+        page.facts.append(("rolled-back steps", str(len(run.rollbacks))))
+    if run.summary is None:
+        page.notes.append("no summary.json (a run still going, or a copy without the launcher's "
+                          "files): no final figures and no held-out loss from it")
+    if not run.outer_steps:
+        page.notes.append("no outer_steps.jsonl rounds (the leader's files are missing)")
+    if not run.clusters:
+        page.notes.append("no cluster train.jsonl found")
+    page.sections = [
+        ("Loss", [plot_loss_vs_time(run), plot_loss_vs_tokens(run)]),
+        ("Rounds", [plot_timeline(run), plot_staleness(run.outer_steps),
+                    plot_scores(run.outer_steps)]),
+        ("Tokens and followers", [plot_tokens_per_cluster(run), plot_followers(run)]),
+    ]
+    return page
+
+
+def _compare_page(root: Path, docs: list[Path]) -> Page:
+    page = Page(title=f"dips report: comparison {root.name}")
+    for path in docs:
+        rel = path.parent.relative_to(root)
+        prefix = "" if str(rel) == "." else str(rel).replace("/", "_") + "_"
+        where = str(path)
+        page.sources.append(str(path.relative_to(root)))
+        doc = read_json(path, page.problems)
+        if doc is None:
+            continue
+        if isinstance(doc.get("runs"), dict):  # weak scaling: cluster count -> results
+            groups = {str(n): curves_of(rs, page.problems, f"{where} runs[{n}]")
+                      for n, rs in doc["runs"].items()}
+            results = [r for rs in doc["runs"].values() if isinstance(rs, list) for r in rs]
+        else:
+            groups = {"": curves_of(doc.get("results"), page.problems, where)}
+            results = doc.get("results") if isinstance(doc.get("results"), list) else []
+        label = str(rel) if prefix else str(doc.get("scenario", root.name))
+        for r in results if len(docs) == 1 and "runs" not in doc else []:
+            if isinstance(r, dict) and "method" in r:
+                page.facts.append((str(r["method"]),
+                                   (f"final loss {_fmt(r.get('final_eval_loss'))}, "
+                                    f"{_fmt(r.get('tokens_per_s'))} tokens/s, "
+                                    f"time {_fmt(r.get('time_s'))} s")))
+        plots = plot_compare_losses(groups, prefix, doc.get("mode") == "virtual")
+        events = path.parent / "methods" / "di-ps" / "events.jsonl"
+        if events.is_file():
+            page.sources.append(str(events.relative_to(root)))
+            recs = [r for r in read_jsonl(events, page.problems) if "round" in r]
+            plots += [plot_staleness(recs, f"{prefix}di-ps_staleness.png"),
+                      plot_scores(recs, f"{prefix}di-ps_scores.png")]
+        page.sections.append((f"{label} ({doc.get('kind', 'compare')}, {doc.get('mode', '?')} time)",
+                              plots))
+    return page
+
+
+def write_report(run_dir: Path, out_dir: Path | None = None) -> Report:
+    """Write ``report.html`` and the PNGs of ``run_dir`` into ``out_dir`` (default: run_dir).
+
+    Raises NotADirectoryError if ``run_dir`` is not a directory; nothing in its content makes
+    it raise: a missing piece becomes a note on the page, a bad line a ``problems`` entry.
+    """
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise NotADirectoryError(f"{run_dir}: not a directory (give a run or comparison directory)")
+    out_dir = Path(out_dir) if out_dir is not None else run_dir
+    out_dir.mkdir(parents=True, exist_ok=True)
+    top = run_dir / "compare.json"
+    docs = [top] if top.is_file() else find(run_dir, "compare.json")
+    if docs:
+        page, mode = _compare_page(run_dir, docs), "compare"
+        page.notes.append(f"comparison output ({len(docs)} compare.json): loss curves per method")
+    else:
+        page, mode = _run_page(load_run(run_dir)), "run"
+    report = Report(html=out_dir / "report.html", mode=mode, problems=page.problems)
+    written: dict[str, Path] = {}
+    for _, plots in page.sections:
+        for plot in plots:
+            report.plots.append(plot)
+            if (path := plot.save(out_dir)) is not None:
+                written[plot.name] = path
+                report.pngs.append(path)
+    report.html.write_text(render(page, written), encoding="utf-8")
+    return report

@@ -1,0 +1,34 @@
+"""``dips report RUN_DIR [--out DIR]``: the command (typer); matplotlib is imported only when it runs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+__all__ = ["report"]
+
+_SHOWN = 20  # skipped lines echoed on stderr (all of them are on the page)
+
+
+def report(run_dir: Path = typer.Argument(..., exists=True, file_okay=False,
+                                          help="A run directory (dips launch, or copies of each "
+                                               "host's state directory) or a dips bench compare "
+                                               "output."),
+           out: Optional[Path] = typer.Option(None, "--out",
+                                              help="Where report.html and the PNGs go "
+                                                   "(default: RUN_DIR).")) -> None:
+    """Write report.html (self-contained, plots embedded) and the plots as PNGs."""
+    from dips.bench.runreport.build import write_report
+
+    try:
+        rep = write_report(run_dir, out)
+    except OSError as exc:  # an output directory that cannot be written
+        typer.echo(f"dips report: {exc}", err=True)
+        raise typer.Exit(2)
+    for line in rep.problems[:_SHOWN]:
+        typer.echo(f"skipped: {line}", err=True)
+    if len(rep.problems) > _SHOWN:
+        typer.echo(f"... and {len(rep.problems) - _SHOWN} more (listed in the report)", err=True)
+    typer.echo(f"{rep.html} ({rep.mode}: {len(rep.pngs)} plots)")

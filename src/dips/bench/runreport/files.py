@@ -1,0 +1,200 @@
+"""Finding and reading a run's output files, wherever they lie under the run directory.
+
+A run directory of ``dips launch`` keeps every role's files in one tree (``outer_steps.jsonl``
+at the top, ``clusters/<id>/train.jsonl``, ``followers/<i>/applied.jsonl``); a run deployed by
+hand leaves them on several hosts, and a copy of it puts each host's state directory in a
+subfolder of its own.  So nothing here assumes a layout: files are found by name, recursively,
+and a cluster's or follower's id is read from the folders above its file (the nearest folder
+named like a cluster id the leader knows; else the file's own folder).
+
+Reading never raises on bad content: a line that is not a JSON object is skipped and reported
+as ``path:line: reason`` in :attr:`RunFiles.problems`; a missing file is simply absent.
+Times in the files are epoch seconds (``dips launch``) or seconds since the start (the
+real-time baselines); :meth:`RunFiles.origin` is the epoch second every plot counts from.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["RunFiles", "find", "load_run", "read_json", "read_jsonl"]
+
+_EPOCH_MIN = 1e8  # a time above this is epoch seconds (1973); below: seconds since the start
+_EVAL_NAMES = ("eval.jsonl", "evals.jsonl", "evaluator.jsonl", "evaluations.jsonl")
+
+
+def find(root: Path, name: str) -> list[Path]:
+    """Every file called ``name`` under ``root`` (recursively, sorted; symlinks not followed)."""
+    return sorted(p for p in Path(root).rglob(name) if p.is_file())
+
+
+def read_jsonl(path: Path, problems: list[str]) -> list[dict[str, Any]]:
+    """The JSON objects of ``path``, one per line; blank lines ignored.
+
+    A line that does not parse, or is not an object, is skipped and reported in ``problems``
+    as ``path:line: reason``; an unreadable file adds one entry and gives ``[]``.
+    """
+    out: list[dict[str, Any]] = []
+    try:
+        text = Path(path).read_text(encoding="utf-8", errors="replace")
+    except OSError as exc:
+        problems.append(f"{path}: cannot read: {exc.strerror or exc}")
+        return out
+    for no, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as exc:
+            problems.append(f"{path}:{no}: not JSON ({exc.msg}); line skipped")
+            continue
+        if not isinstance(rec, dict):
+            problems.append(f"{path}:{no}: a JSON {type(rec).__name__}, not an object; line skipped")
+            continue
+        out.append(rec)
+    return out
+
+
+def read_json(path: Path, problems: list[str]) -> dict[str, Any] | None:
+    """The JSON object in ``path`` (None, with a ``problems`` entry, if it is not one)."""
+    try:
+        doc = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+        problems.append(f"{path}: not a readable JSON file ({exc}); ignored")
+        return None
+    if not isinstance(doc, dict):
+        problems.append(f"{path}: a JSON {type(doc).__name__}, not an object; ignored")
+        return None
+    return doc
+
+
+def num(rec: dict[str, Any], key: str) -> float | None:
+    """``rec[key]`` as a float if it is a finite number (bools are not), else None."""
+    v = rec.get(key)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        return None
+    return float(v)
+
+
+@dataclass
+class RunFiles:
+    """Everything read from one run directory (missing pieces are empty or None).
+
+    Attributes:
+        root: the run directory.
+        summary: ``summary.json`` (the launcher's), or None.
+        outer_steps: the leader's decision lines of ``outer_steps.jsonl`` (``round_end`` and
+            ``rollback`` lines are in ``round_ends`` / ``rollbacks``), in file order.
+        clusters: cluster id → its ``train.jsonl`` records (several files of one id appended
+            in path order).
+        followers: follower id → its ``applied.jsonl`` records.
+        leader_events / events: ``leader_events.jsonl`` / ``events.jsonl`` records.
+        evals: held-out evaluations (records with ``eval_loss``: evaluator files and the
+            leader's ``eval`` events), in time order.
+        train_start: epoch seconds of the training start (the ``train_start`` file), or None.
+        sources: what was read, as paths relative to ``root``.
+        problems: ``path:line: reason`` for every line or file skipped.
+    """
+
+    root: Path
+    summary: dict[str, Any] | None = None
+    outer_steps: list[dict[str, Any]] = field(default_factory=list)
+    round_ends: list[dict[str, Any]] = field(default_factory=list)
+    rollbacks: list[dict[str, Any]] = field(default_factory=list)
+    clusters: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    followers: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    leader_events: list[dict[str, Any]] = field(default_factory=list)
+    events: list[dict[str, Any]] = field(default_factory=list)
+    evals: list[dict[str, Any]] = field(default_factory=list)
+    train_start: float | None = None
+    sources: list[str] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+
+    def origin(self) -> float:
+        """Epoch second that relative times count from: ``train_start``, else the earliest
+        epoch time of any record, else 0 (the files hold relative times already)."""
+        if self.train_start is not None:
+            return self.train_start
+        times = [t for recs in (self.outer_steps, self.leader_events, *self.clusters.values(),
+                                *self.followers.values())
+                 for r in recs if (t := num(r, "time")) is not None and t > _EPOCH_MIN]
+        return min(times, default=0.0)
+
+    def rel(self, t: float) -> float:
+        """Seconds since :meth:`origin` of a record's ``time`` (relative times pass through)."""
+        return t - self.origin() if t > _EPOCH_MIN else t
+
+    def cluster_ids(self) -> list[str]:
+        """Cluster ids known to the leader's files (summary, outer steps), then any others."""
+        ids = list((self.summary or {}).get("cluster_ids") or [])
+        for rec in self.outer_steps:
+            ids += [c for c in rec.get("clusters") or [] if isinstance(c, str)]
+        ids += list(self.clusters)
+        return list(dict.fromkeys(str(i) for i in ids))
+
+
+def _owner(path: Path, root: Path, known: set[str]) -> str:
+    """The id a role's file belongs to: the nearest folder above it named like a known id
+    (also ``<anything>-<id>`` or ``<anything>_<id>``, e.g. ``cluster-c0``), else the file's
+    own folder."""
+    parts = path.relative_to(root).parts[:-1]
+    for part in reversed(parts):
+        for cid in sorted(known, key=len, reverse=True):
+            if part == cid or (part.endswith(cid) and part[-len(cid) - 1] in "-_"):
+                return cid
+    return parts[-1] if parts else root.name
+
+
+def _rel(path: Path, root: Path) -> str:
+    return str(path.relative_to(root))
+
+
+def load_run(root: Path) -> RunFiles:
+    """Read every known file under ``root`` (module docstring); never raises on content."""
+    root = Path(root)
+    run = RunFiles(root=root)
+    for p in find(root, "summary.json")[:1]:
+        run.summary = read_json(p, run.problems)
+        run.sources.append(_rel(p, root))
+    for p in find(root, "outer_steps.jsonl"):
+        run.sources.append(_rel(p, root))
+        for rec in read_jsonl(p, run.problems):
+            kind = rec.get("event")
+            if kind == "round_end":
+                run.round_ends.append(rec)
+            elif kind == "rollback":
+                run.rollbacks.append(rec)
+            elif kind is None and "round" in rec:
+                run.outer_steps.append(rec)
+    for name, target in (("leader_events.jsonl", run.leader_events), ("events.jsonl", run.events)):
+        for p in find(root, name):
+            if p.parent.parent.name == "methods":  # a comparison's per-method events
+                continue
+            run.sources.append(_rel(p, root))
+            target += read_jsonl(p, run.problems)
+    known = set(run.cluster_ids())
+    for p in find(root, "train.jsonl"):
+        cid = _owner(p, root, known)
+        run.sources.append(_rel(p, root))
+        run.clusters.setdefault(cid, []).extend(read_jsonl(p, run.problems))
+    for p in find(root, "applied.jsonl"):
+        fid = _owner(p, root, set())
+        run.sources.append(_rel(p, root))
+        run.followers.setdefault(fid, []).extend(read_jsonl(p, run.problems))
+    for name in _EVAL_NAMES:
+        for p in find(root, name):
+            run.sources.append(_rel(p, root))
+            run.evals += [r for r in read_jsonl(p, run.problems) if num(r, "eval_loss") is not None]
+    run.evals += [r for r in run.leader_events
+                  if r.get("event") == "eval" and num(r, "eval_loss") is not None]
+    run.evals.sort(key=lambda r: num(r, "time") or 0.0)
+    for p in find(root, "train_start")[:1]:
+        try:
+            run.train_start = float(p.read_text(encoding="utf-8").strip())
+        except (OSError, ValueError):
+            run.problems.append(f"{p}: not a number of epoch seconds; ignored")
+    return run

@@ -1,0 +1,226 @@
+"""The round plots: timeline, staleness and penalty scores (``outer_steps.jsonl``, ``train.jsonl``).
+
+* ``timeline.png``: one row per cluster with its inner steps, push, wait (for the verdict) and
+  pull as horizontal bars, from the ``push`` field of its sync steps in ``train.jsonl`` (the
+  step's ``time`` is when the pull ended; push, wait and pull lie before it, back to back, and
+  the inner steps run from the previous sync's end or the join, and after a process's last
+  sync until its last step); one row for the leader with
+  each round's grace window, push phase and update, from ``outer_steps.jsonl`` (its line's
+  ``time`` is when every follower had prepared: update before it, push phase and window before
+  that).  Top: the whole run; bottom (when it is under half the run): a zoom on four median
+  inner-step periods in the middle of it.
+* ``staleness.png``: how many versions behind the global model each push's base version was
+  (the version before the round minus ``base_versions[c]``), per cluster;
+* ``scores.png``: each scored push's penalty score E (§8) by round with the rejection threshold
+  (``thresholds[c]`` per cluster, or an older file's single ``threshold``), and their
+  distribution, accepted and rejected apart.
+
+The staleness and score plots take decision records, so they serve a comparison's Di-PS
+``events.jsonl`` (same fields) as well.
+"""
+
+from __future__ import annotations
+
+from statistics import median
+from typing import Any
+
+from dips.bench.runreport.figs import Plot, empty_plot, finish, new_figure, time_axis
+from dips.bench.runreport.files import RunFiles, num
+
+__all__ = ["plot_scores", "plot_staleness", "plot_timeline", "staleness_of", "sync_bars"]
+
+_KINDS = (("inner steps", "#9ecae1"), ("push", "#e6550d"), ("wait", "#fdd0a2"), ("pull", "#31a354"))
+_LEADER = (("grace window", "#bcbddc"), ("push phase", "#e6550d"), ("update", "#756bb1"))
+
+
+def sync_bars(run: RunFiles, records: list[dict[str, Any]]) -> dict[str, list[tuple[float, float]]]:
+    """Bars (start s since the training start, width s) of one cluster, by kind (module doc)."""
+    bars: dict[str, list[tuple[float, float]]] = {k: [] for k, _ in _KINDS}
+    seg_start: float | None = None
+    last_step: float | None = None
+    for rec in records:
+        t = num(rec, "time")
+        if t is None:
+            continue
+        t = run.rel(t)
+        if rec.get("event") == "join":
+            _close(bars, seg_start, last_step)
+            seg_start = last_step = t
+            continue
+        if num(rec, "step") is not None:
+            last_step = t
+        if seg_start is None and num(rec, "step") is not None:
+            seg_start = t - (num(rec, "compute_s") or 0.0)
+        push = rec.get("push")
+        if not isinstance(push, dict) or seg_start is None:
+            continue
+        pull, wait, push_s = (num(push, k) or 0.0 for k in ("pull_s", "wait_s", "push_s"))
+        pull_at = t - pull
+        wait_at = pull_at - wait
+        push_at = wait_at - push_s
+        bars["inner steps"].append((seg_start, max(0.0, push_at - seg_start)))
+        bars["push"].append((push_at, push_s))
+        bars["wait"].append((wait_at, wait))
+        bars["pull"].append((pull_at, pull))
+        seg_start = t
+    _close(bars, seg_start, last_step)
+    return bars
+
+
+def _close(bars: dict[str, list[tuple[float, float]]], start: float | None,
+           end: float | None) -> None:
+    """The inner steps after a process's last sync (until its last step), if any."""
+    if start is not None and end is not None and end > start:
+        bars["inner steps"].append((start, end - start))
+
+
+def _leader_bars(run: RunFiles) -> dict[str, list[tuple[float, float]]]:
+    bars: dict[str, list[tuple[float, float]]] = {k: [] for k, _ in _LEADER}
+    for rec in run.outer_steps:
+        t = num(rec, "time")
+        if t is None:
+            continue
+        end = run.rel(t)
+        upd, push, win = (num(rec, k) or 0.0 for k in ("update_s", "push_s", "window_s"))
+        bars["update"].append((end - upd, upd))
+        bars["push phase"].append((end - upd - push, push))
+        bars["grace window"].append((end - upd - push - win, win))
+    return bars
+
+
+def plot_timeline(run: RunFiles) -> Plot:
+    """Bars of each cluster's inner steps / push / wait / pull and the leader's rounds."""
+    title = "Timeline of rounds"
+    rows = {cid: sync_bars(run, recs) for cid, recs in sorted(run.clusters.items())}
+    rows = {cid: b for cid, b in rows.items() if b["push"]}
+    leader = _leader_bars(run)
+    if not rows and not leader["update"]:
+        return empty_plot("timeline.png", title,
+                          "no sync steps in any train.jsonl and no rounds in outer_steps.jsonl")
+    inner = [w for b in rows.values() for _, w in b["inner steps"] if w > 0]
+    ends = [s + w for b in [*rows.values(), leader] for bs in b.values() for s, w in bs]
+    span = max(ends + [1.0])
+    zoom_w = 4 * median(inner) if inner else span / 10
+    panels = [(0.0, span)] + [(span / 2 - zoom_w / 2, span / 2 + zoom_w / 2)] * (zoom_w < span / 2)
+    fig, axes = new_figure(nrows=len(panels), width_in=10.0,
+                           height_in=(1.0 + 0.45 * (len(rows) + 1)) * len(panels) + 1.0)
+    seen: set[str] = set()  # each kind labelled once, in the top panel (the whole run)
+    for ax, (lo, hi) in zip(axes, panels):
+        div, unit = time_axis(hi - lo)
+        labels: list[str] = []
+        for y, (name, b, kinds) in enumerate(
+                [("leader", leader, _LEADER)] * bool(leader["update"])
+                + [(cid, b, _KINDS) for cid, b in rows.items()]):
+            labels.append(name)
+            for kind, color in kinds:
+                xs = [(s / div, w / div) for s, w in b[kind] if s + w >= lo and s <= hi]
+                if xs:
+                    ax.broken_barh(xs, (y - 0.35, 0.7), color=color,
+                                   label="_" if kind in seen else kind)
+                    seen.add(kind)
+        ax.set_yticks(range(len(labels)), labels)
+        ax.set_ylim(len(labels) - 0.5, -0.5)
+        ax.set_xlim(lo / div, hi / div)
+        ax.set_xlabel(f"wall time since the training start ({unit})")
+    axes[0].set_title("whole run")
+    for ax in axes[1:]:
+        ax.set_title(f"zoom: {zoom_w:.1f} s in the middle of the run")
+    plot = finish("timeline.png", title, fig, None if rows else
+                  "no cluster train.jsonl with sync steps: only the leader's rounds")
+    for ax, keep in zip(axes, (True, False)):  # one legend, beside the plot: bars fill the axes
+        if ax.get_legend() is not None:
+            ax.get_legend().remove()
+        if keep and ax.get_legend_handles_labels()[1]:
+            ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    return plot
+
+
+def staleness_of(records: list[dict[str, Any]]) -> dict[str, list[int]]:
+    """Per cluster, the versions between each push's base and the version the round started from."""
+    out: dict[str, list[int]] = {}
+    for rec in records:
+        version, bases = num(rec, "version"), rec.get("base_versions")
+        if version is None or not isinstance(bases, dict):
+            continue
+        before = version - 1 if rec.get("accepted") else version
+        for cid in bases:
+            if (b := num(bases, cid)) is not None:
+                out.setdefault(str(cid), []).append(int(before - b))
+    return out
+
+
+def plot_staleness(records: list[dict[str, Any]], name: str = "staleness.png") -> Plot:
+    """Histogram (versions behind) of every push's staleness, one bar set per cluster."""
+    title = "Staleness of pushes"
+    st = staleness_of(records)
+    if not st:
+        return empty_plot(name, title, "no base_versions in outer_steps.jsonl")
+    top = max(max(v) for v in st.values())
+    bins = list(range(min(0, min(min(v) for v in st.values())), top + 1))
+    fig, (ax,) = new_figure(width_in=max(6.0, 0.5 * len(bins) + 4))
+    width = 0.8 / len(st)
+    for i, (cid, vals) in enumerate(sorted(st.items())):
+        ax.bar([b - 0.4 + width * (i + 0.5) for b in bins], [vals.count(b) for b in bins],
+               width=width, label=f"{cid} (mean {sum(vals) / len(vals):.2f})")
+    ax.set_xticks(bins)
+    ax.set_xlabel("staleness (versions behind the global model at the round)")
+    ax.set_ylabel("pushes")
+    ax.set_title(title)
+    return finish(name, title, fig)
+
+
+def _thresholds(rec: dict[str, Any], cids: list[str]) -> dict[str, float]:
+    per = rec.get("thresholds")
+    if isinstance(per, dict):
+        return {c: v for c in cids if (v := num(per, c)) is not None}
+    single = num(rec, "threshold")
+    return {} if single is None else {c: single for c in cids}
+
+
+def plot_scores(records: list[dict[str, Any]], name: str = "scores.png") -> Plot:
+    """Score E by round per cluster with the threshold; distribution of accepted/rejected E."""
+    title = "Penalty scores and the rejection threshold"
+    pts: list[tuple[float, str, float, bool, float | None]] = []  # round, cluster, E, ok, threshold
+    unscored = 0
+    for rec in records:
+        rnd, scores = num(rec, "round"), rec.get("scores")
+        if rnd is None or not isinstance(scores, dict):
+            continue
+        thr = _thresholds(rec, list(scores))
+        accepted = set(rec.get("accepted") or [])
+        for cid in scores:
+            if (e := num(scores, cid)) is None:
+                unscored += 1
+                continue
+            pts.append((rnd, str(cid), e, cid in accepted, thr.get(cid)))
+    if not pts:
+        return empty_plot(name, title, "no scored pushes (outer_steps.jsonl scores)")
+    fig, (left, right) = new_figure(ncols=2, width_in=11.0)
+    for cid in sorted({p[1] for p in pts}):
+        mine = [p for p in pts if p[1] == cid]
+        left.plot([p[0] for p in mine], [p[2] for p in mine], "o", markersize=3, label=cid)
+    rej = [p for p in pts if not p[3]]
+    if rej:
+        left.plot([p[0] for p in rej], [p[2] for p in rej], "x", color="red", markersize=7,
+                  label="rejected")
+    thr = [(p[0], p[4]) for p in pts if p[4] is not None]
+    if thr:
+        left.plot([t[0] for t in thr], [t[1] for t in thr], "_", color="black", markersize=9,
+                  label="threshold")
+    left.set_xlabel("round")
+    left.set_ylabel("score E (σ above the others' mean ‖Δ‖²)")
+    left.set_title("scores by round")
+    if rej:
+        right.hist([[p[2] for p in pts if p[3]], [p[2] for p in rej]], bins=20, stacked=True,
+                   color=["C0", "red"], label=["accepted", "rejected"])
+    else:
+        right.hist([p[2] for p in pts], bins=20, color="C0", label="accepted")
+    if thr:
+        right.axvline(median(t[1] for t in thr), color="black", linestyle="--",
+                      label="threshold (median)")
+    right.set_xlabel("score E")
+    right.set_ylabel("pushes")
+    right.set_title("distribution")
+    note = (f"{unscored} push(es) without a score (warm-up, or rejected before scoring)"
+            if unscored else None)
+    return finish(name, title, fig, note)

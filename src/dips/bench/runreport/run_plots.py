@@ -1,0 +1,211 @@
+"""The loss, token and follower plots of one run (``dips report`` on a run directory).
+
+* ``loss_vs_time.png``: each cluster's training loss (nats/token, a trailing mean over its
+  inner steps) and the global model's held-out loss against seconds since the training start;
+* ``loss_vs_tokens.png``: left, each cluster's training loss against the tokens it trained on
+  (across restarts of its process); right, the held-out loss against tokens accepted into the
+  global model;
+* ``tokens_per_cluster.png``: tokens each cluster trained on and tokens accepted from it;
+* ``followers.png``: each follower's utilisation (% busy) if its ``applied.jsonl`` records
+  carry ``idle_fraction`` or ``utilisation``; otherwise the version it applied over time.
+
+Held-out points: ``eval_loss_initial`` (at 0 s, 0 tokens), every evaluation record, and
+``eval_loss_final`` (at ``train_time_s``, ``tokens_accepted``) of ``summary.json`` (without
+the ``train_start`` file to count ``train_time_s`` from: at the last outer step).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from dips.bench.runreport.figs import (
+    Plot,
+    empty_plot,
+    finish,
+    new_figure,
+    smooth,
+    time_axis,
+    tokens_axis,
+)
+from dips.bench.runreport.files import RunFiles, num
+
+__all__ = ["ClusterSteps", "cluster_steps", "heldout_points", "plot_followers", "plot_loss_vs_time",
+           "plot_loss_vs_tokens", "plot_tokens_per_cluster"]
+
+
+@dataclass
+class ClusterSteps:
+    """One cluster's inner steps: seconds since the start, cumulative tokens (across process
+    restarts: a count that falls back starts a new lifetime on top of the last), loss."""
+
+    time_s: list[float]
+    tokens: list[float]
+    loss: list[float]
+
+
+def cluster_steps(run: RunFiles, records: list[dict[str, Any]]) -> ClusterSteps:
+    """The inner-step records of one ``train.jsonl`` (records without ``loss`` skipped)."""
+    out = ClusterSteps([], [], [])
+    offset = last = 0.0
+    for rec in records:
+        loss, t, tok = num(rec, "loss"), num(rec, "time"), num(rec, "tokens")
+        if loss is None or t is None or tok is None:
+            continue
+        if tok < last:  # a restarted process counts from 0 again
+            offset += last
+        last = tok
+        out.time_s.append(run.rel(t))
+        out.tokens.append(offset + tok)
+        out.loss.append(loss)
+    return out
+
+
+def heldout_points(run: RunFiles) -> list[tuple[float | None, float | None, float]]:
+    """(seconds since the start, tokens accepted, held-out loss) of every evaluation known."""
+    s = run.summary or {}
+    pts: list[tuple[float | None, float | None, float]] = []
+    if (v := num(s, "eval_loss_initial")) is not None:
+        pts.append((0.0, 0.0, v))
+    for rec in run.evals:
+        t = num(rec, "time")
+        tok = num(rec, "tokens_accepted")
+        pts.append((None if t is None else run.rel(t),
+                    tok if tok is not None else num(rec, "tokens"), float(rec["eval_loss"])))
+    if (v := num(s, "eval_loss_final")) is not None:
+        ends = [run.rel(t) for r in run.outer_steps if (t := num(r, "time")) is not None]
+        t_end = num(s, "train_time_s") if run.train_start is not None or not ends else max(ends)
+        pts.append((t_end, num(s, "tokens_accepted"), v))
+    return pts
+
+
+def _window(n: int) -> int:
+    return max(1, min(30, n // 10))
+
+
+def plot_loss_vs_time(run: RunFiles) -> Plot:
+    """Training loss per cluster and held-out loss against seconds since the start."""
+    title = "Loss against wall time"
+    steps = {cid: cluster_steps(run, recs) for cid, recs in sorted(run.clusters.items())}
+    steps = {cid: s for cid, s in steps.items() if s.loss}
+    held = [(t, v) for t, _, v in heldout_points(run) if t is not None]
+    if not steps and not held:
+        return empty_plot("loss_vs_time.png", title,
+                          "no cluster train.jsonl with losses and no held-out evaluation found")
+    span = max([t for s in steps.values() for t in s.time_s] + [t for t, _ in held] + [1.0])
+    div, unit = time_axis(span)
+    fig, (ax,) = new_figure()
+    for cid, s in steps.items():
+        ax.plot([t / div for t in s.time_s], smooth(s.loss, _window(len(s.loss))),
+                linewidth=1.0, label=f"{cid} training loss")
+    if held:
+        ax.plot([t / div for t, _ in held], [v for _, v in held], "k-o", markersize=5,
+                linewidth=1.6, label="global model, held-out")
+    ax.set_xlabel(f"wall time since the training start ({unit})")
+    ax.set_ylabel("loss (nats/token)")
+    notes = [] if held else ["no held-out evaluation in the run (summary.json eval_loss_*)"]
+    if not steps:
+        notes.append("no cluster training losses found (train.jsonl)")
+    ax.set_title(title)
+    return finish("loss_vs_time.png", title, fig, "; ".join(notes) or None)
+
+
+def plot_loss_vs_tokens(run: RunFiles) -> Plot:
+    """Training loss per cluster against its tokens; held-out loss against tokens accepted."""
+    title = "Loss against tokens"
+    steps = {cid: cluster_steps(run, recs) for cid, recs in sorted(run.clusters.items())}
+    steps = {cid: s for cid, s in steps.items() if s.loss}
+    held = [(k, v) for _, k, v in heldout_points(run) if k is not None]
+    if not steps and not held:
+        return empty_plot("loss_vs_tokens.png", title,
+                          "no cluster train.jsonl with losses and no held-out evaluation found")
+    fig, (left, right) = new_figure(ncols=2, width_in=10.0)
+    for cid, s in steps.items():
+        left.plot(s.tokens, smooth(s.loss, _window(len(s.loss))), linewidth=1.0, label=cid)
+    left.set_xlabel("tokens trained by the cluster")
+    tokens_axis(left.xaxis)
+    tokens_axis(right.xaxis)
+    left.set_ylabel("training loss (nats/token)")
+    left.set_title("each cluster's training loss")
+    if held:
+        right.plot([k for k, _ in held], [v for _, v in held], "k-o", markersize=5,
+                   label="global model, held-out")
+    else:
+        right.text(0.5, 0.5, "no held-out evaluation recorded", ha="center", va="center",
+                   transform=right.transAxes)
+    right.set_xlabel("tokens accepted into the global model")
+    right.set_ylabel("held-out loss (nats/token)")
+    right.set_title("global model")
+    return finish("loss_vs_tokens.png", title, fig,
+                  None if steps else "no cluster training losses found (train.jsonl)")
+
+
+def plot_tokens_per_cluster(run: RunFiles) -> Plot:
+    """Bars: tokens each cluster trained on, and tokens accepted from it (the leader's T_j)."""
+    title = "Tokens per cluster"
+    consumed: dict[str, float] = {}
+    per = (run.summary or {}).get("tokens_consumed_per_cluster")
+    if isinstance(per, dict):
+        consumed = {str(k): float(v) for k, v in per.items() if isinstance(v, (int, float))}
+    for cid, recs in run.clusters.items():
+        s = cluster_steps(run, recs)
+        if cid not in consumed and s.tokens:
+            consumed[cid] = s.tokens[-1]
+    accepted: dict[str, float] = {}
+    for rec in run.outer_steps:
+        toks = rec.get("tokens") if isinstance(rec.get("tokens"), dict) else {}
+        for cid in rec.get("accepted") or []:
+            if (t := num(toks, cid)) is not None:
+                accepted[cid] = accepted.get(cid, 0.0) + t
+    ids = sorted(set(consumed) | set(accepted))
+    if not ids:
+        return empty_plot("tokens_per_cluster.png", title,
+                          "no token counts found (summary.json, train.jsonl, outer_steps.jsonl)")
+    fig, (ax,) = new_figure(width_in=max(5.0, 1.2 * len(ids) + 3))
+    xs = range(len(ids))
+    if consumed:
+        ax.bar([x - 0.2 for x in xs], [consumed.get(c, 0.0) for c in ids], width=0.4,
+               label="trained on (all inner steps)")
+    if accepted:
+        ax.bar([x + 0.2 for x in xs], [accepted.get(c, 0.0) for c in ids], width=0.4,
+               label="accepted into the global model")
+    ax.set_xticks(list(xs), ids)
+    ax.set_ylabel("tokens")
+    tokens_axis(ax.yaxis)
+    ax.set_title(title)
+    note = None if consumed and accepted else (
+        "no accepted pushes in outer_steps.jsonl" if consumed else "no per-cluster training counts")
+    return finish("tokens_per_cluster.png", title, fig, note)
+
+
+def _utilisation(rec: dict[str, Any]) -> float | None:
+    if (u := num(rec, "utilisation")) is not None:
+        return 100.0 * u
+    if (idle := num(rec, "idle_fraction")) is not None:
+        return 100.0 * (1.0 - idle)
+    return None
+
+
+def plot_followers(run: RunFiles) -> Plot:
+    """Each follower's utilisation over time if recorded, else the version it applied."""
+    title = "Followers"
+    if not run.followers:
+        return empty_plot("followers.png", title, "no follower applied.jsonl found")
+    util = any(_utilisation(r) is not None for recs in run.followers.values() for r in recs)
+    fig, (ax,) = new_figure()
+    span = max([run.rel(t) for recs in run.followers.values() for r in recs
+                if (t := num(r, "time")) is not None] + [1.0])
+    div, unit = time_axis(span)
+    for i, (fid, recs) in enumerate(sorted(run.followers.items())):
+        pts = [(run.rel(t), _utilisation(r) if util else num(r, "version"))
+               for r in recs if (t := num(r, "time")) is not None]
+        pts = [(t / div, y) for t, y in pts if y is not None]
+        if pts:
+            ax.step([t for t, _ in pts], [y for _, y in pts], where="post", label=f"follower {fid}",
+                    linestyle=("-", "--", ":", "-.")[i % 4], linewidth=2.0 - 0.3 * (i % 4))
+    ax.set_xlabel(f"wall time since the training start ({unit})")
+    ax.set_ylabel("utilisation (% busy)" if util else "version applied")
+    ax.set_title("Follower utilisation" if util else "Version applied by each follower")
+    note = None if util else ("the followers' files carry no utilisation (applied.jsonl: version, "
+                              "round, time); shown instead: the version each one applied")
+    return finish("followers.png", title, fig, note)

@@ -1,0 +1,296 @@
+"""Prometheus metrics of the role processes (``--metrics-port``): every metric ``dips leader``,
+``dips follower`` and ``dips cluster`` serve, in one place (the README's "Metrics" table).
+
+Each process has its own :class:`prometheus_client.CollectorRegistry` (never the global one,
+so several roles can live in one test process). Metrics are fed in two ways, never by calls
+sprinkled through the state machines:
+
+* **records**: one observer hook per role receives the records the role writes anyway — the
+  leader's ``outer_steps.jsonl`` and ``leader_events.jsonl`` lines
+  (:attr:`dips.roles.leader_records.Records.observer`), a cluster's ``train.jsonl`` lines
+  (:class:`dips.train.run.TrainLog`'s ``observer``), a follower's checkpoint writes;
+* **state at scrape time**: a collector reads the role's state when Prometheus scrapes
+  (the leader's status and ledger, a follower's shard, data plane and checkpoints, a
+  cluster's versions).
+
+Counters survive restarts where the role persists state: the leader's outer steps, tokens and
+restarts come from the counts it checkpoints in ``leader.json``, and before it starts the
+records of its ``outer_steps.jsonl`` and ``leader_events.jsonl`` are replayed through the same
+observer (:meth:`LeaderMetrics.replay`), so pushes by reason, rounds and phase histograms go
+on from where the previous process left them. A follower's and a cluster's counters count
+from the process start (Prometheus' ``rate()`` handles such resets).
+
+Units are in the names: seconds, bytes, tokens, versions; "sq" is a squared norm (units of θ²).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    start_http_server,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+log = logging.getLogger(__name__)
+
+#: Histogram buckets for durations, seconds (a few ms to minutes: a transfer on a slow link).
+SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
+           300.0)
+#: The phases of a round (``dips.algo.round``) whose durations ``outer_steps.jsonl`` records.
+PHASES = ("window", "push", "update", "pull")
+#: Bounded values of the ``reason`` label of a rejected push (see :func:`reason_class`).
+REASONS = ("penalty", "not_delivered", "invalid", "round_failed", "other")
+
+
+class MetricsServer:
+    """The HTTP endpoint of one registry (``/metrics``, Prometheus text format).
+
+    Args:
+        registry: what to serve.
+        port: TCP port; 0 picks a free one (:attr:`port` says which).
+        host: address to bind (``0.0.0.0``: every interface, as exporters do).
+
+    Raises:
+        OSError: the address cannot be bound (e.g. the port is in use).
+    """
+
+    def __init__(self, registry: CollectorRegistry, port: int, host: str = "0.0.0.0") -> None:
+        self._server, self._thread = start_http_server(port, addr=host, registry=registry)
+        self.host = host
+        self.port = int(self._server.server_port)
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop serving and close the socket (waits up to ``timeout_s`` for the thread)."""
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout_s)
+
+
+def serve_metrics(registry: CollectorRegistry, port: int, host: str = "0.0.0.0") -> MetricsServer:
+    """Serve ``registry`` on ``host:port`` (0: a free port) and log the URL. Raises RoleError
+    naming ``--metrics-port`` if it cannot bind."""
+    from dips.node.common import RoleError
+
+    try:
+        server = MetricsServer(registry, port, host)
+    except OSError as exc:
+        raise RoleError(f"--metrics-port {port}: cannot bind on {host} ({exc})") from None
+    log.info("metrics on http://%s:%d/metrics", host, server.port)
+    return server
+
+
+def reason_class(reason: str) -> str:
+    """The ``reason`` label of a rejected push (one of :data:`REASONS`) from the free-text
+    reason of ``outer_steps.jsonl`` (``penalty``; ``push not delivered in time``; a follower's
+    refusal or a non-finite ‖Δ‖²; ``round failed: ...``)."""
+    text = str(reason)
+    if text == "penalty":
+        return "penalty"
+    if text.startswith("round failed"):
+        return "round_failed"
+    if "not delivered" in text:
+        return "not_delivered"
+    if text.startswith("follower ") or "‖Δ‖²" in text or "invalid" in text:
+        return "invalid"
+    return "other"
+
+
+def _set_per_cluster(gauge: Gauge, values: Any) -> None:
+    for cluster, value in (values or {}).items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            gauge.labels(cluster=str(cluster)).set(float(value))
+
+
+class LeaderMetrics:
+    """The leader's metrics. :meth:`observe` is the observer hook (records), :meth:`attach`
+    adds the collector of the leader's state (scrape time).
+
+    Args:
+        registry: this process's registry.
+    """
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        r = registry
+        self.registry = registry
+        self.rounds = Counter("dips_rounds", "Rounds decided, by outcome (stepped: an outer step "
+                              "was applied; nothing_accepted; failed)", ["outcome"], registry=r)
+        self.pushes = Counter("dips_pushes", "Pushes the leader gave a verdict on, by result "
+                              "(accepted, rejected) and reason of a rejection (penalty, "
+                              "not_delivered, invalid, round_failed, other; none if accepted)",
+                              ["result", "reason"], registry=r)
+        self.staleness = Gauge("dips_cluster_staleness", "Versions between a cluster's base "
+                               "version and the global version at its last push (versions)",
+                               ["cluster"], registry=r)
+        self.score = Gauge("dips_penalty_score", "Penalty score E of a cluster's last scored "
+                           "push (dimensionless)", ["cluster"], registry=r)
+        self.threshold = Gauge("dips_penalty_threshold", "Rejection threshold its last scored "
+                               "push was tested against (dimensionless)", ["cluster"], registry=r)
+        self.sq_norm = Gauge("dips_sq_norm", "‖Δ‖² of a cluster's last delivered push, summed "
+                             "over the shards (θ²)", ["cluster"], registry=r)
+        self.weight = Gauge("dips_token_weight", "Token weight of a cluster's last accepted push "
+                            "in the mean (fraction)", ["cluster"], registry=r)
+        self.push_tokens = Gauge("dips_push_tokens", "T_j of a cluster's last push, the "
+                                 "ledger's count (tokens)", ["cluster"], registry=r)
+        self.clip = Gauge("dips_clip_factor", "Clip factor of the last outer step (fraction, "
+                          "1 = not clipped)", registry=r)
+        self.delta_sq = Gauge("dips_delta_sq_norm", "‖δ‖² of the last outer step's weighted "
+                              "mean before clipping (θ²)", registry=r)
+        self.phase_s = Histogram("dips_phase_seconds", "Duration of a round's phase (window, "
+                                 "push, update, pull), seconds", ["phase"], buckets=SECONDS,
+                                 registry=r)
+        self.grace = {key: Gauge(name, doc, registry=r) for key, name, doc in (
+            ("window_s", "dips_grace_window_seconds", "Grace window the leader opens now (s)"),
+            ("tau_star_s", "dips_grace_tau_star_seconds", "The §7 optimal window τ* (s)"),
+            ("rate_per_s", "dips_grace_request_rate_per_second",
+             "Estimated push-request rate λ (1/s)"),
+            ("miss_cost_s", "dips_grace_miss_cost_seconds",
+             "Estimated cost C_m of missing a round: update + pull (s)"))}
+        self.events = Counter("dips_leader_events", "Events of leader_events.jsonl, by kind "
+                              "(cluster_joined, cluster_removed, follower_down, reconciled, "
+                              "...)", ["event"], registry=r)
+
+    # ----- the observer hook -------------------------------------------------------------
+    def observe(self, stream: str, rec: dict[str, Any]) -> None:
+        """Fold one record of ``outer_steps.jsonl`` (``stream`` ``"outer_steps"``) or
+        ``leader_events.jsonl`` (``"leader_events"``) into the metrics."""
+        if stream == "leader_events":
+            self.events.labels(event=str(rec.get("event", "?"))).inc()
+        elif "event" not in rec and "accepted" in rec:
+            self._decision(rec)
+        elif rec.get("event") == "round_end":
+            for phase in PHASES:
+                value = rec.get(f"{phase}_s")
+                if isinstance(value, (int, float)) and value >= 0:
+                    self.phase_s.labels(phase=phase).observe(value)
+            for key, gauge in self.grace.items():
+                value = (rec.get("grace") or {}).get(key)
+                if isinstance(value, (int, float)):
+                    gauge.set(value)
+
+    def _decision(self, rec: dict[str, Any]) -> None:
+        accepted = list(rec.get("accepted") or [])
+        rejected = rec.get("rejected") or {}
+        outcome = "failed" if rec.get("error") else "stepped" if accepted else "nothing_accepted"
+        self.rounds.labels(outcome=outcome).inc()
+        if accepted:
+            self.pushes.labels(result="accepted", reason="none").inc(len(accepted))
+        for why in rejected.values():
+            reason = why.get("reason", "") if isinstance(why, dict) else why
+            self.pushes.labels(result="rejected", reason=reason_class(reason)).inc()
+        before = int(rec.get("version", 0)) - (1 if accepted else 0)
+        _set_per_cluster(self.staleness, {c: max(0, before - int(b))
+                                          for c, b in (rec.get("base_versions") or {}).items()})
+        _set_per_cluster(self.score, rec.get("scores"))
+        thresholds = rec.get("thresholds")
+        if thresholds is None and isinstance(rec.get("threshold"), (int, float)):  # older lines
+            thresholds = {c: rec["threshold"] for c in rec.get("scores") or {}}
+        _set_per_cluster(self.threshold, thresholds)
+        _set_per_cluster(self.sq_norm, rec.get("sq_norms"))
+        _set_per_cluster(self.weight, rec.get("weights"))
+        _set_per_cluster(self.push_tokens, rec.get("tokens"))
+        if isinstance(rec.get("clip_factor"), (int, float)):
+            self.clip.set(rec["clip_factor"])
+        if isinstance(rec.get("delta_sq_norm"), (int, float)):
+            self.delta_sq.set(rec["delta_sq_norm"])
+
+    def replay(self, state: Path) -> int:
+        """Feed the records of ``state/outer_steps.jsonl`` and ``state/leader_events.jsonl``
+        (a previous process's) through :meth:`observe`, before the leader starts: counters go
+        on across restarts. A line that is not a JSON object is skipped. Returns the records
+        replayed."""
+        n = 0
+        for stream in ("outer_steps", "leader_events"):
+            path = state / f"{stream}.jsonl"
+            if not path.exists():
+                continue
+            with open(path, encoding="utf-8", errors="replace") as f:
+                for line in f:
+                    try:
+                        rec = json.loads(line)
+                    except ValueError:
+                        continue  # e.g. a line cut by a crash
+                    if isinstance(rec, dict):
+                        self.observe(stream, rec)
+                        n += 1
+        return n
+
+    def attach(self, leader: Any, clock: Callable[[], float] = time.monotonic) -> None:
+        """Serve the state of ``leader`` (a :class:`dips.roles.leader.Leader` on ``clock``)."""
+        self.registry.register(_LeaderState(leader, clock))
+
+
+def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(name, doc, value=value)
+
+
+def _gauge(name: str, doc: str, value: float | None = None,
+           labels: list[str] | None = None) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, value=value, labels=labels)
+
+
+class _LeaderState(Collector):
+    """The leader's state at scrape time: counts from its status (checkpointed in
+    ``leader.json``: they survive restarts), version, members, heartbeat ages, ledger."""
+
+    def __init__(self, leader: Any, clock: Callable[[], float]) -> None:
+        self.leader, self.clock = leader, clock
+
+    def collect(self) -> Iterator[Any]:
+        s = self.leader.status()
+        c = s.counts
+        lost = c.get("outer_steps_lost", 0)
+        yield _counter("dips_outer_steps", "Outer steps decided and applied, including those "
+                       "later rolled back (leader.json counts)", c.get("outer_steps", 0) + lost)
+        yield _counter("dips_outer_steps_lost", "Outer steps rolled back when reconciling "
+                       "followers", lost)
+        yield _counter("dips_tokens_pushed", "Tokens behind every push decided (tokens)",
+                       c.get("tokens_pushed", 0))
+        yield _gauge("dips_tokens_accepted", "Tokens behind the accepted updates in the model "
+                     "now, the ledger's count (tokens; drops if steps are rolled back)",
+                     c.get("tokens_accepted", 0))
+        yield _counter("dips_leader_restarts", "Times this leader resumed from leader.json",
+                       c.get("restarts", 0))
+        yield _gauge("dips_version", "The global version (outer steps in the model)", s.version)
+        yield _gauge("dips_round", "The last round number opened", s.rounds)
+        phase = _gauge("dips_phase", "1 for the round machine's current phase", labels=["phase"])
+        for p in ("idle", *PHASES):
+            phase.add_metric([p], 1.0 if s.phase == p else 0.0)
+        yield phase
+        yield _gauge("dips_run_finished", "1 once the run has ended (token budget, outer steps "
+                     "or time limit)", 1.0 if s.finished else 0.0)
+        members = _gauge("dips_members", "Members registered, by role", labels=["role"])
+        members.add_metric(["cluster"], len(s.clusters))
+        members.add_metric(["follower"], len(s.followers))
+        yield members
+        yield _gauge("dips_followers_up", "Followers up (registered and heard from)",
+                     s.followers_ready)
+        now = self.clock()
+        age = _gauge("dips_heartbeat_age_seconds", "Seconds since a member's last heartbeat",
+                     labels=["role", "member"])
+        for cl in s.clusters:
+            age.add_metric(["cluster", cl.cluster_id], max(0.0, now - cl.last_seen))
+        for fo in s.followers:
+            age.add_metric(["follower", str(fo.index)], max(0.0, now - fo.last_seen))
+        yield age
+        ledger = self.leader.ledger_summary()
+        if ledger is not None:
+            chunks = _gauge("dips_ledger_chunks", "Data chunks by state (held: leased to a "
+                            "cluster; free; finished: every window accepted)", labels=["state"])
+            for state in ("held", "free", "finished"):
+                chunks.add_metric([state], ledger[state])
+            yield chunks
+            yield _gauge("dips_ledger_accepted_windows", "Windows accepted over every epoch "
+                         "(windows of seq_len tokens; drops if steps are rolled back)",
+                         ledger["accepted_windows"])
+            yield _gauge("dips_ledger_epoch", "Passes over the data started (0 = first)",
+                         ledger["epoch"])

@@ -1,0 +1,149 @@
+"""``dips status --leader HOST:PORT``: one screen of the run as the leader sees it.
+
+It calls the leader's ``GetStatus`` over the same channel as the roles (mutual TLS with a
+bundle from ``dips init``, normally the operator's ``pki/admin``, or ``--insecure``) and shows
+the members (clusters: inner step, tokens, last loss, last verdict, pulled version, staleness;
+followers), the global version, rounds, phase, counts and whether the run finished.
+``--watch`` redraws it in place; ``--json`` prints :func:`snapshot`'s object instead.
+
+``GetStatus`` carries no fault history and no heartbeat ages, so the faults shown are derived
+by :class:`Faults` from what successive answers show (see its docstring); the leader's own
+record of faults is its ``leader_events.jsonl`` and its metrics (README "Metrics").
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from dips.wire.pb import control_pb2 as pb
+
+#: How long (seconds) a fault that no longer holds stays listed.
+FAULT_WINDOW_S = 3600.0
+#: A cluster whose inner step and tokens stay the same this long (seconds) is listed as
+#: ``no_progress`` (the leader's heartbeat ages are not in ``GetStatus``).
+QUIET_AFTER_S = 300.0
+
+_COUNTS = ("updates_pushed", "updates_accepted", "updates_rejected", "tokens_pushed",
+           "tokens_accepted", "outer_steps_lost")
+
+
+def staleness(version: int, pulled_version: int) -> int | None:
+    """Versions a cluster is behind: the leader's ``version`` minus the version it last
+    reported pulling; None when it has reported no pull yet (``pulled_version`` -1)."""
+    return None if pulled_version < 0 else version - pulled_version
+
+
+def _follower_up(ready: int, total: int) -> bool | None:
+    """Whether each follower is up, as far as the count of ready followers tells: True when
+    all are, False when none is, None (unknown per follower) in between."""
+    if ready >= total:
+        return True
+    return False if ready <= 0 else None
+
+
+def snapshot(reply: pb.StatusReply, leader: str, now: float) -> dict[str, Any]:
+    """The JSON object of ``dips status --json`` for ``reply`` from ``leader`` at ``now``
+    (epoch seconds). Its keys are stable (README "dips status"); ``faults`` is empty here
+    (:meth:`Faults.update` fills it)."""
+    total, ready = len(reply.followers), reply.followers_ready
+    clusters = [{"cluster_id": c.cluster_id, "inner_step": c.inner_step, "tokens": c.tokens,
+                 "last_loss": c.last_loss if math.isfinite(c.last_loss) else None,
+                 "last_push": c.last_push,
+                 "pulled_version": c.pulled_version if c.pulled_version >= 0 else None,
+                 "staleness": staleness(reply.version, c.pulled_version)}
+                for c in sorted(reply.clusters, key=lambda c: c.cluster_id)]
+    followers = [{"index": f.index, "up": _follower_up(ready, total), "version": None,
+                  "incarnation": f.incarnation, "control_endpoint": f.control_endpoint,
+                  "data_endpoint": f.data_endpoint, "layers": len(f.layers)}
+                 for f in sorted(reply.followers, key=lambda f: f.index)]
+    return {"leader": leader, "time": round(now, 3), "version": reply.version,
+            "outer_steps": reply.outer_steps, "rounds": reply.rounds, "phase": reply.phase,
+            "finished": bool(reply.finished), "finished_reason": reply.finished,
+            "counts": {k: getattr(reply, k) for k in _COUNTS},
+            "ledger": {"epoch": reply.ledger_epoch, "accepted_windows": reply.accepted_windows},
+            "followers_ready": ready, "followers_total": total,
+            "clusters": clusters, "followers": followers, "faults": []}
+
+
+class Faults:
+    """Faults derived from successive snapshots (``GetStatus`` has no fault history).
+
+    Each fault is ``{"kind", "member", "detail", "since", "last", "active"}``: ``since`` and
+    ``last`` are the epoch seconds of the first and latest answer that showed it, ``active``
+    whether the latest one does. Kinds: ``follower_down`` (fewer followers ready than
+    registered), ``push_rejected`` (a cluster's last verdict), ``cluster_gone`` (a cluster
+    listed before is no longer a member: removed or left), ``follower_restarted`` (a new
+    incarnation), ``outer_steps_lost`` (rolled back since the previous answer) and
+    ``no_progress`` (a cluster's inner step and tokens unchanged for ``quiet_after_s``
+    seconds while the run goes on). One answer shows only the first two; the others need
+    ``--watch``. A fault that no longer holds is dropped ``window_s`` seconds after it was
+    last seen.
+    """
+
+    def __init__(self, quiet_after_s: float = QUIET_AFTER_S,
+                 window_s: float = FAULT_WINDOW_S) -> None:
+        self.quiet_after_s, self.window_s = quiet_after_s, window_s
+        self._faults: dict[tuple[str, str], dict[str, Any]] = {}
+        self._prev: dict[str, Any] | None = None
+        self._moved: dict[str, tuple[tuple[int, int], float]] = {}  # cluster -> (progress, t)
+
+    def update(self, doc: dict[str, Any]) -> list[dict[str, Any]]:
+        """Take one :func:`snapshot`; returns (and stores in ``doc["faults"]``) the faults
+        active now or seen within the window, newest first."""
+        now = doc["time"]
+        seen: dict[tuple[str, str], str] = {}
+        if doc["followers_ready"] < doc["followers_total"]:
+            seen["follower_down", "followers"] = (f"{doc['followers_ready']} of "
+                                                  f"{doc['followers_total']} followers ready")
+        for c in doc["clusters"]:
+            member = f"cluster-{c['cluster_id']}"
+            if c["last_push"] == "rejected":
+                seen["push_rejected", member] = "its last push was rejected"
+            progress = (c["inner_step"], c["tokens"])
+            before = self._moved.get(member)
+            if before is None or before[0] != progress:
+                self._moved[member] = (progress, now)
+            elif not doc["finished"] and now - before[1] >= self.quiet_after_s:
+                seen["no_progress", member] = (f"inner step {progress[0]} for "
+                                               f"{now - before[1]:.0f} s")
+        if self._prev is not None:
+            seen.update(self._changes(self._prev, doc))
+        for key, detail in seen.items():
+            fault = self._faults.get(key)
+            if fault is None or not fault["active"]:
+                fault = {"kind": key[0], "member": key[1], "since": now}
+                self._faults[key] = fault
+            fault.update(detail=detail, last=now, active=True)
+        for key, fault in list(self._faults.items()):
+            if key not in seen:
+                fault["active"] = False
+                if now - fault["last"] > self.window_s:
+                    del self._faults[key]
+        self._prev = doc
+        doc["faults"] = sorted(({k: f[k] for k in ("kind", "member", "detail", "since", "last",
+                                                   "active")} for f in self._faults.values()),
+                               key=lambda f: (-f["last"], f["kind"], f["member"]))
+        return doc["faults"]
+
+    def _changes(self, prev: dict[str, Any], doc: dict[str, Any]) -> dict[tuple[str, str], str]:
+        """The faults that only a change between two answers shows."""
+        out: dict[tuple[str, str], str] = {}
+        now_ids = {c["cluster_id"] for c in doc["clusters"]}
+        for c in prev["clusters"]:
+            if c["cluster_id"] not in now_ids:
+                out["cluster_gone", f"cluster-{c['cluster_id']}"] = "no longer a member"
+        for (kind, member), fault in self._faults.items():  # still absent: it holds
+            if kind == "cluster_gone" and member.removeprefix("cluster-") not in now_ids:
+                out[kind, member] = fault["detail"]
+        before = {f["index"]: f["incarnation"] for f in prev["followers"]}
+        for f in doc["followers"]:
+            if f["index"] in before and before[f["index"]] != f["incarnation"]:
+                out["follower_restarted", f"follower-{f['index']}"] = (
+                    f"incarnation {before[f['index']]} -> {f['incarnation']}")
+        lost = doc["counts"]["outer_steps_lost"] - prev["counts"]["outer_steps_lost"]
+        if lost > 0:
+            out["outer_steps_lost", "leader"] = (f"{lost} outer steps rolled back (total "
+                                                 f"{doc['counts']['outer_steps_lost']})")
+        return out

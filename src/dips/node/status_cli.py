@@ -1,0 +1,209 @@
+"""The ``dips status`` command: asks the leader for its status (:mod:`dips.node.status`) and
+shows it as one rich screen, redrawn in place with ``--watch``, or as JSON with ``--json``.
+
+Exit codes: 0 shown (or ``--watch`` stopped with Ctrl-C), 1 the leader did not answer or
+refused this identity, 2 bad options or credentials (the message names the option).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+from dips.node.status import QUIET_AFTER_S, Faults, snapshot
+
+_PUSH_STYLE = {"accepted": "green", "rejected": "red"}
+
+
+class NoStatus(RuntimeError):
+    """The leader did not answer ``GetStatus`` or refused it; the message says which and why."""
+
+
+def _ago(now: float, then: float) -> str:
+    s = max(0.0, now - then)
+    return f"{s:.0f} s ago" if s < 120 else f"{s / 60:.0f} min ago"
+
+
+def _num(v: Any, fmt: str = "{:,}") -> str:
+    return "-" if v is None else fmt.format(v)
+
+
+def render(doc: dict[str, Any], error: str = "") -> Group:
+    """One screen of ``doc`` (a :func:`dips.node.status.snapshot` with its faults); ``error``:
+    why the latest look failed (the screen then shows the last answer under it)."""
+    n = doc["counts"]
+    state = (Text(f"finished: {doc['finished_reason']}", style="bold yellow") if doc["finished"]
+             else Text("running", style="bold green"))
+    head = Text.assemble(
+        ("leader ", "bold"), f"{doc['leader']}  version {doc['version']}  outer steps "
+        f"{doc['outer_steps']}  rounds {doc['rounds']}  phase {doc['phase']}  ", state)
+    counts = Text.assemble(
+        f"pushed {n['updates_pushed']}  ", ("accepted ", "green"), f"{n['updates_accepted']}  ",
+        ("rejected ", "red"), f"{n['updates_rejected']}  tokens accepted "
+        f"{n['tokens_accepted']:,} of {n['tokens_pushed']:,} pushed  outer steps lost "
+        f"{n['outer_steps_lost']}  ledger epoch {doc['ledger']['epoch']}")
+    clusters = Table(title=f"clusters ({len(doc['clusters'])})", show_edge=False, pad_edge=False)
+    for col in ("cluster", "inner step", "tokens", "last loss", "last push", "pulled version",
+                "staleness"):
+        clusters.add_column(col, justify="left" if col == "cluster" else "right")
+    for c in doc["clusters"]:
+        push = Text(c["last_push"], style=_PUSH_STYLE.get(c["last_push"], ""))
+        clusters.add_row(c["cluster_id"], _num(c["inner_step"]), _num(c["tokens"]),
+                         _num(c["last_loss"], "{:.3f}"), push, _num(c["pulled_version"], "{}"),
+                         _num(c["staleness"], "{}"))
+    followers = Table(title=f"followers ({doc['followers_ready']} of {doc['followers_total']} "
+                            "ready)", show_edge=False, pad_edge=False)
+    for col in ("follower", "up", "incarnation", "control", "data", "layers"):
+        followers.add_column(col, justify="right" if col in ("incarnation", "layers") else "left")
+    up = {True: Text("yes", style="green"), False: Text("no", style="red"), None: Text("?")}
+    for f in doc["followers"]:
+        followers.add_row(str(f["index"]), up[f["up"]], str(f["incarnation"]),
+                          f["control_endpoint"], f["data_endpoint"], str(f["layers"]))
+    parts: list[Any] = [head, counts, clusters, followers, _faults(doc)]
+    if error:
+        parts.insert(0, Text(f"no answer: {error} (showing the answer of "
+                             f"{_ago(time.time(), doc['time'])})", style="bold red"))
+    return Group(*parts)
+
+
+def _faults(doc: dict[str, Any]) -> Table | Text:
+    if not doc["faults"]:
+        return Text("faults in the last hour: none seen", style="dim")
+    table = Table(title="faults in the last hour (derived from the leader's status)",
+                  show_edge=False, pad_edge=False)
+    for col in ("kind", "member", "detail", "since", "now"):
+        table.add_column(col)
+    for f in doc["faults"]:
+        now = (Text("yes", style="red") if f["active"]
+               else Text(f"ended, seen {_ago(doc['time'], f['last'])}", style="dim"))
+        table.add_row(f["kind"], f["member"], f["detail"], _ago(doc['time'], f["since"]), now)
+    return table
+
+
+def looker(leader: str, creds: Any, timeout_s: float,
+           faults: Faults) -> tuple[Callable[[], dict[str, Any]], Callable[[], None]]:
+    """(look, close): ``look()`` calls ``GetStatus`` on ``leader`` (deadline ``timeout_s``
+    seconds) and returns its snapshot with ``faults`` updated; raises :class:`NoStatus`."""
+    import grpc
+
+    from dips.wire.control import describe
+    from dips.wire.pb import control_pb2 as pb
+    from dips.wire.services import leader_client
+
+    client = leader_client(leader, creds, timeout_s=timeout_s)
+
+    def look() -> dict[str, Any]:
+        try:
+            reply = client.GetStatus(pb.StatusRequest())
+        except grpc.RpcError as exc:
+            hint = ("" if exc.code() == grpc.StatusCode.PERMISSION_DENIED else
+                    " (is it running, at this address, with the same --tls/--insecure choice?)")
+            raise NoStatus(f"leader {leader} as {creds.identity.name!r}: {describe(exc)}"
+                           f"{hint}") from None
+        doc = snapshot(reply, leader, time.time())
+        faults.update(doc)
+        return doc
+
+    return look, client.close
+
+
+def watch(look: Callable[[], dict[str, Any]], show: Callable[[dict[str, Any] | None, str], None],
+          every_s: float, stop: threading.Event) -> None:
+    """Call ``look`` every ``every_s`` seconds until ``stop`` is set, handing ``show`` each
+    answer (or the last one, None before any, with the error of a failed look)."""
+    last: dict[str, Any] | None = None
+    while not stop.is_set():
+        try:
+            last, error = look(), ""
+        except NoStatus as exc:
+            error = str(exc)
+        show(last, error)
+        stop.wait(every_s)
+
+
+def _credentials(tls: Path | None, insecure: bool) -> Any:
+    """The operator's credentials: any bundle from ``dips init`` (the leader lets every
+    member and ``admin`` read its status), or ``--insecure`` as ``admin``."""
+    from dips.node.common import RoleError, credentials
+    from dips.wire.pki import Identity
+    from dips.wire.security import Credentials
+
+    if tls is not None and not insecure:
+        try:
+            return Credentials.tls(tls)
+        except ValueError as exc:
+            raise RoleError(f"--tls {tls}: {exc}") from None
+    return credentials(tls, insecure, Identity.admin())
+
+
+def status(leader: Annotated[str, typer.Option(
+               "--leader", help="HOST:PORT of the leader, or unix:PATH of its --status-socket")],
+           tls: Annotated[Path | None, typer.Option(
+               "--tls", help="a bundle from `dips init`: the operator's is pki/admin")] = None,
+           insecure: Annotated[bool, typer.Option(
+               "--insecure", help="no TLS (a leader started with --insecure)")] = False,
+           keep: Annotated[bool, typer.Option(
+               "--watch", help="redraw in place (every --every seconds) until Ctrl-C")] = False,
+           every: Annotated[float, typer.Option(
+               "--every", min=0.2, help="seconds between looks with --watch")] = 2.0,
+           as_json: Annotated[bool, typer.Option(
+               "--json", help="print one JSON object (one per line with --watch); keys in "
+                              "README 'dips status'")] = False,
+           timeout: Annotated[float, typer.Option(
+               "--timeout", min=0.1, help="seconds one call to the leader may take")] = 5.0,
+           quiet_after: Annotated[float, typer.Option(
+               "--quiet-after", min=1.0, help="list a cluster as no_progress after this many "
+                                              "seconds without a new inner step (--watch)")
+           ] = QUIET_AFTER_S,
+           ) -> None:
+    """The run as the leader sees it: members, versions, staleness, verdicts, phase, faults."""
+    from dips.node.common import RoleError, split_address
+
+    try:
+        if not leader.startswith("unix:"):
+            split_address(leader, "--leader")
+        creds = _credentials(tls, insecure)
+    except RoleError as exc:
+        print(f"dips status: {exc}", file=sys.stderr, flush=True)
+        raise typer.Exit(2)
+    look, close = looker(leader, creds, timeout, Faults(quiet_after))
+    console = Console()
+    try:
+        if not keep:
+            doc = look()
+            if as_json:
+                print(json.dumps(doc), flush=True)
+            else:
+                console.print(render(doc))
+        elif as_json:
+            watch(look, _json_line, every, threading.Event())
+        else:
+            with Live(Text("asking the leader..."), console=console, auto_refresh=False) as live:
+                watch(look, lambda doc, err: live.update(
+                    render(doc, err) if doc else Text(f"no answer: {err}", style="bold red"),
+                    refresh=True), every, threading.Event())
+    except NoStatus as exc:
+        print(f"dips status: {exc}", file=sys.stderr, flush=True)
+        raise typer.Exit(1)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        close()
+
+
+def _json_line(doc: dict[str, Any] | None, error: str) -> None:
+    if error:
+        print(f"dips status: {error}", file=sys.stderr, flush=True)
+    else:
+        print(json.dumps(doc), flush=True)

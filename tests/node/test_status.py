@@ -1,0 +1,240 @@
+"""``dips status`` (issue 15): the JSON object and the screen of a hand-made StatusReply, the
+faults derived from successive answers, and the command against a live leader behind a real
+gRPC server on 127.0.0.1 (insecure identities, and mutual TLS with the operator's bundle)."""
+
+from __future__ import annotations
+
+import json
+import math
+import socket
+import threading
+
+import pytest
+from rich.console import Console
+from typer.testing import CliRunner
+
+from dips.cli import app
+from dips.node.status import Faults, snapshot, staleness
+from dips.node.status_cli import NoStatus, render, watch
+from dips.roles.leader import FollowerEntry
+from dips.wire.control import make_server
+from dips.wire.pb import control_pb2 as pb
+from dips.wire.pb import control_pb2_grpc as pbg
+from dips.wire.pki import init_pki
+from dips.wire.security import Credentials
+from dips.wire.services import LeaderServicer
+from tests.roles.test_hostile_leader import Site, make_leader
+
+pytestmark = pytest.mark.timeout(120)
+
+TOP = {"leader", "time", "version", "outer_steps", "rounds", "phase", "finished",
+       "finished_reason", "counts", "ledger", "followers_ready", "followers_total", "clusters",
+       "followers", "faults"}
+CLUSTER = {"cluster_id", "inner_step", "tokens", "last_loss", "last_push", "pulled_version",
+           "staleness"}
+FOLLOWER = {"index", "up", "version", "incarnation", "control_endpoint", "data_endpoint",
+            "layers"}
+COUNTS = {"updates_pushed", "updates_accepted", "updates_rejected", "tokens_pushed",
+          "tokens_accepted", "outer_steps_lost"}
+
+
+def reply(**kw) -> pb.StatusReply:
+    """Version 7; clusters a (pulled 7), b (pulled 4, rejected), c (never pulled); 2 followers."""
+    base = dict(
+        version=7, rounds=9, phase="window", outer_steps=7, updates_pushed=12,
+        updates_accepted=10, updates_rejected=2, tokens_pushed=1200, tokens_accepted=1000,
+        outer_steps_lost=0, followers_ready=2, accepted_windows=40, ledger_epoch=1,
+        clusters=[pb.ClusterStatus(cluster_id="b", inner_step=30, tokens=300, last_loss=4.25,
+                                   last_push="rejected", pulled_version=4),
+                  pb.ClusterStatus(cluster_id="a", inner_step=50, tokens=500, last_loss=3.5,
+                                   last_push="accepted", pulled_version=7),
+                  pb.ClusterStatus(cluster_id="c", inner_step=0, tokens=0, last_loss=math.nan,
+                                   last_push="-", pulled_version=-1)],
+        followers=[pb.FollowerInfo(index=1, control_endpoint="h:2", data_endpoint="tcp://h:3",
+                                   layers=["l2"], incarnation=5),
+                   pb.FollowerInfo(index=0, control_endpoint="h:0", data_endpoint="tcp://h:1",
+                                   layers=["l0", "l1"], incarnation=4)])
+    base.update(kw)
+    return pb.StatusReply(**base)
+
+
+def test_the_json_object_has_stable_keys_and_staleness_is_version_minus_pulled():
+    doc = snapshot(reply(), "10.0.0.5:7000", 1000.0)
+    assert set(doc) == TOP and set(doc["counts"]) == COUNTS
+    assert set(doc["ledger"]) == {"epoch", "accepted_windows"}
+    assert all(set(c) == CLUSTER for c in doc["clusters"])
+    assert all(set(f) == FOLLOWER for f in doc["followers"])
+    by_id = {c["cluster_id"]: c for c in doc["clusters"]}
+    assert [c["cluster_id"] for c in doc["clusters"]] == ["a", "b", "c"]
+    assert (by_id["a"]["staleness"], by_id["b"]["staleness"], by_id["c"]["staleness"]) == (0, 3, None)
+    assert by_id["c"]["pulled_version"] is None and by_id["c"]["last_loss"] is None
+    assert by_id["b"] == {"cluster_id": "b", "inner_step": 30, "tokens": 300, "last_loss": 4.25,
+                          "last_push": "rejected", "pulled_version": 4, "staleness": 3}
+    assert [(f["index"], f["up"], f["version"], f["layers"]) for f in doc["followers"]] == \
+        [(0, True, None, 2), (1, True, None, 1)]
+    assert (doc["leader"], doc["version"], doc["finished"], doc["finished_reason"]) == \
+        ("10.0.0.5:7000", 7, False, "")
+    assert json.loads(json.dumps(doc, allow_nan=False)) == doc  # no NaN reaches a script
+
+
+def test_followers_up_is_known_only_when_the_ready_count_decides_it():
+    assert {f["up"] for f in snapshot(reply(followers_ready=0), "l:1", 0.0)["followers"]} == {False}
+    assert {f["up"] for f in snapshot(reply(followers_ready=1), "l:1", 0.0)["followers"]} == {None}
+    assert staleness(5, -1) is None and staleness(5, 2) == 3
+
+
+def test_the_screen_shows_every_member_its_staleness_and_the_finish():
+    doc = snapshot(reply(finished="token budget reached"), "10.0.0.5:7000", 1000.0)
+    Faults().update(doc)
+    console = Console(record=True, width=150, color_system=None)
+    console.print(render(doc))
+    text = console.export_text()
+    assert "finished: token budget reached" in text and "version 7" in text
+    rows = {cells[0]: cells for line in text.splitlines()
+            if (cells := [c for c in line.split() if c != "│"])}
+    assert rows["a"][-3:] == ["accepted", "7", "0"] and rows["b"][-3:] == ["rejected", "4", "3"]
+    assert rows["c"][-2:] == ["-", "-"]
+    assert "push_rejected" in text and "cluster-b" in text
+
+
+def test_one_answer_shows_the_faults_that_hold_now():
+    faults = Faults().update(snapshot(reply(followers_ready=1), "l:1", 1000.0))
+    assert {(f["kind"], f["member"], f["active"]) for f in faults} == {
+        ("follower_down", "followers", True), ("push_rejected", "cluster-b", True)}
+    assert next(f for f in faults if f["kind"] == "follower_down")["detail"] == \
+        "1 of 2 followers ready"
+
+
+def test_successive_answers_show_removals_restarts_losses_and_quiet_clusters():
+    faults = Faults(quiet_after_s=60.0, window_s=3600.0)
+    faults.update(snapshot(reply(), "l:1", 1000.0))
+    gone_b = reply(clusters=[reply().clusters[1], reply().clusters[2]], outer_steps_lost=2,
+                   followers=[reply().followers[0], pb.FollowerInfo(index=0, incarnation=6)])
+    seen = {(f["kind"], f["member"]): f for f in faults.update(snapshot(gone_b, "l:1", 1010.0))}
+    assert set(seen) == {("cluster_gone", "cluster-b"), ("follower_restarted", "follower-0"),
+                         ("outer_steps_lost", "leader"), ("push_rejected", "cluster-b")}
+    assert seen["follower_restarted", "follower-0"]["detail"] == "incarnation 4 -> 6"
+    assert not seen["push_rejected", "cluster-b"]["active"]  # b is gone: no verdict now
+    seen = {(f["kind"], f["member"]): f for f in faults.update(snapshot(gone_b, "l:1", 1070.0))}
+    assert seen["cluster_gone", "cluster-b"]["active"]  # still absent
+    assert seen["cluster_gone", "cluster-b"]["since"] == 1010.0
+    assert not seen["follower_restarted", "follower-0"]["active"]
+    assert seen["no_progress", "cluster-a"]["detail"] == "inner step 50 for 70 s"
+    assert ("no_progress", "cluster-c") in seen
+    moved = reply(clusters=[pb.ClusterStatus(cluster_id="a", inner_step=51, pulled_version=7)],
+                  followers=gone_b.followers, outer_steps_lost=2)
+    later = {(f["kind"], f["member"]): f
+             for f in faults.update(snapshot(moved, "l:1", 1080.0 + 3600.0))}  # an hour on
+    assert set(later) == {("cluster_gone", "cluster-b"), ("cluster_gone", "cluster-c")}
+    assert later["cluster_gone", "cluster-b"]["since"] == 1010.0  # it still holds: it stays
+
+
+def test_a_finished_run_lists_no_cluster_as_quiet():
+    faults = Faults(quiet_after_s=60.0)
+    faults.update(snapshot(reply(finished="token budget reached"), "l:1", 1000.0))
+    later = faults.update(snapshot(reply(finished="token budget reached"), "l:1", 2000.0))
+    assert {f["kind"] for f in later} == {"push_rejected"}
+
+
+def test_watch_keeps_the_last_answer_under_an_error_and_stops_on_the_event():
+    answers = [{"n": 1}, NoStatus("leader l:1: UNAVAILABLE"), {"n": 2}]
+    shown: list = []
+    stop = threading.Event()
+
+    def look():
+        got = answers.pop(0)
+        if isinstance(got, Exception):
+            raise got
+        return got
+
+    def show(doc, error):
+        shown.append((doc, error))
+        if not answers:
+            stop.set()
+
+    watch(look, show, 0.0, stop)
+    assert shown == [({"n": 1}, ""), ({"n": 1}, "leader l:1: UNAVAILABLE"), ({"n": 2}, "")]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--leader", "127.0.0.1:1"], "give exactly one of --tls DIR"),
+    (["--leader", "nohost", "--insecure"], "--leader = 'nohost' is not HOST:PORT"),
+])
+def test_bad_options_exit_2_naming_the_option(args, says):
+    result = CliRunner().invoke(app, ["status", *args])
+    assert result.exit_code == 2 and says in result.stderr
+
+
+def test_a_leader_that_does_not_answer_exits_1_naming_its_address():
+    addr = f"127.0.0.1:{free_port()}"  # nothing listens there
+    result = CliRunner().invoke(app, ["status", "--leader", addr, "--insecure", "--json",
+                                      "--timeout", "2"])
+    assert result.exit_code == 1 and f"leader {addr} as 'admin'" in result.stderr
+    assert result.stdout == ""
+
+
+def test_status_json_of_a_live_leader_lists_every_member_with_version_and_staleness(tmp_path):
+    site = Site(tmp_path)
+    try:
+        a, b = site.join("cluster-a"), site.join("cluster-b")
+        b.PullDone(pb.PullDoneRequest(version=0))  # b holds version 0
+        a.Heartbeat(pb.HeartbeatRequest(inner_step=8, tokens=512, last_loss=3.25))
+        grant = a.RequestPush(pb.PushRequest(base_version=0, tokens=64))
+        site.clock.advance(5.0)  # the grace window closes: a's push alone makes version 1
+        verdict = a.PushDone(pb.PushDoneRequest(push_id=grant.push_id, ok=True))
+        assert verdict.accepted and verdict.version == 1
+        a.PullDone(pb.PullDoneRequest(version=1))
+        result = CliRunner().invoke(app, ["status", "--leader", f"127.0.0.1:{site.port}",
+                                          "--insecure", "--json"])
+        assert result.exit_code == 0, result.output
+        doc = json.loads(result.stdout)
+        assert set(doc) == TOP and doc["version"] == 1 and doc["outer_steps"] == 1
+        got = {c["cluster_id"]: (c["pulled_version"], c["staleness"], c["last_push"])
+               for c in doc["clusters"]}
+        assert got == {"a": (1, 0, "accepted"), "b": (0, 1, "-")}
+        a_row = next(c for c in doc["clusters"] if c["cluster_id"] == "a")
+        assert (a_row["inner_step"], a_row["tokens"], a_row["last_loss"]) == (8, 512, 3.25)
+        assert [(f["index"], f["up"]) for f in doc["followers"]] == [(0, True)]
+        assert doc["counts"]["updates_accepted"] == 1 and doc["faults"] == []
+        screen = CliRunner().invoke(app, ["status", "--leader", f"127.0.0.1:{site.port}",
+                                          "--insecure"])
+        assert screen.exit_code == 0 and "running" in screen.stdout
+    finally:
+        site.close()
+
+
+def test_status_over_mutual_tls_with_the_operators_bundle(tmp_path):
+    pki = tmp_path / "pki"
+    init_pki(pki, 1, ["a"])
+    (tmp_path / "leader").mkdir()
+    leader, _ = make_leader(tmp_path / "leader")
+    server = make_server(max_workers=4)
+
+    def entry(i: pb.FollowerInfo) -> FollowerEntry:
+        return FollowerEntry(i.index, i.data_endpoint, i.control_endpoint, list(i.layers),
+                             list(i.layer_bytes), i.incarnation)
+
+    pbg.add_LeaderServicer_to_server(LeaderServicer(leader, entry), server)
+    port = Credentials.tls(pki / "leader").add_port(server, "127.0.0.1:0")
+    server.start()
+    try:
+        leader.join_cluster("a", [["l0", "l1"]])
+        ok = CliRunner().invoke(app, ["status", "--leader", f"127.0.0.1:{port}", "--json",
+                                      "--tls", str(pki / "admin")])
+        assert ok.exit_code == 0, ok.output
+        assert [c["cluster_id"] for c in json.loads(ok.stdout)["clusters"]] == ["a"]
+        plain = CliRunner().invoke(app, ["status", "--leader", f"127.0.0.1:{port}", "--json",
+                                         "--insecure", "--timeout", "2"])
+        assert plain.exit_code == 1 and "--tls/--insecure" in plain.stderr
+        missing = CliRunner().invoke(app, ["status", "--leader", f"127.0.0.1:{port}",
+                                           "--tls", str(tmp_path / "nowhere")])
+        assert missing.exit_code == 2 and "--tls" in missing.stderr
+    finally:
+        server.stop(0).wait(5)
+        leader.stop()

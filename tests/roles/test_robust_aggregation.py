@@ -1,0 +1,92 @@
+"""What a member just under the penalty's threshold can do to the model (issue 13; reviews of
+2026-11-30 and 2026-12-01): §8's pooled statistics follow it, but every push enters the mean at
+most ``outer.push_norm_ratio`` × √μ_robust and the clip's μ is capped by the same scale, so the
+outer step stays the size honest pushes give it, with one colluder or two.
+
+The round runs through :func:`dips.roles.outer_step.run_update`, the code of the real leader
+and of the virtual-time engine, with followers whose pseudo-gradients are orthogonal vectors of
+the given norms (‖δ‖² = Σ_j w_j² ‖Δ_j‖²)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from dips.algo.penalty import PenaltyState, robust_mu
+from dips.algo.round import Slot
+from dips.roles.outer_step import run_update
+from dips.spec import OuterConfig, PenaltyConfig
+from tests.roles.test_hostile_leader import FakeFollower
+
+CFG, OUTER = PenaltyConfig(), OuterConfig()
+
+
+class Vectors(FakeFollower):
+    """A follower whose clusters pushed orthogonal Δ_j with ‖Δ_j‖² = ``norms[j]``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norms: dict[str, float] = {}
+
+    def score(self, rnd, clusters, push_ids=None):
+        return [(c, True, self.norms[c], "") for c in clusters]
+
+    def aggregate(self, rnd, clusters, weights):
+        return sum(w * w * self.norms[c] for c, w in zip(clusters, weights))
+
+
+def attack(hostile: list[str], honest: list[str], rounds: int, cfg: PenaltyConfig = CFG,
+           outer: OuterConfig = OUTER) -> tuple[PenaltyState, list[dict]]:
+    """Every round each hostile member pushes 90% of the largest ‖Δ‖² the penalty accepts
+    (it knows μ, σ and the threshold); honest ones push ‖Δ‖² ≈ 1. Returns the history and
+    each round's (step norm, hostile contribution norm) record."""
+    follower, state, out = Vectors(), PenaltyState(), []
+    for rnd in range(1, rounds + 1):
+        for i, c in enumerate(honest):
+            follower.norms[c] = 1.0 + 0.05 * math.sin(rnd + i)
+        if state.n_seen >= cfg.warmup:
+            mu, sigma = state.pooled(cfg)
+            threshold = cfg.beta * max([cfg.score_floor, *(e for _, e in state.recent)])
+            for c in hostile:
+                follower.norms[c] = mu + 0.9 * threshold * sigma
+        else:
+            for c in hostile:
+                follower.norms[c] = 1.0
+        slots = [Slot(c, f"{rnd:08x}{i:08x}", rnd - 1, 100, 0.0, round=rnd, admitted_at=0.0,
+                      done=True, ok=True) for i, c in enumerate(sorted(follower.norms))]
+        report = run_update([(0, follower)], rnd, slots, rnd - 1, state, cfg, outer)
+        assert not report.failed
+        state = report.penalty
+        accepted = report.outcome.accepted
+        w = {c: report.weights[c] for c in accepted}
+        scales = {c: report.push_scales.get(c, 1.0) for c in accepted}
+        out.append({"step": report.outcome.clip_factor * math.sqrt(report.delta_sq_norm),
+                    "hostile": math.sqrt(sum((w[c] * scales[c]) ** 2 * follower.norms[c]
+                                             for c in accepted if c in hostile)),
+                    "accepted": accepted})
+    return state, out
+
+
+@pytest.mark.parametrize("hostile,honest", [(["h"], ["a", "b"]), (["h1", "h2"], ["a", "b", "c"]),
+                                            (["h"], ["a"])])
+def test_a_member_under_the_threshold_cannot_enlarge_the_outer_step(hostile, honest):
+    state, rounds = attack(hostile, honest, 60)
+    # §8's pooled statistics follow the attack (the limit of a norm test, RELIABILITY.md) until
+    # its ‖Δ‖² passes 1e150 and is rejected as overflowing ...
+    assert state.mu > 1e6 and all(set(hostile) <= set(r["accepted"]) for r in rounds[5:20])
+    # ... but the robust scale stays an honest cluster's, and so does every step: at most the
+    # relative clip of an honest μ (0.4 · √(2² · 1.05)), the hostile share at most its
+    # weight × 2 · √μ_robust.
+    assert robust_mu(state) < 1.06
+    bound = OUTER.clip_ratio * OUTER.push_norm_ratio * math.sqrt(1.06)
+    assert max(r["step"] for r in rounds) <= bound
+    n = len(hostile) + len(honest)
+    assert max(r["hostile"] for r in rounds) <= len(hostile) / n * 2 * math.sqrt(1.06) + 1e-9
+
+
+def test_without_the_bound_the_same_member_takes_the_step():
+    # The ablation push_norm_ratio = None is §8 with the relative clip: the step follows the
+    # dragged μ (a real run's honest clusters diverged this way, review of 2026-11-30).
+    _, rounds = attack(["h"], ["a", "b"], 30, outer=OuterConfig(push_norm_ratio=None))
+    assert max(r["step"] for r in rounds) > 100 * OUTER.clip_ratio * OUTER.push_norm_ratio
