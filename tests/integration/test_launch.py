@@ -5,6 +5,12 @@ Checks the run's outputs and the DESIGN.md invariants: every follower applied th
 accepted set and clip factor for each version, versions are consecutive and agree with the
 leader, each accepted update was applied exactly once, and the validation loss fell.
 
+The same run checks the log a file gets when stdout is not a terminal (issue 15): no table
+is drawn, exactly one line per round the leader decided (same versions, same accepted sets),
+lines of at most 160 characters and a constant number of other lines, so the log grows with
+outer steps, not with time (the quickstart config: 0.96 KB per minute of training); and
+every process was given a metrics endpoint, listed in ``metrics.json``.
+
 The run stops on an event, not a duration: ``--max-outer-steps`` (``--max-time`` is only a
 safety limit). Nothing here depends on which cluster joins first or how fast a cluster is:
 a joiner may start from version 0 or from any version already applied.
@@ -14,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +30,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 OUTER_STEPS = 12  # the run stops once the leader reports this many outer steps
+BOX = re.compile("[\u2500-\u259f]")  # box drawing and block elements: rich's tables
+STEP = re.compile(r"^\[ *\d+ s\] (?:outer step v(\d+) \(round (\d+)\): accepted ([^;]+)|"
+                  r"round (\d+): nothing applied)")
 
 
 def _jsonl(path: Path) -> list[dict]:
@@ -40,7 +50,41 @@ def run_dir(tmp_path_factory) -> Path:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     stops = [e for e in _jsonl(out / "events.jsonl") if e["event"] == "stop"]
     assert [e["reason"] for e in stops] == ["max outer steps"], stops  # not the safety limit
+    (out / "launch.stdout").write_text(proc.stdout)
+    (out / "launch.stderr").write_text(proc.stderr)
     return out
+
+
+def test_no_table_is_drawn_off_a_terminal(run_dir):
+    out = (run_dir / "launch.stdout").read_text()
+    assert not BOX.search(out) and not BOX.search((run_dir / "launch.stderr").read_text())
+    assert "\x1b[" not in out  # no cursor movement or colour codes either
+
+
+def test_one_log_line_per_decided_round_and_no_line_per_second(run_dir):
+    decided = [r for r in _jsonl(run_dir / "outer_steps.jsonl") if "event" not in r]
+    assert len(decided) >= OUTER_STEPS
+    lines = (run_dir / "launch.stdout").read_text().splitlines()
+    steps = [m for m in map(STEP.match, lines) if m]
+    assert len(steps) == len(decided)
+    for m, rec in zip(steps, decided):
+        if rec["accepted"]:
+            assert (int(m[1]), int(m[2])) == (rec["version"], rec["round"])
+            assert m[3].split(", ") == rec["accepted"]
+        else:
+            assert int(m[4]) == rec["round"]
+    assert max(len(ln) for ln in lines if STEP.match(ln)) <= 160
+    others = [ln for ln in lines if not STEP.match(ln)]
+    assert len(others) <= 20  # header, fault events, stop, summary: never one per second
+
+
+def test_every_process_was_given_a_metrics_endpoint(run_dir):
+    """The endpoints themselves are scraped in tests/node/test_metrics_run.py."""
+    targets = json.loads((run_dir / "metrics.json").read_text())
+    started = {e["process"] for e in _jsonl(run_dir / "events.jsonl") if e.get("event") == "start"}
+    assert started and started <= set(targets)
+    ports = [int(t.rsplit(":", 1)[1]) for t in targets.values()]
+    assert len(set(ports)) == len(ports) and all(0 < p < 65536 for p in ports)
 
 
 def test_summary_has_every_field_and_loss_fell(run_dir):

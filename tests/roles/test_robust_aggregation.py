@@ -1,7 +1,9 @@
 """What a member just under the penalty's threshold can do to the model (issue 13; reviews of
 2026-11-30 and 2026-12-01): §8's pooled statistics follow it, but every push enters the mean at
-most ``outer.push_norm_ratio`` × √μ_robust and the clip's μ is capped by the same scale, so the
-outer step stays the size honest pushes give it, with one colluder or two.
+most ``outer.push_norm_ratio`` × √μ_robust and the clip's μ is capped at its square × μ_robust,
+so once every member has pushed the outer step is at most twice an honest one, with one
+colluder or two. The review of the bound's own gaps (``/tmp/review16``) is kept below as a
+strict xfail: a member that pushes first and alone sets μ_robust itself.
 
 The round runs through :func:`dips.roles.outer_step.run_update`, the code of the real leader
 and of the virtual-time engine, with followers whose pseudo-gradients are orthogonal vectors of
@@ -70,7 +72,7 @@ def attack(hostile: list[str], honest: list[str], rounds: int, cfg: PenaltyConfi
 
 @pytest.mark.parametrize("hostile,honest", [(["h"], ["a", "b"]), (["h1", "h2"], ["a", "b", "c"]),
                                             (["h"], ["a"])])
-def test_a_member_under_the_threshold_cannot_enlarge_the_outer_step(hostile, honest):
+def test_a_member_under_the_threshold_makes_no_step_over_twice_an_honest_one(hostile, honest):
     state, rounds = attack(hostile, honest, 60)
     # §8's pooled statistics follow the attack (the limit of a norm test, RELIABILITY.md) until
     # its ‖Δ‖² passes 1e150 and is rejected as overflowing ...
@@ -90,3 +92,19 @@ def test_without_the_bound_the_same_member_takes_the_step():
     # dragged μ (a real run's honest clusters diverged this way, review of 2026-11-30).
     _, rounds = attack(["h"], ["a", "b"], 30, outer=OuterConfig(push_norm_ratio=None))
     assert max(r["step"] for r in rounds) > 100 * OUTER.clip_ratio * OUTER.push_norm_ratio
+
+
+@pytest.mark.xfail(strict=True, reason="issue 13, open: μ_robust is the median over the clusters "
+                                       "that have pushed, so one pushing first and alone sets it")
+def test_a_member_that_pushes_first_and_alone_cannot_set_the_scale():
+    """Review of 2026-12-01 (``/tmp/review16/a_startup.py``): a hostile member of three pushes
+    G = 1e20 alone in the first rounds (the warm-up accepts it); the steps were 4e9."""
+    follower, state = Vectors(), PenaltyState()
+    follower.norms = {"h": 1e20}
+    for rnd in range(1, 4):
+        slot = Slot("h", f"{rnd:016x}", rnd - 1, 100, 0.0, round=rnd, admitted_at=0.0,
+                    done=True, ok=True)
+        report = run_update([(0, follower)], rnd, [slot], rnd - 1, state, CFG, OUTER)
+        state = report.penalty
+        step = report.outcome.clip_factor * math.sqrt(report.delta_sq_norm)
+        assert step <= OUTER.clip_ratio * OUTER.push_norm_ratio * 10

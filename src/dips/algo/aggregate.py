@@ -276,11 +276,15 @@ def robust_scale(sq_norms: dict[str, float], mu: float | None, mu_robust: float 
       member that drags §8's pooled μ upward (pushing just under the penalty's threshold,
       round after round) cannot widen the clip.
 
-    With honest clusters ‖Δ_j‖² stays within ratio² of the median scale and neither bound
-    binds (the figures of CONVERGENCE.md are unchanged). ``ratio`` None: s_j = 1, μ unchanged.
+    With the sweeps' honest clusters ‖Δ_j‖² stays within ratio² of the median scale and neither
+    bound binds (the figures of CONVERGENCE.md are bit-identical); a cluster at 5× the median
+    scale is scaled down. Known gaps (RELIABILITY.md): the median covers only clusters that
+    have pushed, and the clip cap lets a step reach ratio × an honest one. ``ratio`` None:
+    s_j = 1, μ unchanged.
 
     Returns:
-        ({cluster: s_j in (0, 1]}, the clip's μ or None when ``mu`` is None).
+        ({cluster: s_j in [0, 1]} (0 when μ_robust is 0), the clip's μ or None when ``mu`` is
+        None).
 
     Raises:
         ValueError: a negative or non-finite norm or scale, ratio <= 1.
