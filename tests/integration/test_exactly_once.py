@@ -1,8 +1,11 @@
 """Exactly once under faults in every phase (issue 10), as real processes: each input that
-broke the promise is a run here, and after it the invariants of invariants.py hold (accepted
+broke the promise is replayed here, and after it the invariants of invariants.py hold (accepted
 tokens = the ledger's windows × tokens per window, updates accepted <= pushed, every applied
-version decided and logged, followers agreeing step by step). The slow link's run is shared
-with test_interrupt.py's SIGINT and second-leader checks (shared_run.py).
+version decided and logged, followers agreeing step by step). A run is the expensive part
+(most of a minute of process start-up and shut-down on 2 cores), so inputs that do not
+interfere share one: the leader kill and the follower kills are one run, one fault at a
+time (``kills_run``), and the slow link's run is shared with test_interrupt.py's SIGINT and
+second-leader checks (shared_run.py); each test checks its own property of its run.
 
 Each run lasts until the events it is about have happened (runner.launch_until); the push
 timeouts are set far beyond the test's own deadline, so a round that waited for them instead
@@ -72,15 +75,53 @@ def _until_recovered(events: list[tuple[str, str, dict]], steps_after: int = 3, 
     return missing
 
 
-def test_a_leader_killed_after_its_decision_re_serves_the_verdicts(tmp_path):
+@pytest.fixture(scope="module")
+def kills_run(tmp_path_factory) -> Path:
+    """One run for inputs 1 and 3, each test checking its own property of it (a run is the
+    expensive part: most of a minute of process start-up and shut-down on 2 cores). The faults
+    come one at a time: the leader killed inside an update (armed after 12 s of training), then
+    follower-0 killed while clusters push to it (after 24 s) and follower-1 while they pull
+    from it (after 32 s). The penalty is off (input 1: the decision at the kill accepts every
+    cluster that pushed) and the push and pull timeouts are 600 s (input 3: beyond the run's
+    deadline, so a round that waited for them would never end). The run lasts until the
+    restarted leader resumed its decision, both followers were killed, follower-1 restarted
+    and the followers reconciled after that, 3 outer steps followed, and 10 versions are
+    applied."""
+    tmp = tmp_path_factory.mktemp("kills")
+    cfg = _config(tmp, penalty={"enabled": False},
+                  timeouts={"push_s": 600, "pull_s": 600, "rpc_s": 30, "startup_s": 120,
+                            "shutdown_s": 15})
+    plan = tmp / "faults.yaml"
+    plan.write_text("faults:\n  - {phase: update, after_s: 12, action: kill, target: leader}\n"
+                    "  - {phase: push, after_s: 24, action: kill, target: follower-0}\n"
+                    "  - {phase: pull, after_s: 32, action: kill, target: follower-1}\n")
+    run_dir = tmp / "run"
+    followers_recovered = _until_recovered([("events.jsonl", "restart", {"process": "follower-1"}),
+                                            ("leader_events.jsonl", "reconciled", {})])
+
+    def missing(run_dir: Path) -> str | None:
+        fired = {e["process"]: e.get("fired_at", e["time"])
+                 for e in jsonl_so_far(run_dir / "events.jsonl") if e["event"] == "fault"}
+        if "leader" not in fired:
+            return "the leader has not been killed"
+        if not [e for e in jsonl_so_far(run_dir / "leader_events.jsonl")
+                if e["event"] == "leader_resumed" and e["time"] >= fired["leader"]]:
+            return "no leader_resumed after the leader's kill"
+        if len(fired) < 3:
+            return f"{len(fired)} of 3 faults fired"
+        return followers_recovered(run_dir)  # after the last fault
+
+    launch_until(["--config", str(cfg), "--faults", str(plan), "--max-time", "600"], run_dir,
+                 missing, deadline_s=300)
+    return run_dir
+
+
+def test_a_leader_killed_after_its_decision_re_serves_the_verdicts(kills_run):
     """Input 1: version N decided with every cluster accepted, the leader killed before any
     follower committed it. The restarted leader resumes the decision, the followers commit
-    it, the clusters get their verdicts by asking again; nothing is counted twice."""
-    cfg = _config(tmp_path, penalty={"enabled": False})
-    plan = _plan(tmp_path, "{phase: update, after_s: 12, action: kill, target: leader}")
-    run_dir = tmp_path / "run"
-    launch_until(["--config", str(cfg), "--faults", str(plan), "--max-time", "600"], run_dir,
-                 _until_recovered([("leader_events.jsonl", "leader_resumed", {})]))
+    it, the clusters get their verdicts by asking again; nothing is counted twice (the run of
+    ``kills_run``)."""
+    run_dir = kills_run
     figures = check_run(run_dir)
     state = figures["state"]
     # The step decided at the kill is in the log (written before any commit) and applied once.
@@ -92,27 +133,12 @@ def test_a_leader_killed_after_its_decision_re_serves_the_verdicts(tmp_path):
     assert state["counts"]["tokens_accepted"] <= state["counts"]["tokens_pushed"]
 
 
-def test_a_follower_killed_mid_transfer_does_not_stall_the_round(tmp_path):
+def test_a_follower_killed_mid_transfer_does_not_stall_the_round(kills_run):
     """Input 3: follower-0 killed while clusters push to it, then follower-1 killed while they
     pull from it. Each round in flight ends when its follower is marked down or comes back,
     not at the push timeout (600 s here, beyond this test's own deadline), and outer steps go
-    on."""
-    cfg = _config(tmp_path, timeouts={"push_s": 600, "pull_s": 600, "rpc_s": 30,
-                                      "startup_s": 120, "shutdown_s": 15})
-    plan = tmp_path / "faults.yaml"
-    plan.write_text("faults:\n  - {phase: push, after_s: 12, action: kill, target: follower-0}\n"
-                    "  - {phase: pull, after_s: 20, action: kill, target: follower-1}\n")
-    run_dir = tmp_path / "run"
-
-    def missing(run_dir: Path) -> str | None:
-        fired = [e for e in jsonl_so_far(run_dir / "events.jsonl") if e["event"] == "fault"]
-        if len(fired) < 2:
-            return f"{len(fired)} of 2 faults fired"
-        return _until_recovered([("events.jsonl", "restart", {"process": "follower-1"}),
-                                 ("leader_events.jsonl", "reconciled", {})])(run_dir)
-
-    launch_until(["--config", str(cfg), "--faults", str(plan), "--max-time", "600"], run_dir,
-                 missing, deadline_s=300)
+    on (the run of ``kills_run``)."""
+    run_dir = kills_run
     check_run(run_dir)
     restarts = {e["process"] for e in jsonl(run_dir / "events.jsonl") if e["event"] == "restart"}
     assert {"follower-0", "follower-1"} <= restarts

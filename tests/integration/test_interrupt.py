@@ -28,7 +28,7 @@ def _alive(pid: int) -> bool:
     return "State:\tZ" not in status
 
 
-@pytest.mark.timeout(600)  # it may be the test that runs the shared run (up to 400 s + stop)
+@pytest.mark.timeout(600)  # it may be the test that runs the shared run (up to 360 s + stop)
 def test_sigint_writes_summary_and_stops_children(quiet_run):
     """The shared fault-free run (shared_run.py): once an outer step was accepted, a copy of
     the live leader's state directory started as a second leader on another port took term +
