@@ -66,8 +66,9 @@ class FakeFollower:
 class Run:
     """A started leader with two fake followers that heartbeat until told to stop."""
 
-    def __init__(self, tmp_path, push_s: float = 60.0, fakes: list | None = None) -> None:
-        cfg = LeaderConfig(followers=2, grace={"window_s": 0.0},
+    def __init__(self, tmp_path, push_s: float = 60.0, fakes: list | None = None,
+                 window_s: float = 0.0) -> None:
+        cfg = LeaderConfig(followers=2, grace={"window_s": window_s},
                            membership=MembershipConfig(heartbeat_interval_s=0.2),
                            timeouts=Timeouts(push_s=push_s, pull_s=push_s))
         self.fakes = fakes or [FakeFollower(), FakeFollower()]
@@ -221,7 +222,9 @@ def test_a_member_removed_during_the_update_is_credited_not_handed_out_twice(run
 
 
 def test_a_follower_lost_mid_round_ends_it_at_once(tmp_path):
-    run = Run(tmp_path, push_s=600.0)  # the round must not wait for this
+    # The round must wait for neither the push timeout nor its window; the long window keeps
+    # b's request in a's round whatever the scheduling (a window of 0 s may close before b asks).
+    run = Run(tmp_path, push_s=600.0, window_s=600.0)
     try:
         ca, cb = run.member("a"), run.member("b")
         ga = run.leader.request_push("a", 0, 1, 5.0, {min(ca): 2})
