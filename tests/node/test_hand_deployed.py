@@ -7,12 +7,8 @@ stderr; with neither --tls nor --insecure a role refuses to start (exit 2, one l
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 import yaml
@@ -20,16 +16,10 @@ import yaml
 from dips.emu.launcher import free_port
 from dips.wire.security import INSECURE_WARNING
 
-ROOT = Path(__file__).resolve().parents[2]
+from .roles import ROOT, follower_args, kill_left, stop_cleanly
+from .roles import dips as _dips
+
 pytestmark = pytest.mark.timeout(400)
-
-
-def _dips(args: list[str], log: Path | None = None) -> subprocess.Popen:
-    out = open(log, "w") if log is not None else subprocess.PIPE
-    return subprocess.Popen([sys.executable, "-m", "dips.cli", *args], cwd=ROOT, stdout=out,
-                            stderr=subprocess.STDOUT if log is not None else subprocess.PIPE,
-                            text=True, start_new_session=True,
-                            env=dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1"))
 
 
 def test_neither_tls_nor_insecure_refuses_to_start(tmp_path):
@@ -68,10 +58,8 @@ def test_a_hand_deployed_run_ends_at_its_limit_and_the_model_is_exported(tmp_pat
                               leader, "--state-dir", str(tmp_path / "leader"), "--insecure"],
                              tmp_path / "leader.log")}
     for i in (0, 1):
-        procs[f"f{i}"] = _dips(["follower", "--leader", leader, "--index", str(i), "--listen",
-                                f"127.0.0.1:{free_port()}", "--data-listen",
-                                f"127.0.0.1:{free_port()}", "--state-dir",
-                                str(tmp_path / f"f{i}"), "--insecure"], tmp_path / f"f{i}.log")
+        procs[f"f{i}"] = _dips(follower_args(leader, i, tmp_path / f"f{i}"),
+                               tmp_path / f"f{i}.log")
     procs["a"] = _dips(["cluster", "--leader", leader, "--cluster-id", "a", "--state-dir",
                         str(tmp_path / "a"), "--insecure"], tmp_path / "a.log")
     try:
@@ -86,14 +74,8 @@ def test_a_hand_deployed_run_ends_at_its_limit_and_the_model_is_exported(tmp_pat
         assert doc["eval_loss"] < doc["eval_loss_initial"]
         assert (tmp_path / "final" / "model.safetensors").exists()
         assert json.loads(out.strip().splitlines()[-1]) == doc
-        for name in ("f0", "f1", "leader"):
-            procs[name].send_signal(signal.SIGTERM)
-        for name in ("f0", "f1", "leader"):
-            assert procs[name].wait(60) == 0, name
+        stop_cleanly(procs, ("f0", "f1", "leader"))
     finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.kill()
-                p.wait(10)
+        kill_left(procs)
     log = (tmp_path / "leader.log").read_text()
     assert INSECURE_WARNING in log and "run finished (max outer steps)" in log

@@ -7,11 +7,9 @@ leader they go on from there instead of starting at 0. The leader logs JSON line
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
 import subprocess
-import sys
 import time
 import urllib.request
 from collections.abc import Callable
@@ -23,16 +21,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from dips.emu.launcher import free_port
 
-ROOT = Path(__file__).resolve().parents[2]
+from .roles import ROOT, follower_args, kill_left, stop_cleanly
+from .roles import dips as _dips
+
 pytestmark = pytest.mark.timeout(400)
 METRICS_LINE = re.compile(r"metrics on http://127\.0\.0\.1:(\d+)/metrics")
-
-
-def _dips(args: list[str], log: Path) -> subprocess.Popen:
-    with open(log, "w") as out:
-        return subprocess.Popen([sys.executable, "-m", "dips.cli", *args], cwd=ROOT, stdout=out,
-                                stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                                env=dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1"))
 
 
 def _wait(what: str, proc: subprocess.Popen, check: Callable[[], object],
@@ -131,10 +124,7 @@ def test_every_role_serves_metrics_that_match_the_leader_records(tmp_path):
     procs = {"leader": _dips(leader_args, tmp_path / "leader.log")}
     try:
         for i in (0, 1):
-            procs[f"f{i}"] = _dips(["follower", "--leader", leader, "--index", str(i), "--listen",
-                                    f"127.0.0.1:{free_port()}", "--data-listen",
-                                    f"127.0.0.1:{free_port()}", "--state-dir",
-                                    str(tmp_path / f"f{i}"), "--insecure", *metrics],
+            procs[f"f{i}"] = _dips(follower_args(leader, i, tmp_path / f"f{i}", *metrics),
                                    tmp_path / f"f{i}.log")
         procs["a"] = _dips(["cluster", "--leader", leader, "--cluster-id", "a", "--state-dir",
                             str(tmp_path / "a"), "--insecure", *metrics], tmp_path / "a.log")
@@ -182,15 +172,9 @@ def test_every_role_serves_metrics_that_match_the_leader_records(tmp_path):
         assert observed(after) == observed(before)
         assert total(after, "dips_leader_restarts_total") == 1
         assert total(after, "dips_leader_events_total", event="leader_resumed") == 1
-        for name in ("f0", "f1", "leader"):
-            procs[name].send_signal(signal.SIGTERM)
-        for name in ("f0", "f1", "leader"):
-            assert procs[name].wait(60) == 0, name
+        stop_cleanly(procs, ("f0", "f1", "leader"))
     finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.kill()
-                p.wait(10)
+        kill_left(procs)
     lines = [line for line in (tmp_path / "leader.log").read_text().splitlines()
              if line.startswith("{")]
     docs = [json.loads(line) for line in lines]

@@ -139,13 +139,14 @@ class ClusterMetrics:
         self.syncs = Counter("dips_syncs", "Syncs (push, verdict, pull) by result: accepted, "
                              "rejected, failed (not completed: retried later)", ["result"],
                              registry=r)
-        self.push_s = Histogram("dips_push_seconds", "Push of the pseudo-gradient to the "
-                                "followers, seconds (completed syncs)", buckets=SECONDS, registry=r)
-        self.wait_s = Histogram("dips_verdict_wait_seconds", "Wait for the leader's verdict "
-                                "after the push, seconds (completed syncs)", buckets=SECONDS,
-                                registry=r)
-        self.pull_s = Histogram("dips_pull_seconds", "Pull of the new version, seconds "
-                                "(completed syncs)", buckets=SECONDS, registry=r)
+        def sync_phase(name: str, what: str) -> Histogram:
+            return Histogram(name, f"{what}, seconds (completed syncs)", buckets=SECONDS,
+                             registry=r)
+        self.push_s = sync_phase("dips_push_seconds", "Push of the pseudo-gradient to the "
+                                 "followers")
+        self.wait_s = sync_phase("dips_verdict_wait_seconds", "Wait for the leader's verdict "
+                                 "after the push")
+        self.pull_s = sync_phase("dips_pull_seconds", "Pull of the new version")
         self.score = Gauge("dips_push_score", "Penalty score E of this cluster's last scored "
                            "push (dimensionless)", registry=r)
         self.events = Counter("dips_cluster_events", "Event records of train.jsonl, by kind "

@@ -83,15 +83,26 @@ def _window(n: int) -> int:
     return max(1, min(30, n // 10))
 
 
+def _losses(run: RunFiles, by_time: bool) -> tuple[dict, list[tuple[float, float]]]:
+    """({cluster id: its steps} of the clusters whose train.jsonl has losses, sorted by id;
+    [(seconds or tokens accepted, held-out loss)] of the evaluations that have that x)."""
+    steps = {cid: cluster_steps(run, recs) for cid, recs in sorted(run.clusters.items())}
+    held = [(t if by_time else k, v) for t, k, v in heldout_points(run)
+            if (t if by_time else k) is not None]
+    return {cid: s for cid, s in steps.items() if s.loss}, held
+
+
+def _no_losses(name: str, title: str) -> Plot:
+    return empty_plot(name, title,
+                      "no cluster train.jsonl with losses and no held-out evaluation found")
+
+
 def plot_loss_vs_time(run: RunFiles) -> Plot:
     """Training loss per cluster and held-out loss against seconds since the start."""
     title = "Loss against wall time"
-    steps = {cid: cluster_steps(run, recs) for cid, recs in sorted(run.clusters.items())}
-    steps = {cid: s for cid, s in steps.items() if s.loss}
-    held = [(t, v) for t, _, v in heldout_points(run) if t is not None]
+    steps, held = _losses(run, by_time=True)
     if not steps and not held:
-        return empty_plot("loss_vs_time.png", title,
-                          "no cluster train.jsonl with losses and no held-out evaluation found")
+        return _no_losses("loss_vs_time.png", title)
     span = max([t for s in steps.values() for t in s.time_s] + [t for t, _ in held] + [1.0])
     div, unit = time_axis(span)
     fig, (ax,) = new_figure()
@@ -113,12 +124,9 @@ def plot_loss_vs_time(run: RunFiles) -> Plot:
 def plot_loss_vs_tokens(run: RunFiles) -> Plot:
     """Training loss per cluster against its tokens; held-out loss against tokens accepted."""
     title = "Loss against tokens"
-    steps = {cid: cluster_steps(run, recs) for cid, recs in sorted(run.clusters.items())}
-    steps = {cid: s for cid, s in steps.items() if s.loss}
-    held = [(k, v) for _, k, v in heldout_points(run) if k is not None]
+    steps, held = _losses(run, by_time=False)
     if not steps and not held:
-        return empty_plot("loss_vs_tokens.png", title,
-                          "no cluster train.jsonl with losses and no held-out evaluation found")
+        return _no_losses("loss_vs_tokens.png", title)
     fig, (left, right) = new_figure(ncols=2, width_in=10.0)
     for cid, s in steps.items():
         left.plot(s.tokens, smooth(s.loss, _window(len(s.loss))), linewidth=1.0, label=cid)
