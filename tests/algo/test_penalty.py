@@ -278,6 +278,32 @@ def test_robust_mu_is_the_lower_median_of_the_clusters_own_means_hand_computed()
     assert robust_mu(PenaltyState()) is None
 
 
+def _owned(*means: float) -> PenaltyState:
+    """A history whose clusters m0, m1, ... own the means ``means`` (equal masses)."""
+    return PenaltyState(10, {f"m{i}": Moments(0.5, 0.5 * m, 0.5 * m * m)
+                             for i, m in enumerate(means)}, [])
+
+
+def test_robust_mu_waits_for_half_of_the_members_and_then_ranks_below_the_hostile_few():
+    """Hand-computed ranks min(⌊(k−1)/2⌋, k − ⌈n/2⌉) of k own means among n members."""
+    # n = 3: one member's mean is nobody's scale (it may be the hostile one); two: the smaller.
+    assert robust_mu(_owned(1e20), members=3, prior=1.0) == 1.0
+    assert robust_mu(_owned(1e20), members=3) is None
+    assert robust_mu(_owned(1e20, 2.0), members=3, prior=1.0) == 2.0
+    assert robust_mu(_owned(1e20, 2.0, 3.0), members=3, prior=1.0) == 3.0   # lower median
+    # n = 5 (at most 2 hostile): 3 means -> rank 0, 4 -> rank 1, 5 -> rank 2.
+    assert robust_mu(_owned(9e9, 8e9, 1.0), members=5, prior=7.0) == 1.0
+    assert robust_mu(_owned(9e9, 8e9, 1.0, 2.0), members=5) == 2.0
+    assert robust_mu(_owned(9e9, 8e9, 1.0, 2.0, 3.0), members=5) == 3.0
+    assert robust_mu(_owned(9e9, 8e9), members=5, prior=7.0) == 7.0
+    # n = 4 (at most 1 hostile): 2 -> rank 0, 3 -> rank 1, 4 -> rank 1 (the lower median).
+    assert robust_mu(_owned(9e9, 1.0), members=4) == 1.0
+    assert robust_mu(_owned(9e9, 1.0, 2.0), members=4) == 2.0
+    assert robust_mu(_owned(9e9, 1.0, 2.0, 3.0), members=4) == 2.0
+    # Members default to those in the history; fewer members than that count as that many.
+    assert robust_mu(_owned(9e9, 1.0, 2.0)) == robust_mu(_owned(9e9, 1.0, 2.0), members=1)
+
+
 @pytest.mark.parametrize("hostile", [["h"], ["h1", "h2"]])
 def test_a_minority_just_under_the_threshold_cannot_lift_the_robust_scale(hostile):
     """The fresh reviews' input (2026-11-30, 2026-12-01): honest clusters with ‖Δ‖² near 1 and

@@ -94,17 +94,41 @@ def test_without_the_bound_the_same_member_takes_the_step():
     assert max(r["step"] for r in rounds) > 100 * OUTER.clip_ratio * OUTER.push_norm_ratio
 
 
-@pytest.mark.xfail(strict=True, reason="issue 13, open: μ_robust is the median over the clusters "
-                                       "that have pushed, so one pushing first and alone sets it")
-def test_a_member_that_pushes_first_and_alone_cannot_set_the_scale():
+@pytest.mark.parametrize("members", [3, 4, 5])
+def test_a_member_that_pushes_first_and_alone_cannot_set_the_scale(members):
     """Review of 2026-12-01 (``/tmp/review16/a_startup.py``): a hostile member of three pushes
-    G = 1e20 alone in the first rounds (the warm-up accepts it); the steps were 4e9."""
+    G = 1e20 alone in the first rounds (the warm-up accepts it); the steps were 4e9. Until
+    half of the run's members have pushed, the seed's clip norm c (``outer.max_norm``) is the
+    scale (:func:`dips.algo.penalty.robust_mu`), so each step stays within
+    clip_ratio × push_norm_ratio × c; once an honest member joins, the scale is its own."""
     follower, state = Vectors(), PenaltyState()
     follower.norms = {"h": 1e20}
+    bound = OUTER.clip_ratio * OUTER.push_norm_ratio * OUTER.max_norm
     for rnd in range(1, 4):
         slot = Slot("h", f"{rnd:016x}", rnd - 1, 100, 0.0, round=rnd, admitted_at=0.0,
                     done=True, ok=True)
-        report = run_update([(0, follower)], rnd, [slot], rnd - 1, state, CFG, OUTER)
+        report = run_update([(0, follower)], rnd, [slot], rnd - 1, state, CFG, OUTER,
+                            members=members)
         state = report.penalty
         step = report.outcome.clip_factor * math.sqrt(report.delta_sq_norm)
-        assert step <= OUTER.clip_ratio * OUTER.push_norm_ratio * 10
+        assert step <= bound * (1 + 1e-9)
+    # Honest members now push ‖Δ‖² = 1 until half of the run has: the hostile history of
+    # 1e20 is then outranked, and steps fall to the honest scale.
+    honest = [f"a{i}" for i in range((members + 1) // 2)]
+    for rnd in range(4, 8):
+        follower.norms = {**{c: 1.0 for c in honest}, "h": 1e20}
+        slots = [Slot(c, f"{rnd:08x}{i:08x}", rnd - 1, 100, 0.0, round=rnd, admitted_at=0.0,
+                      done=True, ok=True) for i, c in enumerate(sorted(follower.norms))]
+        report = run_update([(0, follower)], rnd, slots, rnd - 1, state, CFG, OUTER,
+                            members=members)
+        state = report.penalty
+        step = report.outcome.clip_factor * math.sqrt(report.delta_sq_norm)
+        assert step <= OUTER.clip_ratio * OUTER.push_norm_ratio * 1.0 * (1 + 1e-9)
+    assert robust_mu(state, members) == pytest.approx(1.0)
+    # Without the quorum (members unknown: those in the history) the first push set the scale.
+    lone = Vectors()
+    lone.norms = {"h": 1e20}
+    alone = run_update([(0, lone)], 1, [Slot("h", "0" * 16, 0, 100, 0.0, round=1,
+                                                  admitted_at=0.0, done=True, ok=True)],
+                       0, PenaltyState(), CFG, OUTER)
+    assert robust_mu(alone.penalty) > 1e19

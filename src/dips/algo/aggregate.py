@@ -278,8 +278,9 @@ def robust_scale(sq_norms: dict[str, float], mu: float | None, mu_robust: float 
 
     With the sweeps' honest clusters ‖Δ_j‖² stays within ratio² of the median scale and neither
     bound binds (the figures of CONVERGENCE.md are bit-identical); a cluster at 5× the median
-    scale is scaled down. Known gaps (RELIABILITY.md): the median covers only clusters that
-    have pushed, and the clip cap lets a step reach ratio × an honest one. ``ratio`` None:
+    scale is scaled down. Until half of the run's members have pushed, ``mu_robust`` is the
+    caller's absolute prior (the seed's clip norm squared; :func:`robust_mu`). Known gap
+    (RELIABILITY.md): the clip cap lets a step reach ratio × an honest one. ``ratio`` None:
     s_j = 1, μ unchanged.
 
     Returns:

@@ -349,13 +349,35 @@ def decide(
     return verdict, PenaltyState(n, sources, recent)
 
 
-def robust_mu(state: PenaltyState) -> float | None:
-    """A scale of ‖Δ_j‖² (units of Δ²) that a minority of members cannot move: the lower median
-    over the clusters in the history of each one's own EMA mean μ_j = a_j / w_j. Fewer than
-    half the clusters cannot lift it above an honest cluster's μ_j, whatever they push (with
-    two clusters it is the smaller μ_j). None before the first G; the pooled μ when no
-    cluster owns any history (a pre-issue-13 checkpoint, the §11 example)."""
+def robust_mu(state: PenaltyState, members: int = 0,
+              prior: float | None = None) -> float | None:
+    """A scale of ‖Δ_j‖² (units of Δ²) that a minority of members cannot move, from each
+    cluster's own EMA mean μ_j = a_j / w_j in the history (issue 13).
+
+    With n = max(``members``, clusters in the history) the run's members and k ≤ n of them
+    with a history, at most F = ⌈n/2⌉ − 1 of them hostile (fewer than half): while k < ⌈n/2⌉
+    the hostile ones may be all that pushed so far, and nothing a member pushed can be
+    believed, so the result is ``prior`` (the caller's absolute scale: the seed's clip norm c
+    squared, §8). From k ≥ ⌈n/2⌉ on it is the μ_j of rank min(⌊(k−1)/2⌋, k − ⌈n/2⌉)
+    (ascending, from 0): the lower median once every member has pushed, and below it while
+    some have not, so that F members at the top can never hold it (review of 2026-12-01: a
+    hostile member of three that pushed first and alone set the scale, and the steps were
+    4e9). With two members it is the smaller μ_j once both pushed, the first one's before.
+
+    Args:
+        state: the §8 history (:func:`decide`'s output).
+        members: clusters of the run (the leader: its configured clusters or the members now
+            joined, whichever is more); 0: those in the history.
+        prior: the scale before enough members pushed (None: no bound).
+
+    Returns None before the first G; the pooled μ when no cluster owns any history (a
+    pre-issue-13 checkpoint, the §11 example).
+    """
     means = sorted(m.a / m.w for cid, m in state.sources.items() if cid != SHARED and m.w > 0)
     if not means:
         return state.mu
-    return means[(len(means) - 1) // 2]
+    k = len(means)
+    quorum = (max(members, k) + 1) // 2
+    if k < quorum:
+        return prior
+    return means[min((k - 1) // 2, k - quorum)]

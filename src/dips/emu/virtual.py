@@ -195,7 +195,7 @@ def run_dips(scenario: Scenario, out_dir: Path, method: str = "di-ps") -> Method
 
     def update(start: StartUpdate, t: float) -> None:
         report = run_update(ps.followers, start.number, start.slots, ps.version, ps.penalty,
-                            pcfg, outer)
+                            pcfg, outer, members=len(by_id))
         ps.version, ps.penalty = report.outcome.version, report.penalty
         accepted = report.outcome.accepted
         counts["pushed"] += len(start.slots)

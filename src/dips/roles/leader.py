@@ -289,10 +289,11 @@ class Leader(Membership, Records, Pushes):
         followers = [(f.index, f.control) for f in self.follower_list()]
         with self._cond:
             version, penalty = self.version, self.penalty
+            members = max(self.cfg.configured_clusters, len(self.clusters))
         report = run_update(followers, update.number, update.slots, version, penalty,
                             self.cfg.penalty, self.cfg.outer,
                             on_decided=lambda r: self._decide(update.number, r),
-                            weight_cap=self.cfg.max_push_tokens)
+                            weight_cap=self.cfg.max_push_tokens, members=members)
         with self._cond:
             if report.failed:
                 self.needs_reconcile = True

@@ -111,7 +111,7 @@ class UpdateReport:
 def run_update(followers: Sequence[tuple[int, FollowerControl]], number: int,
                slots: Sequence[Slot], version: int, penalty: PenaltyState, penalty_cfg: Any,
                outer: Any, on_decided: Callable[[UpdateReport], None] | None = None,
-               weight_cap: int | None = None) -> UpdateReport:
+               weight_cap: int | None = None, members: int = 0) -> UpdateReport:
     """Score, decide, aggregate, clip and apply round ``number`` on every follower.
 
     Args:
@@ -124,6 +124,9 @@ def run_update(followers: Sequence[tuple[int, FollowerControl]], number: int,
             weights instead of T_j, an ablation).
         weight_cap: the most tokens one push weighs in the mean (``cap`` of
             :func:`dips.algo.token_weights`; None: T_j as it is).
+        members: the run's clusters, for the robust scale's quorum
+            (:func:`dips.algo.penalty.robust_mu`; 0: those in the history). Until half of
+            them have pushed, ``outer.max_norm`` (the seed's clip norm c) is the scale.
         on_decided: called with the report (its ``outcome`` the decided step, ``penalty`` the
             new history, ``checksums`` those of the prepared shards) once every follower
             prepared the step and before any commit: the leader records it durably there.
@@ -182,8 +185,10 @@ def run_update(followers: Sequence[tuple[int, FollowerControl]], number: int,
                                 uniform=outer.uniform_weights, cap=weight_cap)
         # Issue 13: no push enters the mean larger than the clusters' median scale allows, and
         # the clip's μ cannot be dragged up by a minority (dips.algo.aggregate.robust_scale).
+        prior = None if outer.max_norm is None else outer.max_norm ** 2
         scales, clip_mu = robust_scale({c: scored[c] for c in accepted}, new_penalty.mu,
-                                       robust_mu(new_penalty), outer.push_norm_ratio)
+                                       robust_mu(new_penalty, members, prior),
+                                       outer.push_norm_ratio)
         w = [weights[c] * scales[c] for c in accepted]
         report.push_scales = {c: s for c, s in scales.items() if s < 1.0}
         sq_norm = sum(control.aggregate(number, accepted, w) for _, control in followers)

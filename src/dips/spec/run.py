@@ -149,6 +149,10 @@ class LeaderConfig(Strict):
         None, gt=0, allow_inf_nan=False,
         description="seconds without an accepted advance after which a member's chunks go to "
                     "a member that asks once none is free (data.lease_timeout_s); None: never")
+    configured_clusters: int = Field(
+        0, ge=0, description="the run's clusters (``clusters:``, those `dips init` issued "
+                             "certificates for): the robust scale of issue 13 waits until "
+                             "half of them, or of the members joined if more, have pushed")
 
     @classmethod
     def from_run(cls, cfg: RunConfig) -> "LeaderConfig":
@@ -159,7 +163,8 @@ class LeaderConfig(Strict):
                    token_budget=cfg.token_budget, max_outer_steps=cfg.max_outer_steps,
                    max_time_s=cfg.max_time_s,
                    max_push_tokens=PUSH_TOKENS_SLACK * inner.H * inner.batch_size * inner.seq_len,
-                   lease_ahead=cfg.data.lease_ahead, lease_timeout_s=cfg.data.lease_timeout_s)
+                   lease_ahead=cfg.data.lease_ahead, lease_timeout_s=cfg.data.lease_timeout_s,
+                   configured_clusters=len(cfg.clusters))
 
 
 class RunSpec(Strict):
