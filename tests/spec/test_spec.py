@@ -171,7 +171,8 @@ def test_leader_config_composes_the_run_config_and_one_grace_default() -> None:
                                               "timeouts", "followers", "token_budget",
                                               "max_outer_steps", "max_time_s",
                                               "max_push_tokens", "lease_ahead",
-                                              "lease_timeout_s"}
+                                              "lease_timeout_s", "configured_clusters"}
+    assert lead.configured_clusters == len(cfg.clusters)  # the robust scale's quorum (issue 13)
 
 
 def test_every_field_has_a_description() -> None:

@@ -27,7 +27,7 @@ from dips.emu.vclock import step_duration
 from dips.spec import ClusterConfig, Scenario
 from dips.train.corpus import load_tokens
 from dips.train.loop import eval_loss
-from dips.train.model import build_model, layer_table, param_count
+from dips.train.model import build_model, check_built, param_count
 from dips.train.sampler import BatchSampler
 from dips.train.trainer import ClusterTrainer, build_trainer
 from dips.wire.frames import DTYPES
@@ -138,7 +138,8 @@ class World:
             self.clusters.append(VCluster(spec, trainer))
         self.eval_model = build_model(s.model, s.seed)
         self.names = [n for n, _ in self.eval_model.named_parameters()]
-        self.table = layer_table(self.eval_model)
+        self.table = check_built(self.eval_model, s.inner.seq_len, s.followers,
+                                 s.model.layer_pattern)
         self.params = param_count(self.eval_model)
         self.transfer_bytes = s.transfer_bytes(self.params)
         #: bytes of one transfer in the run's wire dtype (transfer_bytes is the BF16 size, §12)

@@ -38,7 +38,7 @@ def run_cluster(leader_addr: str, cluster_id: str, state: Path, creds: Credentia
     from dips.roles.client import ClusterClient
     from dips.spec import ClusterConfig
     from dips.train.corpus import load_tokenizer
-    from dips.train.model import fingerprint_of
+    from dips.train.model import fingerprint_of, layer_namer
     from dips.train.trainer import build_trainer
 
     if creds.identity != Identity.cluster(cluster_id):
@@ -64,6 +64,7 @@ def run_cluster(leader_addr: str, cluster_id: str, state: Path, creds: Credentia
         bucket = ScheduledBucket(me)
     client = ClusterClient(trainer.model, leader_addr, cluster_id, creds, H=cfg.inner.H,
                            stages=me.stages, timeout_s=cfg.timeouts.push_s,
+                           layer_of=layer_namer(trainer.model, cfg.model.layer_pattern),
                            admit_timeout_s=cfg.timeouts.admit_s,
                            heartbeat_interval_s=cfg.membership.heartbeat_interval_s,
                            data=trainer.batches,

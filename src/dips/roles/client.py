@@ -52,7 +52,6 @@ from dips.roles.client_sync import (
 )
 from dips.roles.cluster import StageWorker, SyncResult
 from dips.roles.layers import group_layers
-from dips.roles.layers import layer_of as default_layer_of
 from dips.wire.control import refusal_of
 from dips.wire.keys import MemberKey
 from dips.wire.pb import control_pb2 as pb
@@ -87,7 +86,8 @@ class ClusterClient(SyncMixin):
             bundle, whose certificate must name ``cluster_id``, or insecure).
         H: inner steps between two pushes (§3; default 64).
         stages: number of stage workers S pushing/pulling in parallel (threads here).
-        layer_of: parameter name -> layer key (default :func:`dips.roles.layers.layer_of`).
+        layer_of: parameter name -> layer key (default :func:`dips.roles.layers.layer_namer`
+            of ``model``: its decoder blocks found in the module tree).
         timeout_s: deadline of transfers and of waiting for a verdict (seconds).
         admit_timeout_s: deadline of a push request's admission into a window (seconds).
         heartbeat_interval_s: progress reports to the leader (None: the leader's value).
@@ -116,7 +116,6 @@ class ClusterClient(SyncMixin):
                  wire_dtype: str = "bf16") -> None:
         if H < 1:
             raise ValueError(f"H = {H} must be >= 1")
-        layer_of = layer_of or default_layer_of
         self.model = model
         self.cluster_id = cluster_id
         self.H = H

@@ -18,7 +18,6 @@ import torch
 
 from dips.roles import failpoints
 from dips.roles.layers import group_layers
-from dips.roles.layers import layer_of as default_layer_of
 from dips.wire.dataplane import DataClient
 from dips.wire.keys import MemberKey
 from dips.wire.pb import control_pb2 as pb
@@ -259,7 +258,6 @@ def fetch_global_model(model: torch.nn.Module, followers: list[pb.FollowerInfo],
     fp32``, else the followers refuse it FORBIDDEN). Every tensor is fetched and checked before
     any parameter is written. Raises RuntimeError/ValueError/TimeoutError on failure.
     """
-    layer_of = layer_of or default_layer_of
     layers = dict(group_layers(model, layer_of))
     owner = {l: f.index for f in followers for l in f.layers}
     if set(owner) != set(layers):

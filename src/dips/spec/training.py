@@ -16,8 +16,9 @@ sequence length); the shipped YAML files set those.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import ConfigDict, Field, model_validator
 
@@ -37,9 +38,20 @@ class ModelConfig(Strict):
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
-    arch: Literal["llama", "qwen3"] = Field(
+    arch: Literal["llama", "qwen3", "hf"] = Field(
         "llama", description="llama: HF LlamaForCausalLM; qwen3: Qwen3ForCausalLM (adds per-head "
-                             "q/k RMSNorm)")
+                             "q/k RMSNorm), both from the sizes below; hf: any "
+                             "AutoModelForCausalLM from hf_config (issue 14)")
+    hf_config: dict[str, Any] | None = Field(
+        None, description="arch hf: the transformers config as a mapping with its "
+                          "'model_type' (e.g. {model_type: gpt2, n_embd: 64, n_layer: 2, "
+                          "n_head: 4, n_positions: 256}); vocab_size below overrides its "
+                          "vocabulary; the sizes below are not used")
+    layer_pattern: str | None = Field(
+        None, description="a regex whose group 1 is the decoder block's index, matched at "
+                          "the start of parameter names (e.g. '^transformer\\.h\\.(\\d+)\\.'), "
+                          "for a model whose blocks are not one ModuleList; None: found in the "
+                          "module tree (dips.roles.layers.layer_namer)")
     hidden_size: int = Field(128, gt=0, description="model width (features)")
     intermediate_size: int = Field(344, gt=0, description="SwiGLU MLP width (features)")
     num_layers: int = Field(4, gt=0, description="decoder layers")
@@ -55,6 +67,22 @@ class ModelConfig(Strict):
 
     @model_validator(mode="after")
     def _check_heads(self) -> "ModelConfig":
+        if self.arch == "hf":
+            kind = (self.hf_config or {}).get("model_type")
+            if not isinstance(kind, str) or not kind:
+                raise ValueError(f"model.hf_config must name its model_type (arch hf), got "
+                                 f"{self.hf_config!r}")
+        elif self.hf_config is not None:
+            raise ValueError(f"model.hf_config is for arch hf, not arch {self.arch!r}")
+        if self.layer_pattern is not None:
+            try:
+                groups = re.compile(self.layer_pattern).groups
+            except re.error as exc:
+                raise ValueError(f"model.layer_pattern {self.layer_pattern!r} does not compile: "
+                                 f"{exc}") from None
+            if groups < 1:
+                raise ValueError(f"model.layer_pattern {self.layer_pattern!r} has no group for "
+                                 "the block index")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}"
@@ -181,10 +209,13 @@ class PenaltyConfig(Strict):
 def check_training(model: ModelConfig, data: DataConfig, inner: InnerConfig, followers: int) -> None:
     """The cross-field rules every run and scenario shares. Raises ValueError naming the fields:
     the model's vocabulary must be the tokenizer's, a training sequence must fit the model's
-    context, and the model must have at least one layer per follower to shard (§5)."""
+    context, and the model must have at least one layer per follower to shard (§5) (for
+    ``arch: hf`` the last two are checked on the built model: :func:`dips.train.model.check_built`)."""
     if model.vocab_size != data.vocab_size:
         raise ValueError(f"model.vocab_size = {model.vocab_size} differs from "
                          f"data.vocab_size = {data.vocab_size}")
+    if model.arch == "hf":
+        return  # sizes live in hf_config: dips.train.model.check_built checks the built model
     if inner.seq_len > model.max_seq_len:
         raise ValueError(f"inner.seq_len = {inner.seq_len} exceeds model.max_seq_len = "
                          f"{model.max_seq_len}")

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import torch
 
-from dips.roles.layers import layer_of, layer_table
+from dips.roles.layers import layer_namer, layer_of, layer_table
 from dips.spec import ModelConfig
 from dips.spec.fingerprint import Fingerprint
 
-__all__ = ["build_model", "fingerprint_of", "layer_of", "layer_table", "param_count"]
+__all__ = ["build_model", "check_built", "fingerprint_of", "layer_namer", "layer_of", "layer_table",
+           "param_count"]
 
 def _hf_config(cfg: ModelConfig):
     """The ``transformers`` config (``LlamaConfig`` / ``Qwen3Config``) for ``cfg``; FP32, SDPA."""
@@ -50,7 +51,9 @@ def _hf_config(cfg: ModelConfig):
 
 
 def build_model(cfg: ModelConfig, seed: int):
-    """Build a freshly initialised FP32 ``LlamaForCausalLM`` / ``Qwen3ForCausalLM`` from ``cfg``.
+    """Build a freshly initialised FP32 ``LlamaForCausalLM`` / ``Qwen3ForCausalLM`` from ``cfg``,
+    or with ``arch: hf`` any ``AutoModelForCausalLM`` of ``cfg.hf_config`` (issue 14: GPT-2,
+    GPT-NeoX, ...; its vocabulary set to ``cfg.vocab_size``).
 
     Initialisation is the library's own (normal std 0.02 for matrices, ones for RMSNorm) under
     ``torch.manual_seed(seed)`` inside ``torch.random.fork_rng``, so every process gets
@@ -66,22 +69,57 @@ def build_model(cfg: ModelConfig, seed: int):
         ``transformers.PreTrainedModel``; ``param_count`` ≈ 1.25 M for the defaults.
 
     Raises:
-        ValueError: ``cfg`` invalid (pydantic.ValidationError) or ``seed`` not a non-negative int.
+        ValueError: ``cfg`` invalid (pydantic.ValidationError), an ``hf_config`` transformers
+            refuses, or ``seed`` not a non-negative int.
     """
     if not isinstance(cfg, ModelConfig):
         cfg = ModelConfig.model_validate(cfg)
     if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**63:
         raise ValueError(f"seed must be an int in [0, 2**63), got {seed!r}")
-    from transformers import LlamaForCausalLM, Qwen3ForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, LlamaForCausalLM, Qwen3ForCausalLM
 
-    hf_cfg = _hf_config(cfg)
-    cls = LlamaForCausalLM if cfg.arch == "llama" else Qwen3ForCausalLM
+    if cfg.arch == "hf":
+        options = dict(cfg.hf_config or {})
+        kind = options.pop("model_type")
+        try:
+            hf_cfg = AutoConfig.for_model(kind, **options)
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"model.hf_config (model_type {kind!r}): {exc}") from None
+        hf_cfg.vocab_size = cfg.vocab_size  # the run's tokenizer decides the vocabulary
+        hf_cfg.use_cache = False
+        build = lambda: AutoModelForCausalLM.from_config(  # noqa: E731
+            hf_cfg, dtype=torch.float32, attn_implementation="sdpa")
+    else:
+        cls = LlamaForCausalLM if cfg.arch == "llama" else Qwen3ForCausalLM
+        hf_cfg = _hf_config(cfg)
+        build = lambda: cls(hf_cfg)  # noqa: E731
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = cls(hf_cfg)
+        model = build()
     model = model.to(dtype=torch.float32)
     model.train()
     return model
+
+
+def check_built(model: torch.nn.Module, seq_len: int, followers: int,
+                pattern: str | None = None) -> list[tuple[str, list[str], int]]:
+    """The layer table of a built ``model`` (:func:`layer_table` under ``pattern``), after the
+    checks :func:`dips.spec.training.check_training` cannot make without building it (an
+    ``arch: hf`` model): a training sequence of ``seq_len`` tokens fits its context
+    (``max_position_embeddings`` where the config has one) and it has at least ``followers``
+    layers to shard (§5).
+
+    Raises:
+        ValueError: naming the field and both values, or from :func:`layer_namer`.
+    """
+    context = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if isinstance(context, int) and seq_len > context:
+        raise ValueError(f"inner.seq_len = {seq_len} exceeds the model's context "
+                         f"(max_position_embeddings = {context})")
+    table = layer_table(model, layer_namer(model, pattern))
+    if followers > len(table):
+        raise ValueError(f"followers = {followers} exceeds the {len(table)} layers to shard")
+    return table
 
 
 def param_count(model: torch.nn.Module) -> int:

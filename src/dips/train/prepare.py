@@ -26,14 +26,14 @@ def prepare(cfg: RunConfig, out: Path, cache_dir: Path | None = None) -> RunSpec
 
     from dips.train.corpus import load_tokenizer, load_tokens
     from dips.train.loop import eval_loss
-    from dips.train.model import build_model, fingerprint_of, layer_table
+    from dips.train.model import build_model, check_built, fingerprint_of
     from dips.train.sampler import make_chunks
 
     cache = (cache_dir or cfg.data.cache_dir).resolve()
     tok = load_tokenizer(cache, cfg.data.vocab_size)
     data = load_tokens(cache, cfg.data.vocab_size, cfg.data.val_fraction, cfg.data.max_train_tokens)
     model = build_model(cfg.model, cfg.seed)
-    table = layer_table(model)
+    table = check_built(model, cfg.inner.seq_len, cfg.followers, cfg.model.layer_pattern)
     parts = partition_contiguous([nbytes for _, _, nbytes in table], cfg.followers)
     (out / "init").mkdir(parents=True, exist_ok=True)
     save_file({n: p.detach().contiguous() for n, p in model.named_parameters()},
