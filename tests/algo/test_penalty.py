@@ -266,7 +266,7 @@ def test_partition_of_clusters_and_sorted_output(norms, n_seen):
 
 
 
-def test_robust_mu_is_the_lower_median_of_the_clusters_own_means_hand_computed():
+def test_robust_mu_is_the_median_of_the_clusters_own_means_hand_computed():
     # Own means: a 1, b 3, c 2 (unattributed history does not vote).
     state = PenaltyState(10, {"a": Moments(0.25, 0.25, 0.25), "b": Moments(0.25, 0.75, 2.25),
                               "c": Moments(0.25, 0.5, 1.0), "": Moments(0.25, 25.0, 2500.0)},
@@ -285,7 +285,12 @@ def _owned(*means: float) -> PenaltyState:
 
 
 def test_robust_mu_waits_for_half_of_the_members_and_then_ranks_below_the_hostile_few():
-    """Hand-computed ranks min(⌊(k−1)/2⌋, k − ⌈n/2⌉) of k own means among n members."""
+    """Hand-computed ranks k − q of k own means among n members, q = max(⌈n/2⌉, min(2, n))."""
+    # n = 1: the only member's own history; n = 2 (review 17, A: one member of two set the
+    # scale and the steps were 5e9): both must have pushed, then the smaller mean.
+    assert robust_mu(_owned(5.0), members=1, prior=1.0) == 5.0
+    assert robust_mu(_owned(1e20), members=2, prior=1.0) == 1.0
+    assert robust_mu(_owned(1e20, 2.0), members=2, prior=1.0) == 2.0
     # n = 3: one member's mean is nobody's scale (it may be the hostile one); two: the smaller.
     assert robust_mu(_owned(1e20), members=3, prior=1.0) == 1.0
     assert robust_mu(_owned(1e20), members=3) is None
@@ -296,10 +301,12 @@ def test_robust_mu_waits_for_half_of_the_members_and_then_ranks_below_the_hostil
     assert robust_mu(_owned(9e9, 8e9, 1.0, 2.0), members=5) == 2.0
     assert robust_mu(_owned(9e9, 8e9, 1.0, 2.0, 3.0), members=5) == 3.0
     assert robust_mu(_owned(9e9, 8e9), members=5, prior=7.0) == 7.0
-    # n = 4 (at most 1 hostile): 2 -> rank 0, 3 -> rank 1, 4 -> rank 1 (the lower median).
+    # n = 4 (at most 1 hostile): 2 -> rank 0, 3 -> rank 1, 4 -> rank 2 (the upper median: one
+    # member pushing near zero cannot shrink it either).
     assert robust_mu(_owned(9e9, 1.0), members=4) == 1.0
     assert robust_mu(_owned(9e9, 1.0, 2.0), members=4) == 2.0
-    assert robust_mu(_owned(9e9, 1.0, 2.0, 3.0), members=4) == 2.0
+    assert robust_mu(_owned(9e9, 1.0, 2.0, 3.0), members=4) == 3.0
+    assert robust_mu(_owned(1e-9, 1.0, 2.0, 3.0), members=4) == 2.0
     # Members default to those in the history; fewer members than that count as that many.
     assert robust_mu(_owned(9e9, 1.0, 2.0)) == robust_mu(_owned(9e9, 1.0, 2.0), members=1)
 

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from dips.algo import grace as grace_rules
 from dips.algo.refusal import Refusal, Refused
-from dips.algo.round import (Admitted, Decided, MemberGone, Phase, PullDone, PushReported,
+from dips.algo.round import (MAX_OWED, Admitted, Decided, MemberGone, Phase, PullDone, PushReported,
                              PushRequested, PushWithdrawn, ReadyChanged, RoundOpened,
                              RoundPolicy, RoundState, RunFinished, Tick, UpdateFinished,
                              UpdateOutcome, WindowClosed, hopeless, next_deadline, slot_of, step)
@@ -444,18 +444,44 @@ def test_a_push_reported_delivered_but_incomplete_keeps_its_member_sent_ahead():
                    for a in out)
     verdicts = [v for a in out if isinstance(a, Decided) for v in a.verdicts]
     assert [(v.cluster_id, v.accepted) for v in verdicts] == [("h", False)] * 6
-    assert "h" in s.send_ahead
-    # Pushes delivered complete end it and bring the estimate down (measured from when each
-    # was sent ahead); once it is fast again, its push is admitted into a round.
-    for k, now in enumerate((100.0, 110.0)):
+    # 7 incomplete pushes (the stall and 6 empty reports): it owes 2**6 = 64 complete ones.
+    assert s.stalls["h"] == 7 and s.send_ahead["h"] == MAX_OWED == 64
+    # Pushes delivered complete pay it off and bring the estimate down (measured from when
+    # each was sent ahead); once paid and fast again, its push is admitted into a round.
+    now = 100.0
+    for k in range(64):
         s, acts = run([PushRequested(now, "h", f"hc{k}", 0, 5),
                        PushReported(now + 0.3, "h", f"hc{k}", True), Tick(now + 1.3),
                        UpdateFinished(now + 1.4, 10 + k, UpdateOutcome(4 + k, ("h",)))], pol, s)
-        assert type(acts[0]).__name__ == "Staged" and "h" not in s.send_ahead
+        assert type(acts[0]).__name__ == "Staged"
+        assert ("h" in s.send_ahead) == (k < 63) and s.send_ahead.get("h", 0) == 63 - k
         assert [v.accepted for a in acts if isinstance(a, Decided) for v in a.verdicts] == [True]
-    assert s.push_s["h"] == pytest.approx(0.5 * 0.3 + 0.5 * (0.5 * 0.3 + 0.5 * held))
-    s, acts = run([PushRequested(120.0, "h", "hn", 5, 5)], pol, s)
+        now += 10.0
+    assert s.push_s["h"] == pytest.approx(0.3)
+    s, acts = run([PushRequested(now, "h", "hn", 5, 5)], pol, s)
     assert "h" not in s.staging and s.current.slots["h"].push_id == "hn"
+
+
+def test_a_member_that_stalls_each_round_it_is_admitted_to_owes_twice_as_much_each_time():
+    """Review 17, C: a member sent its pushes ahead complete at once, was measured fast again,
+    and stalled the next round it was admitted to (it sent nothing), round after round: honest
+    throughput 0.61×. What it owes doubles with each stall, so in 100 of its pushes it holds
+    7 rounds (after 1, 2, 4, ... complete pushes), not one in every two or three."""
+    pol = policy(window_s=1.0)
+    s, now, held = RoundState(), 0.0, 0
+    for k in range(100):
+        s, acts = run([PushRequested(now, "h", f"h{k}", 0, 5, expected_s=0.1)], pol, s)
+        if "h" in s.staging:  # sent ahead: it delivers at once, complete
+            s, _ = run([PushReported(now + 0.1, "h", f"h{k}", True), Tick(now + 1.1)], pol, s)
+            s, _ = run([UpdateFinished(now + 1.2, s.rounds, UpdateOutcome(k, ("h",)))], pol, s)
+        else:  # admitted into a round: it holds it to the push deadline and fails
+            held += 1
+            s, _ = run([Tick(now + 1.0)], pol, s)
+            s, _ = run([Tick(s.current.push_deadline)], pol, s)
+            s, _ = run([UpdateFinished(s.current.push_deadline + 0.1, s.rounds,
+                                       UpdateOutcome(k))], pol, s)
+        now += 100.0
+    assert held == 7 and s.stalls["h"] == 7
 
 
 def test_a_failed_or_abandoned_push_counts_like_a_timeout_but_not_one_its_round_failed():
@@ -466,7 +492,7 @@ def test_a_failed_or_abandoned_push_counts_like_a_timeout_but_not_one_its_round_
     base, _ = run([req(0.0, "a"), Tick(1.0)], pol)
     base, _ = run([PushReported(1.5, "a", base.current.slots["a"].push_id, True),
                    UpdateFinished(1.6, 1, UpdateOutcome(1, ("a",)))], pol, base)
-    assert base.push_s == {"a": 1.5} and base.send_ahead == frozenset()
+    assert base.push_s == {"a": 1.5} and base.send_ahead == {}
     opened, _ = run([req(10.0, "a"), Tick(11.0)], pol, base)
     pid = opened.current.slots["a"].push_id
     # reported failed at once, left mid-push, or reported delivered but refused by a follower
@@ -476,7 +502,7 @@ def test_a_failed_or_abandoned_push_counts_like_a_timeout_but_not_one_its_round_
             ([PushReported(11.1, "a", pid, True)],
              UpdateOutcome(1, invalid={"a": "follower 0: layers missing"}))):
         s, _ = run([*events, UpdateFinished(11.2, 2, outcome)], pol, opened)
-        assert s.send_ahead == {"a"} and s.push_s == {"a": 1.5}, events
+        assert s.send_ahead == {"a": 1} and s.push_s == {"a": 1.5}, events
         s, acts = run([req(20.0, "a")], pol, s)
         assert kinds(acts) == ["Staged"]  # alone, so not for its estimate
     # not the member's doing: nothing changes
@@ -484,7 +510,7 @@ def test_a_failed_or_abandoned_push_counts_like_a_timeout_but_not_one_its_round_
             ([ReadyChanged(11.1, False, "follower 0 down")], UpdateOutcome(1)),
             ([PushReported(11.1, "a", pid, True)], UpdateOutcome(1, error="round failed: x"))):
         s, _ = run([*events, UpdateFinished(11.2, 2, outcome)], pol, opened)
-        assert s.send_ahead == frozenset() and s.push_s == {"a": 1.5}, events
+        assert s.send_ahead == {} and s.push_s == {"a": 1.5}, events
     # a complete push moves the estimate either way
     for at, took in ((13.0, 3.0), (11.2, 1.2)):
         s, _ = run([PushReported(at, "a", pid, True),

@@ -603,7 +603,7 @@ def test_a_member_reporting_empty_pushes_ahead_never_stalls_a_round_again(tmp_pa
     with as delivered at once with no data; two such reports made it look fast and it was
     admitted into a round again, to stall it again. Only a push the followers found complete
     counts as fast now: the member stays sent ahead, across a leader restart, until it
-    delivers one."""
+    has delivered as many as it owes."""
     clock = ManualClock()
     leader, fake = make_leader(tmp_path, ledger=False, clock=clock)
     complete: set[str] = set()  # push ids of evil's that reached the follower whole
@@ -633,21 +633,22 @@ def test_a_member_reporting_empty_pushes_ahead_never_stalls_a_round_again(tmp_pa
             g = leader.request_push("good", leader.version, 1, 5.0)
             assert g.round and leader.push_done("good", g.push_id, True, "", 30.0).verdict.accepted
             wait_for(lambda: leader.phase == "idle", "good's round ended")
-        assert "evil" in leader._state.send_ahead and leader._state.push_s["evil"] == 3.0
+        # 5 incomplete pushes: it owes 2**4 complete ones (review 17, C: owed doubles).
+        assert leader._state.send_ahead == {"evil": 16} and leader._state.push_s["evil"] == 3.0
         leader.checkpoint()
     finally:
         leader.stop()
     again, fake = make_leader(tmp_path, ledger=False, clock=clock)
     fake.score = score
     try:
-        assert "evil" in again._state.send_ahead
+        assert again._state.send_ahead == {"evil": 16} and again._state.stalls == {"evil": 5}
         member(again, "evil")
         ahead = again.request_push("evil", again.version, 1, 5.0, expected_s=0.0)
         assert ahead.stage_first
         complete.add(ahead.push_id)
         clock.advance(0.5)
         assert again.push_done("evil", ahead.push_id, True, "", 30.0).verdict.accepted
-        assert "evil" not in again._state.send_ahead
+        assert again._state.send_ahead == {"evil": 15}  # one paid off
         assert again._state.push_s["evil"] == pytest.approx(0.5 * 0.5 + 0.5 * 3.0)
     finally:
         again.stop()

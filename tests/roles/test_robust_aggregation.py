@@ -94,7 +94,7 @@ def test_without_the_bound_the_same_member_takes_the_step():
     assert max(r["step"] for r in rounds) > 100 * OUTER.clip_ratio * OUTER.push_norm_ratio
 
 
-@pytest.mark.parametrize("members", [3, 4, 5])
+@pytest.mark.parametrize("members", [2, 3, 4, 5])
 def test_a_member_that_pushes_first_and_alone_cannot_set_the_scale(members):
     """Review of 2026-12-01 (``/tmp/review16/a_startup.py``): a hostile member of three pushes
     G = 1e20 alone in the first rounds (the warm-up accepts it); the steps were 4e9. Until

@@ -351,18 +351,22 @@ def decide(
 
 def robust_mu(state: PenaltyState, members: int = 0,
               prior: float | None = None) -> float | None:
-    """A scale of ‖Δ_j‖² (units of Δ²) that a minority of members cannot move, from each
+    """A scale of ‖Δ_j‖² (units of Δ²) that a minority of members cannot lift, from each
     cluster's own EMA mean μ_j = a_j / w_j in the history (issue 13).
 
     With n = max(``members``, clusters in the history) the run's members and k ≤ n of them
-    with a history, at most F = ⌈n/2⌉ − 1 of them hostile (fewer than half): while k < ⌈n/2⌉
-    the hostile ones may be all that pushed so far, and nothing a member pushed can be
-    believed, so the result is ``prior`` (the caller's absolute scale: the seed's clip norm c
-    squared, §8). From k ≥ ⌈n/2⌉ on it is the μ_j of rank min(⌊(k−1)/2⌋, k − ⌈n/2⌉)
-    (ascending, from 0): the lower median once every member has pushed, and below it while
-    some have not, so that F members at the top can never hold it (review of 2026-12-01: a
-    hostile member of three that pushed first and alone set the scale, and the steps were
-    4e9). With two members it is the smaller μ_j once both pushed, the first one's before.
+    with a history, at most F = ⌈n/2⌉ − 1 of them hostile (fewer than half): while k is below
+    the quorum q = max(⌈n/2⌉, min(2, n)) the hostile ones may be all that pushed so far, and
+    nothing a member pushed can be believed, so the result is ``prior`` (the caller's absolute
+    scale: the seed's clip norm c squared, §8). From k ≥ q on it is the μ_j of rank k − q
+    (ascending, from 0): the highest rank that the F largest means cannot reach, so that
+    hostile members can never lift it, and as far as that allows from the smallest, so that
+    near-zero pushes of a few cannot shrink it (with every member in the history: the median,
+    the upper one for even n). Review of 2026-12-01: a hostile member of three that pushed
+    first and alone set the scale, and the steps were 4e9; in a two-cluster run one member's
+    history alone was the scale (steps of 5e9), so two members must have pushed (unless the
+    run has one). Two-sided safety needs k ≥ 2F + 1: with fewer in the history (a member
+    down), F members pushing near zero can shrink the scale (a stall, never a larger step).
 
     Args:
         state: the §8 history (:func:`decide`'s output).
@@ -377,7 +381,8 @@ def robust_mu(state: PenaltyState, members: int = 0,
     if not means:
         return state.mu
     k = len(means)
-    quorum = (max(members, k) + 1) // 2
+    n = max(members, k)
+    quorum = max((n + 1) // 2, min(2, n))
     if k < quorum:
         return prior
-    return means[min((k - 1) // 2, k - quorum)]
+    return means[k - quorum]

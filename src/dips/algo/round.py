@@ -43,11 +43,18 @@ from dips.algo.round_types import (
     RunFinished, Event, RoundOpened, Admitted, Staged, WindowClosed, StartUpdate, Decided, RoundEnded, Action)
 
 __all__ = [
-    "step", "next_deadline", "slot_of", "push_deadline", "verdicts_of", "hopeless", "Phase", "RoundPolicy", "Slot", "Round", "Verdict",
+    "step", "next_deadline", "slot_of", "push_deadline", "verdicts_of", "hopeless", "MAX_OWED",
+    "Phase", "RoundPolicy", "Slot", "Round", "Verdict",
     "UpdateOutcome", "RoundState", "PushRequested", "PushWithdrawn", "PushReported",
     "UpdateFinished", "PullDone", "MemberGone", "ReadyChanged", "Tick", "RunFinished", "Event",
     "RoundOpened", "Admitted", "Staged", "WindowClosed", "StartUpdate", "Decided", "RoundEnded",
     "Action"]
+
+
+#: The most complete pushes a member owes before its pushes join rounds again (:func:`_scored`):
+#: after 7 incomplete ones, a member that stalls every round it is admitted to holds one round
+#: in 64 of its pushes; an honest member with a flaky link only has its pushes sent ahead.
+MAX_OWED = 64
 
 
 # ----- queries ---------------------------------------------------------------------------
@@ -151,16 +158,20 @@ def _scored(state: RoundState, rnd: Round, outcome: UpdateOutcome,
 
     A push counts as fast only once it is known to have been delivered complete: reported
     delivered and scored (not in ``outcome.invalid``). Its measured time (admission to report)
-    enters the member's moving average, and the member's pushes stop being sent ahead. Any
+    enters the member's moving average, and counts toward what the member owes (below). Any
     other push — timed out, reported failed, dropped as its member left, or reported delivered
     but found incomplete when scored — counts as at least as slow as it took: the estimate
-    never drops, and the member's pushes are sent ahead of their round until one is delivered
-    complete (review 14, F2: a member that stalled a round, then reported its pushes sent
-    ahead as delivered with no data, was measured fast again and stalled the next round).
+    never drops, and the member's pushes are sent ahead of their round until it has delivered
+    complete pushes again: 1 after its first such push, then twice as many after each further
+    one (at most :data:`MAX_OWED`), so a member that stalls every round it is admitted to holds
+    one round per 1, 2, 4, ... of its pushes (review 14, F2: a member that stalled a round, then
+    reported its pushes sent ahead as delivered with no data, was measured fast again and
+    stalled the next round; review 17, C: one that sent complete pushes ahead and stalled
+    every round it was then admitted to cut honest throughput to 0.61×).
     A push that failed with its round (followers not ready, ``excused``) or whose round failed
     as a whole (``outcome.error``) before it was scored says nothing of its member's link.
     """
-    push_s, ahead = dict(state.push_s), set(state.send_ahead)
+    push_s, owed, stalls = dict(state.push_s), dict(state.send_ahead), dict(state.stalls)
     a = policy.estimate_alpha
     for c, s in rnd.slots.items():
         if s.excused or s.admitted_at is None or s.reported_at is None:
@@ -173,11 +184,15 @@ def _scored(state: RoundState, rnd: Round, outcome: UpdateOutcome,
         mean = took if old is None else a * took + (1 - a) * old
         if complete:
             push_s[c] = mean
-            ahead.discard(c)
+            if owed.get(c, 0) > 1:
+                owed[c] -= 1
+            else:
+                owed.pop(c, None)
         else:
             push_s[c] = mean if old is None else max(old, mean)
-            ahead.add(c)
-    return replace(state, push_s=push_s, send_ahead=frozenset(ahead))
+            stalls[c] = stalls.get(c, 0) + 1
+            owed[c] = min(2 ** min(stalls[c] - 1, 30), MAX_OWED)
+    return replace(state, push_s=push_s, send_ahead=owed, stalls=stalls)
 
 
 def _on_reported(state: RoundState, ev: PushReported, policy: RoundPolicy,

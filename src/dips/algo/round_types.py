@@ -152,9 +152,12 @@ class RoundState:
     all registered, up and reconciled (reported by the caller). ``verdicts``: push id ->
     verdict, the most recent ``policy.verdicts_kept``. ``push_s``: cluster -> moving average
     of its measured push seconds (admission to report), updated when a round is decided: only
-    a push delivered complete can lower it (review 14, F2). ``send_ahead``: clusters whose last
-    decided push was not delivered complete (timed out, failed, or reported delivered but
-    found incomplete): each of their pushes is sent ahead of its round until one is.
+    a push delivered complete can lower it (review 14, F2). ``send_ahead``: cluster -> the
+    complete pushes it still owes since a decided push of its was not delivered complete
+    (timed out, failed, or reported delivered but found incomplete): each of its pushes is
+    sent ahead of its round until it has delivered them (:func:`dips.algo.round._scored`).
+    ``stalls``: cluster -> how many of its decided pushes were not delivered complete (never
+    decreases: what it owes doubles with each).
     ``staging``: cluster -> a push sent ahead of any round (a slow link or ``send_ahead``),
     until it has arrived. ``finished``: why the run ended (:class:`RunFinished`; "" while it
     runs): no request is queued and no round opens again.
@@ -168,7 +171,8 @@ class RoundState:
     grace: GraceState = GraceState()
     verdicts: Mapping[str, Verdict] = field(default_factory=dict)
     push_s: Mapping[str, float] = field(default_factory=dict)
-    send_ahead: frozenset[str] = frozenset()
+    send_ahead: Mapping[str, int] = field(default_factory=dict)
+    stalls: Mapping[str, int] = field(default_factory=dict)
     staging: Mapping[str, Slot] = field(default_factory=dict)
     finished: str = ""
 

@@ -90,8 +90,12 @@ class Records:
         # Measured push times survive a restart: a slow link's next push still goes ahead of
         # its round instead of holding the others' (found by a review: it did not).
         push_s = {str(c): float(x) for c, x in state.get("push_s", {}).items()}
-        # So do the members sent ahead until they deliver a complete push (review 14, F2).
-        send_ahead = frozenset(str(c) for c in state.get("send_ahead", []))
+        # So do the members sent ahead until they deliver complete pushes (review 14, F2;
+        # review 17, C); an older leader.json lists them, each owing one.
+        kept = state.get("send_ahead", {})
+        send_ahead = ({str(c): max(int(n), 1) for c, n in kept.items()}
+                      if isinstance(kept, dict) else {str(c): 1 for c in kept})
+        stalls = {str(c): max(int(n), 0) for c, n in state.get("stalls", {}).items()}
         self._known_followers = {int(i): str(ep)
                                  for i, ep in (state.get("followers") or {}).items()}
         # Above every number the crashed incarnation reserved (and so may have granted).
@@ -99,7 +103,7 @@ class Records:
         self.rounds_reserved = rounds
         self._state = RoundState(rounds=rounds, ready=False, verdicts=verdicts,
                                  grace=grace_rules.from_dict(state.get("grace", {})),
-                                 push_s=push_s, send_ahead=send_ahead,
+                                 push_s=push_s, send_ahead=send_ahead, stalls=stalls,
                                  finished=str(state.get("finished", "")))
         started = state.get("training_started_at")
         self.training_started_at = float(started) if started is not None else None
@@ -150,7 +154,8 @@ class Records:
                      "version_stats": {str(v): list(x) for v, x in self._version_stats.items()},
                      "grace": grace_rules.to_dict(self._state.grace),
                      "push_s": dict(self._state.push_s),
-                     "send_ahead": sorted(self._state.send_ahead),
+                     "send_ahead": dict(sorted(self._state.send_ahead.items())),
+                     "stalls": dict(sorted(self._state.stalls.items())),
                      # Where the followers are: a restarted leader takes their leases first.
                      "followers": {**{str(i): ep for i, ep in self._known_followers.items()},
                                    **{str(f.index): f.control_endpoint

@@ -150,9 +150,10 @@ class LeaderConfig(Strict):
         description="seconds without an accepted advance after which a member's chunks go to "
                     "a member that asks once none is free (data.lease_timeout_s); None: never")
     configured_clusters: int = Field(
-        0, ge=0, description="the run's clusters (``clusters:``, those `dips init` issued "
-                             "certificates for): the robust scale of issue 13 waits until "
-                             "half of them, or of the members joined if more, have pushed")
+        0, ge=0, description="the run's configured clusters (``clusters:``; clusters added "
+                             "with `dips init --add-cluster` count once joined): the robust "
+                             "scale of issue 13 waits until half of them, or of the members "
+                             "joined if more, and at least two have pushed")
 
     @classmethod
     def from_run(cls, cfg: RunConfig) -> "LeaderConfig":
