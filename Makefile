@@ -92,3 +92,11 @@ clean:
 # outer loop, the S x M schedule, sync overhead at H=64, dynamic vs fixed grace (~11 min).
 bench-dataplane: install
 	$(PY) benchmarks/dataplane/run_all.py
+
+# The seed's §16 production run (100B, 9 clusters, 16 followers, 33 days) simulated with the
+# leader's real decision code and modelled costs (issue 16; SCALE.md): simulate.json and plots
+# in runs/simulate/production-100b (about 40 s of CPU on 2 cores).
+.PHONY: simulate
+simulate: install
+	$(VENV)/bin/dips simulate --scenario configs/simulate/production-100b.yaml \
+		--out runs/simulate/production-100b

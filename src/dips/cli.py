@@ -48,6 +48,10 @@ from dips.node.status_cli import status as _status  # noqa: E402  (light: typer 
 
 app.command("status")(_status)
 
+from dips.sim.cli import simulate as _simulate  # noqa: E402  (light: typer; the simulator lazily)
+
+app.command("simulate")(_simulate)
+
 
 @app.command()
 def launch(config: Path = typer.Option(..., "--config", exists=True, dir_okay=False,

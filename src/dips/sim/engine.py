@@ -1,0 +1,388 @@
+"""The discrete-event simulation of a whole run: the real leader's decisions, modelled costs.
+
+What decides is the leader's own code, fed with simulated time: the round machine
+(:func:`dips.algo.round.step`: grace window of §7, push / update / pull phases, push deadlines,
+pushes sent ahead, verdicts; ticks at :func:`dips.algo.round.next_deadline`), the update phase
+(:func:`dips.roles.outer_step.run_update`: the §8 penalty :func:`dips.algo.penalty.decide`,
+token weights, robust scale, clip, staleness scale), the §10 schedule
+(:class:`dips.algo.schedule.ScheduleBook`), the layer ownership and the stage split
+(:func:`dips.algo.partition.partition_contiguous`), the data-chunk ledger
+(:class:`dips.algo.ledger.ChunkLedger`, :func:`dips.algo.limits.lease_allowed`) and the stop
+rule (:func:`dips.algo.limits.stop_reason`). Nothing of them is re-implemented here. The round
+machine and the update phase are looked up on their modules at each call (``round_machine.step``,
+``outer_step.run_update``, which calls ``outer_step.decide``), so a test can wrap them.
+
+What is modelled (:mod:`dips.sim.costs`, :mod:`dips.sim.network`): the seconds of H inner steps
+(§13 slowdown), the transfers (per-stage links sharing follower NICs), the followers' outer
+step (seconds per parameter), ‖Δ‖² (a documented stochastic model), faults (exponential MTBF
+per cluster; a failed cluster is removed after ``missed_heartbeats`` intervals as the real
+leader removes it, rejoins after its recovery, pulls the whole model and trains on; the work
+since its last pull is lost) and the control messages the leader handles.
+
+A cluster's life: join → pull the model → compute H steps → request a push (waits to be
+admitted) → push (its stage workers send as the schedule says) → wait for the verdict → pull
+the version named in the verdict (accepted or not) → compute again. Time spent from the
+request to the end of the pull is the PS's overhead on that cluster.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from typing import Any
+
+from dips.algo.ledger import ChunkLedger
+from dips.algo.limits import lease_allowed, stop_reason
+from dips.algo.partition import partition_contiguous
+from dips.algo.penalty import PenaltyState
+from dips.algo.refusal import Refused
+from dips.algo import round as round_machine
+from dips.algo.round import (Admitted, Decided, MemberGone, PullDone, PushReported,
+                             PushRequested, RoundEnded, RoundOpened, RoundPolicy, RoundState,
+                             Staged, StartUpdate, Tick, UpdateFinished)
+from dips.algo.schedule import ScheduleBook
+from dips.emu.vclock import EventQueue
+from dips.roles import outer_step
+from dips.sim import costs
+from dips.sim.followers import FollowerLoad, ModelledFollower, NormBoard
+from dips.sim.member import Member
+from dips.sim.network import Job, Network
+from dips.spec.run import PUSH_TOKENS_SLACK
+from dips.spec.simulate import SimScenario
+
+__all__ = ["FOLLOWER_CALLS", "Simulation"]
+
+#: The leader's calls to its followers in an update phase (the rest come from clusters).
+FOLLOWER_CALLS = ("Score", "Aggregate", "Discard", "Apply", "Commit")
+
+
+class Simulation:
+    """One simulated run of ``scenario``; :meth:`run` plays it to the end (the horizon, the
+    token budget, or nothing left to do). Deterministic: same scenario, same result."""
+
+    def __init__(self, scenario: SimScenario) -> None:
+        sc = self.sc = scenario
+        self.q = EventQueue()
+        layers = costs.layer_params(sc.model)
+        sizes = [p for _, p in layers]
+        self.params = sum(sizes)
+        wire = costs.wire_bytes_per_param(sc.outer.wire_dtype)
+        self.layer_bytes = [p * wire for p in sizes]
+        M = sc.followers.count
+        parts = partition_contiguous([4 * p for p in sizes], M)  # FP32 bytes, as the leader
+        self.owner = {k: f for f, r in enumerate(parts) for k in r}
+        self.follower_params = [sum(sizes[k] for k in r) for r in parts]
+        self.loads = [FollowerLoad(f, p, sc.timeline_s) for f, p in enumerate(self.follower_params)]
+        self.net = Network(self.loads, sc.followers.nic_bps, self.q)
+        self.board = NormBoard(sc.norms.correlation)
+        self.followers = [(f, ModelledFollower(f, p / self.params, self.board))
+                          for f, p in enumerate(self.follower_params)]
+        t = sc.leader.timeouts
+        self.policy = RoundPolicy(sc.leader.grace, t.push_s, t.pull_s, push_slack=t.push_slack,
+                                  push_floor_s=t.push_floor_s)
+        self.state = RoundState()
+        self.penalty = PenaltyState()
+        self.version = 0
+        self.book = ScheduleBook(M)
+        d = sc.data
+        self.ledger = ChunkLedger(d.num_chunks, d.windows_per_chunk)
+        self.members: dict[str, Member] = {}
+        for c in sc.clusters:
+            stages = partition_contiguous([4 * p for p in sizes], c.stages)
+            for cid in c.ids():
+                self.members[cid] = Member(cid, len(self.members), c, sc, stages)
+        # The leader's bound on one push, as a run config sets it (LeaderConfig.max_push_tokens).
+        self.max_push_tokens = PUSH_TOKENS_SLACK * max(
+            m.cfg.windows_per_step * m.H for m in self.members.values()) * d.tokens_per_window
+        self.msgs: Counter[str] = Counter()
+        self.bins: Counter[int] = Counter()
+        self.follower_bins: Counter[int] = Counter()
+        self.counts: Counter[str] = Counter()
+        self.reasons: Counter[str] = Counter()
+        self.refusals: Counter[str] = Counter()
+        self.lags: Counter[int] = Counter()
+        self.rounds: list[dict[str, Any]] = []
+        self.round_sizes: Counter[int] = Counter()
+        self.tokens_accepted = 0
+        self.end_s = 0.0
+        self.finished = ""
+        self._ticks: set[float] = set()
+
+    # ----- the loop -------------------------------------------------------------------------
+    def run(self) -> "Simulation":
+        """Play the run; returns self (read the results with :mod:`dips.sim.report`)."""
+        sc = self.sc
+        for m in self.members.values():
+            self.q.push(m.cfg.join_s, "join", (m.cid, m.epoch))
+            for link in (m.cfg.uplink, m.cfg.downlink):
+                for change in (link.schedule if link is not None else []):
+                    self.q.push(change.at_s, "relink")
+        self.q.push(sc.horizon_s, "end", priority=9)
+        t = 0.0
+        while len(self.q) and not self.finished:
+            t, kind, payload = self.q.pop()
+            getattr(self, "_on_" + kind)(t, payload)
+        self.end_s = t
+        for m in self.members.values():
+            m.close(t)
+        for load in self.loads:
+            load.close(t)
+        return self
+
+    def _message(self, t: float, kind: str, n: int = 1) -> None:
+        """``n`` control messages of ``kind`` at ``t`` (one RPC each, heartbeats aside); the
+        leader's calls to followers are binned apart as well (``follower_bins``)."""
+        self.msgs[kind] += n
+        self.bins[int(t)] += n
+        if kind in FOLLOWER_CALLS:
+            self.follower_bins[int(t)] += n
+
+    def _feed(self, event: Any) -> bool:
+        """The leader: one event into the round machine, its actions carried out. A refused
+        event is counted by its refusal code and changes nothing (returns False)."""
+        try:
+            self.state, actions = round_machine.step(self.state, event, self.policy)
+        except Refused as exc:
+            self.refusals[exc.code.name] += 1
+            return False
+        now = event.now
+        for a in actions:
+            if isinstance(a, RoundOpened):
+                self.counts["rounds"] += 1
+            elif isinstance(a, Admitted) and not a.slot.done:
+                self._push(self.members[a.slot.cluster_id], a.slot.round, now)
+            elif isinstance(a, Staged):
+                self.counts["sent_ahead"] += 1
+                self._push(self.members[a.slot.cluster_id], 0, now)
+            elif isinstance(a, StartUpdate):
+                self._update(a, now)
+            elif isinstance(a, Decided):
+                self._decided(a, now)
+            elif isinstance(a, RoundEnded):
+                self._ended(a, now)
+        deadline = round_machine.next_deadline(self.state, self.policy)
+        if deadline is not None and math.isfinite(deadline) and deadline not in self._ticks:
+            self._ticks.add(deadline)
+            self.q.push(max(deadline, now), "tick", deadline, priority=1)
+        return True
+
+    # ----- events ---------------------------------------------------------------------------
+    def _on_end(self, t: float, _: Any) -> None:
+        self.finished = "horizon"
+
+    def _on_tick(self, t: float, deadline: float) -> None:
+        self._ticks.discard(deadline)
+        self._feed(Tick(t))
+
+    def _on_relink(self, t: float, _: Any) -> None:
+        self.net.relink(t)
+
+    def _on_flow_start(self, t: float, flow: Any) -> None:
+        self.net.start(t, flow)
+
+    def _on_flow_done(self, t: float, payload: tuple[int, int, int, str]) -> None:
+        flow = self.net.finish(t, *payload)
+        if flow is not None:
+            flow.job.flow_done(t, flow)
+
+    def _on_cpu(self, t: float, payload: tuple[int, bool]) -> None:
+        self.loads[payload[0]].cpu(payload[1], t)
+
+    def _on_join(self, t: float, payload: tuple[str, int]) -> None:
+        m = self.members[payload[0]]
+        if payload[1] != m.epoch:
+            return
+        self._message(t, "JoinCluster")
+        m.down = False
+        m.set_state("join", t)
+        self._lease(m, t)
+        version = self.version
+        m.job = self._pull_job(m, lambda t2: self._joined(m, version, t2))
+        m.job.begin(t)
+        if m.cfg.mtbf_s is not None:
+            self.q.push(t + float(m.rng["faults"].exponential(m.cfg.mtbf_s)), "fault",
+                        (m.cid, m.epoch))
+
+    def _joined(self, m: Member, version: int, t: float) -> None:
+        m.base_version = version
+        self._compute(m, t)
+
+    def _compute(self, m: Member, t: float) -> None:
+        m.set_state("compute", t)
+        m.job = None
+        self.q.push(t + m.compute_s(t), "computed", (m.cid, m.epoch))
+
+    def _on_computed(self, t: float, payload: tuple[str, int]) -> None:
+        m = self.members[payload[0]]
+        if payload[1] != m.epoch:
+            return
+        progress = m.train(self.ledger, lambda: self._lease(m, t))
+        per_push = self.max_push_tokens // self.sc.data.tokens_per_window
+        progress = self.ledger.credit(m.cid, progress, per_push)
+        windows = self.ledger.windows_in(m.cid, progress)
+        if windows == 0:  # nothing left to train on (every free chunk is held elsewhere)
+            self.counts["no_data"] += 1
+            self._compute(m, t)
+            return
+        self.ledger.report(m.cid, progress)
+        m.new_push(t)
+        m.set_state("admit", t)
+        self._message(t, "RequestPush")
+        ok = self._feed(PushRequested(t, m.cid, m.push_id, m.base_version,
+                                      windows * self.sc.data.tokens_per_window, m.last_push_s))
+        if not ok:  # the run finished (or a push is still in flight): the cluster stops here
+            self.ledger.resolve(m.cid, False)
+            m.set_state("stopped", t)
+
+    def _on_fault(self, t: float, payload: tuple[str, int]) -> None:
+        m = self.members[payload[0]]
+        if payload[1] != m.epoch or m.down:
+            return
+        m.faults += 1
+        m.epoch += 1
+        m.down = True
+        if m.job is not None:
+            self.net.cancel(t, m.job)
+            m.job = None
+        m.set_state("down", t)
+        hb = self.sc.leader.membership
+        detect = hb.missed_heartbeats * hb.heartbeat_interval_s
+        back = max(detect, float(m.rng["faults"].exponential(m.cfg.recovery_s)))
+        self.q.push(t + detect, "gone", (m.cid, m.epoch))
+        self.q.push(t + back, "join", (m.cid, m.epoch), priority=1)
+
+    def _on_gone(self, t: float, payload: tuple[str, int]) -> None:
+        m = self.members[payload[0]]
+        if payload[1] != m.epoch:
+            return
+        self._feed(MemberGone(t, m.cid, "missed heartbeats"))
+        self.ledger.release(m.cid)
+        m.positions = {}
+
+    def _on_updated(self, t: float, payload: tuple[int, Any]) -> None:
+        self._feed(UpdateFinished(t, payload[0], payload[1]))
+        reason = stop_reason(tokens_accepted=self.tokens_accepted, outer_steps=self.version,
+                             training_s=t, token_budget=self.sc.token_budget)
+        if reason is not None:
+            self.finished = reason
+
+    # ----- what the actions start -----------------------------------------------------------
+    def _lease(self, m: Member, t: float) -> None:
+        """The cluster tops its chunks up to ``lease_ahead`` (a Lease call, as the client does)."""
+        d = self.sc.data
+        held = self.ledger.holdings(m.cid)
+        unfinished = [c for c, _ in held if c not in m.positions or
+                      m.positions[c] < d.windows_per_chunk]
+        want = d.lease_ahead - len(unfinished)
+        if want <= 0:
+            return
+        self._message(t, "Lease")
+        n = lease_allowed(len(held), want, d.lease_ahead, self.max_push_tokens,
+                          d.tokens_per_window, d.windows_per_chunk)
+        if n > 0:
+            for chunk, start in self.ledger.lease(m.cid, n, t, d.lease_timeout_s):
+                m.positions[chunk] = start
+
+    def _push(self, m: Member, rnd: int, t: float) -> None:
+        """Start ``m``'s push for round ``rnd`` (0: sent ahead) along the §10 schedule."""
+        steps = self.book.schedule(rnd, m.stage_layers, self.owner, self.sc.followers.count)
+        plan: list[list[tuple[int, float]]] = [[] for _ in m.stage_layers]
+        for st in steps:
+            for tr in st:
+                plan[tr.worker].append((tr.follower, self.layer_bytes[tr.layer]))
+        m.set_state("push", t)
+        m.admitted_at = t
+        m.job = Job(self.net, m.cid, "in", plan, m.cfg.uplink, m.cfg.latency_s, m.cfg.shared_links,
+                    lambda t2: self._pushed(m, t2))
+        m.job.begin(t)
+
+    def _pushed(self, m: Member, t: float) -> None:
+        m.last_push_s = t - m.admitted_at
+        m.push_s.append(m.last_push_s)
+        m.job = None
+        m.set_state("verdict", t)
+        self._message(t, "PushDone")
+        self._feed(PushReported(t, m.cid, m.push_id, True))
+
+    def _pull_job(self, m: Member, on_done: Any) -> Job:
+        """Each stage worker fetches its layers, one owning follower after another."""
+        plan = []
+        for layers in m.stage_layers:
+            by_follower: dict[int, float] = {}
+            for k in layers:
+                by_follower[self.owner[k]] = by_follower.get(self.owner[k], 0.0) + self.layer_bytes[k]
+            plan.append(list(by_follower.items()))
+        return Job(self.net, m.cid, "out", plan, m.cfg.downlink or m.cfg.uplink,
+                   m.cfg.latency_s, False, on_done)
+
+    def _update(self, start: StartUpdate, t: float) -> None:
+        """The update phase: the real :func:`run_update` on modelled followers, timed by the
+        followers' cost per parameter."""
+        sc, M = self.sc, self.sc.followers.count
+        self.board.sq_norms = {}
+        for s in start.slots:
+            lag = max(0, self.version - s.base_version)
+            if s.ok:
+                self.lags[lag] += 1
+                m = self.members[s.cluster_id]
+                self.board.sq_norms[s.cluster_id] = costs.push_sq_norm(
+                    sc.norms, m.H, m.H, lag, m.rng["norms"])
+        report = outer_step.run_update(self.followers, start.number, start.slots, self.version,
+                                       self.penalty, sc.penalty, sc.outer,
+                                       weight_cap=self.max_push_tokens, members=len(self.members))
+        self.version, self.penalty = report.outcome.version, report.penalty
+        k = len(report.outcome.accepted)
+        self.round_sizes[len(start.slots)] += 1
+        self._message(t, "Score", M)
+        self._message(t, "Aggregate" if k else "Discard", M)
+        f = sc.followers
+        per_param = f.update_s_per_param + k * f.update_s_per_push_param if k else 0.0
+        begin = end = t  # sequential: each follower starts when the one before finished
+        for (index, _), load in zip(self.followers, self.loads):
+            load.memory(costs.memory_bytes(f.memory, load.params,
+                                           len(start.slots) + len(self.state.staging)))
+            busy = load.params * per_param
+            if busy > 0:
+                self.q.push(begin, "cpu", (index, True))
+                self.q.push(begin + busy, "cpu", (index, False))
+            end = max(end, begin + busy)
+            begin = end if f.apply == "sequential" else t
+        phase = end - t + 4 * M * sc.leader.rpc_latency_s
+        if k:
+            self._message(t, "Apply", M)
+            self._message(t + phase, "Commit", M)
+        self.q.push(t + phase, "updated", (start.number, report.outcome), priority=2)
+
+    def _decided(self, decided: Decided, t: float) -> None:
+        for v in decided.verdicts:
+            gained = self.ledger.resolve(v.cluster_id, v.accepted, v.version)
+            self.tokens_accepted += gained * self.sc.data.tokens_per_window
+            self.counts["pushes"] += 1
+            self.counts["accepted" if v.accepted else "rejected"] += 1
+            if not v.accepted:
+                self.reasons["penalty" if v.reason.startswith("penalty") else "failed"] += 1
+            m = self.members[v.cluster_id]
+            m.verdict(v.accepted, gained * self.sc.data.tokens_per_window)
+            if m.down or m.push_id != v.push_id:  # failed since: its new life pulls on joining
+                continue
+            m.positions = {c: p for c, p in self.ledger.holdings(m.cid)}
+            m.set_state("pull", t)
+            m.pull_started = t
+            version = v.version
+            m.job = self._pull_job(m, lambda t2, m=m, version=version: self._pulled(m, version, t2))
+            m.job.begin(t)
+
+    def _pulled(self, m: Member, version: int, t: float) -> None:
+        m.base_version = version
+        m.pull_s.append(t - m.pull_started)
+        self._message(t, "PullDone")
+        self._feed(PullDone(t, m.cid))
+        self._compute(m, t)
+
+    def _ended(self, ended: RoundEnded, t: float) -> None:
+        self.counts["rounds_ended"] += 1
+        if t < self.sc.timeline_s:
+            self.rounds.append({"round": ended.number, "end_s": round(t, 3),
+                                "window_s": round(ended.window_s, 3),
+                                "push_s": round(ended.push_s, 3),
+                                "update_s": round(ended.update_s, 3)})

@@ -1,0 +1,168 @@
+"""``simulate.json``: the figures of a simulated run (seconds, bytes, bits/s, messages/s).
+
+* ``clusters``: per cluster, seconds per state (:mod:`dips.sim.member`), the PS's overhead
+  (admit + push + verdict + pull) as ``added_time_frac`` = overhead / compute seconds (§16:
+  "Di-PS adds less than ~6% to each cluster's time") and ``overhead_frac`` = overhead /
+  (compute + overhead), pushes, verdicts, faults, mean push and pull seconds.
+* ``followers``: per follower, ``idle_frac`` = 1 − (seconds its CPU ran an outer step or its
+  NIC moved data, their union) / run seconds, ``cpu_busy_frac``, ``nic_busy_frac``, peak NIC
+  rate per direction (bits/s; the fluid model's rates are piecewise constant, so this is the
+  exact peak), bytes moved, peak memory (bytes).
+* ``leader``: control messages. Each RPC is one message: RequestPush, PushDone, PullDone,
+  Lease, JoinCluster from clusters; Score, Aggregate or Discard, Apply, Commit to each follower;
+  heartbeats (a cluster's Heartbeat, a follower's RegisterFollower) once per interval per
+  member alive. Heartbeats are counted, not simulated: members beat at evenly spread phases,
+  so a 1-s bin holds at most ⌈members / interval⌉ of them; the peak is the busiest 1-s bin of
+  the other messages plus that bound. ``cpu_frac``: messages × ``rpc_cpu_s`` / run seconds.
+* ``rounds``, ``staleness`` (versions applied between a push's base and its update),
+  ``pushes`` (verdicts, rejections by reason), ``tokens``, ``model``, and ``reference``: each
+  figure of the scenario's reference next to the simulated one, their ratio and whether it is
+  within the tolerance.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from typing import Any
+
+from dips.sim.engine import Simulation
+from dips.sim.member import OVERHEAD
+
+__all__ = ["summarize"]
+
+
+def _r(x: float, digits: int = 6) -> float:
+    return float(f"{x:.{digits}g}")
+
+
+def _percentile(hist: Counter[int], q: float) -> int:
+    n = sum(hist.values())
+    seen = 0
+    for k in sorted(hist):
+        seen += hist[k]
+        if seen >= q * n:
+            return k
+    return 0
+
+
+def _mean(xs: list[float]) -> float | None:
+    return _r(sum(xs) / len(xs)) if xs else None
+
+
+def _clusters(sim: Simulation) -> dict[str, Any]:
+    out = {}
+    for cid, m in sim.members.items():
+        tot = m.totals
+        compute = tot.get("compute", 0.0)
+        overhead = sum(tot.get(s, 0.0) for s in OVERHEAD)
+        out[cid] = {
+            "compute_s": _r(compute), "overhead_s": _r(overhead),
+            "added_time_frac": _r(overhead / compute) if compute else None,
+            "overhead_frac": _r(overhead / (compute + overhead)) if compute + overhead else None,
+            "state_s": {k: _r(v) for k, v in sorted(tot.items())},
+            "pushes": m.push_no, "accepted": m.accepted, "rejected": m.rejected,
+            "faults": m.faults, "tokens_accepted": m.tokens_accepted,
+            "push_s_mean": _mean(m.push_s), "pull_s_mean": _mean(m.pull_s)}
+    return out
+
+
+def _followers(sim: Simulation) -> list[dict[str, Any]]:
+    T = sim.end_s or 1.0
+    return [{"index": f.index, "params": f.params, "idle_frac": _r(1.0 - f.busy_s / T),
+             "cpu_busy_frac": _r(f.cpu_s / T), "nic_busy_frac": _r(f.nic_s / T),
+             "peak_bps": {k: _r(v) for k, v in f.peak_bps.items()},
+             "bytes": {k: _r(v) for k, v in f.bytes.items()},
+             "memory_peak_bytes": _r(f.memory_peak_bytes)} for f in sim.loads]
+
+
+def _leader(sim: Simulation) -> dict[str, Any]:
+    sc, T = sim.sc, sim.end_s or 1.0
+    hb = sc.leader.membership.heartbeat_interval_s
+    alive = sum(T - m.totals.get("down", 0.0) - m.totals.get("idle", 0.0)
+                - m.totals.get("stopped", 0.0) for m in sim.members.values())
+    beats = {"Heartbeat": alive / hb, "RegisterFollower": sc.followers.count * T / hb}
+    total = sum(sim.msgs.values()) + sum(beats.values())
+    members = len(sim.members) + sc.followers.count
+    peak = max(sim.bins.values(), default=0) + math.ceil(members / hb)
+    by_kind = {**{k: v for k, v in sorted(sim.msgs.items())},
+               **{k: _r(v) for k, v in beats.items()}}
+    clusters = Counter(sim.bins)
+    clusters.subtract(sim.follower_bins)
+    return {"messages": _r(total), "by_kind": by_kind, "msg_rate_avg": _r(total / T),
+            "msg_rate_peak": peak, "msg_rate_peak_no_heartbeats": max(sim.bins.values(), default=0),
+            "msg_rate_peak_from_clusters": max(clusters.values(), default=0),
+            "msg_rate_peak_to_followers": max(sim.follower_bins.values(), default=0),
+            "heartbeat_rate": _r(sum(beats.values()) / T),
+            "cpu_frac": _r(total * sc.leader.rpc_cpu_s / T)}
+
+
+def _reference(sim: Simulation, doc: dict[str, Any]) -> dict[str, Any] | None:
+    ref = sim.sc.reference
+    if ref is None:
+        return None
+    simulated = {"added_time_frac": doc["overhead"]["added_time_frac_max"],
+                 "follower_idle_frac": doc["followers_summary"]["idle_frac_min"],
+                 "follower_link_peak_bps": doc["followers_summary"]["link_peak_bps"],
+                 "leader_msg_rate_avg": doc["leader"]["msg_rate_avg"],
+                 "leader_msg_rate_peak": doc["leader"]["msg_rate_peak"]}
+    out: dict[str, Any] = {"source": ref.source, "tolerance": ref.tolerance, "figures": {}}
+    for name, value in simulated.items():
+        paper = getattr(ref, name)
+        if paper is None or value is None:
+            continue
+        ratio = value / paper
+        out["figures"][name] = {"paper": paper, "simulated": value, "ratio": _r(ratio, 4),
+                                "within": abs(ratio - 1.0) <= ref.tolerance}
+    return out
+
+
+def summarize(sim: Simulation) -> dict[str, Any]:
+    """The JSON-able document of ``sim`` (after :meth:`Simulation.run`); see the module
+    docstring. Deterministic: no wall-clock time, sorted keys where order is not given."""
+    sc, T = sim.sc, sim.end_s
+    clusters = _clusters(sim)
+    added = [c["added_time_frac"] for c in clusters.values() if c["added_time_frac"] is not None]
+    followers = _followers(sim)
+    lags = sim.lags
+    n_lags = sum(lags.values())
+    doc: dict[str, Any] = {
+        "scenario": sc.name, "seed": sc.seed, "simulated_s": _r(T), "finished": sim.finished,
+        "model": {"params": sim.params, "layers": len(sim.layer_bytes),
+                  "wire_bytes": _r(sum(sim.layer_bytes)), "wire_dtype": sc.outer.wire_dtype,
+                  "followers": sc.followers.count, "params_per_follower": sim.follower_params},
+        "clusters": clusters,
+        "overhead": {"added_time_frac_max": max(added, default=None),
+                     "added_time_frac_mean": _mean(added)},
+        "followers": followers,
+        "followers_summary": {
+            "idle_frac_min": min(f["idle_frac"] for f in followers),
+            "idle_frac_mean": _mean([f["idle_frac"] for f in followers]),
+            "cpu_busy_frac_max": max(f["cpu_busy_frac"] for f in followers),
+            "cpu_idle_frac_min": _r(1.0 - max(f["cpu_busy_frac"] for f in followers)),
+            "link_peak_bps": max(max(f["peak_bps"].values()) for f in followers),
+            "nic_bps": sc.followers.nic_bps,
+            "memory_peak_bytes": max(f["memory_peak_bytes"] for f in followers)},
+        "leader": _leader(sim),
+        "rounds": {"rounds": sim.counts["rounds"], "outer_steps": sim.version,
+                   "pushes_per_round": {str(k): v for k, v in sorted(sim.round_sizes.items())},
+                   "pushes_per_round_mean": _mean([k for k, v in sim.round_sizes.items()
+                                                   for _ in range(v)]),
+                   "first": sim.rounds[:50]},
+        "staleness": {"histogram": {str(k): v for k, v in sorted(lags.items())},
+                      "mean": _r(sum(k * v for k, v in lags.items()) / n_lags) if n_lags else None,
+                      "p50": _percentile(lags, 0.5), "p95": _percentile(lags, 0.95),
+                      "max": max(lags, default=0)},
+        "pushes": {"decided": sim.counts["pushes"], "accepted": sim.counts["accepted"],
+                   "rejected": sim.counts["rejected"],
+                   "rejected_frac": _r(sim.counts["rejected"] / sim.counts["pushes"])
+                   if sim.counts["pushes"] else 0.0,
+                   "rejected_by": dict(sorted(sim.reasons.items())),
+                   "sent_ahead": sim.counts["sent_ahead"],
+                   "refused": dict(sorted(sim.refusals.items()))},
+        "tokens": {"accepted": sim.tokens_accepted, "budget": sc.token_budget,
+                   "windows_short": sum(m.windows_short for m in sim.members.values()),
+                   "ledger": sim.ledger.summary()},
+    }
+    doc["reference"] = _reference(sim, doc)
+    return doc

@@ -1,0 +1,38 @@
+"""``dips simulate --scenario FILE --out DIR``: simulate.json and plots; bad input named."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from dips.cli import app
+from tests.sim.helpers import small
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_simulate_writes_json_and_plots(tmp_path):
+    scenario = tmp_path / "s.yaml"
+    scenario.write_text(yaml.safe_dump(small(horizon_s=600).model_dump(mode="json")))
+    out = tmp_path / "out"
+    result = CliRunner().invoke(app, ["simulate", "--scenario", str(scenario), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    doc = json.loads((out / "simulate.json").read_text())
+    assert doc["plots"] == ["timeline.png", "followers.png"]
+    assert all((out / p).stat().st_size > 10_000 for p in doc["plots"])
+    assert doc["rounds"]["outer_steps"] > 0 and "outer steps" in result.output
+
+
+def test_simulate_names_a_bad_field(tmp_path):
+    data = small().model_dump(mode="json")
+    data["followers"]["nic_bps"] = "fast"
+    scenario = tmp_path / "bad.yaml"
+    scenario.write_text(yaml.safe_dump(data))
+    result = CliRunner().invoke(app, ["simulate", "--scenario", str(scenario),
+                                      "--out", str(tmp_path / "out")])
+    assert result.exit_code == 2
+    assert "followers.nic_bps = 'fast'" in result.output
+    assert not (tmp_path / "out").exists()
