@@ -7,6 +7,8 @@
 * ``dips init --config FILE --out DIR``: the run's certificates (mutual TLS).
 * ``dips report RUN_DIR [--out DIR]``: report.html and PNG plots of a run or a comparison.
 * ``dips status --leader HOST:PORT [--watch [--every S]] [--json]``: the run as the leader sees it.
+* ``dips evaluate --leader HOST:PORT --every N``: held-out loss of every N-th version, reported
+  to the leader (its ``eval.jsonl``).
 * ``dips leader`` / ``follower`` / ``cluster``: one role on one host (``launch`` starts
   exactly these); see README "Deploy across hosts".
 """
@@ -39,6 +41,7 @@ app.command("leader")(_node.leader)
 app.command("follower")(_node.follower)
 app.command("cluster")(_node.cluster)
 app.command("export")(_node.export)
+app.command("evaluate")(_node.evaluate)
 
 from dips.bench.runreport.cli import report as _report  # noqa: E402  (light: matplotlib lazily)
 

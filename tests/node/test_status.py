@@ -29,7 +29,7 @@ pytestmark = pytest.mark.timeout(120)
 
 TOP = {"leader", "time", "version", "outer_steps", "rounds", "phase", "finished",
        "finished_reason", "counts", "ledger", "followers_ready", "followers_total", "clusters",
-       "followers", "faults"}
+       "followers", "heldout", "faults"}
 CLUSTER = {"cluster_id", "inner_step", "tokens", "last_loss", "last_push", "pulled_version",
            "staleness"}
 FOLLOWER = {"index", "up", "version", "incarnation", "control_endpoint", "data_endpoint",

@@ -286,10 +286,11 @@ def test_the_launchers_probe_takes_a_refusal_as_an_answer():
 
 # ----- one slow member cannot starve the leader (issue input 5) ------------------------------
 class Site:
-    """A leader behind a real 12-thread gRPC server on 127.0.0.1 (insecure identities); its
-    clock stands until the test moves it (a grace window of 5 s stays open until then)."""
+    """A leader behind a real 12-thread gRPC server on 127.0.0.1 (insecure identities; on
+    ``port``, 0: a free one); its clock stands until the test moves it (a grace window of 5 s
+    stays open until then)."""
 
-    def __init__(self, tmp_path, workers: int = 12) -> None:
+    def __init__(self, tmp_path, workers: int = 12, port: int = 0) -> None:
         self.clock = ManualClock()
         self.leader, _ = make_leader(tmp_path, ledger=False, push_s=600.0, clock=self.clock,
                                      window_s=5.0)
@@ -299,7 +300,8 @@ class Site:
                                         list(i.layers), list(i.layer_bytes), i.incarnation)
         pbg.add_LeaderServicer_to_server(LeaderServicer(self.leader, entry, gate=self.gate),
                                          self.server)
-        self.port = Credentials.insecure(Identity.leader()).add_port(self.server, "127.0.0.1:0")
+        self.port = Credentials.insecure(Identity.leader()).add_port(self.server,
+                                                                     f"127.0.0.1:{port}")
         assert self.port
         self.server.start()
         self.clients: list[Client] = []

@@ -4,7 +4,9 @@ A thin wrapper over the public role commands: it makes the run's certificates
 (``RUN_DIR/pki``, as ``dips init`` does), prepares the data (tokenizer, token stream, chunks)
 and the initial model once into the leader's state directory (``RUN_DIR``), and starts
 exactly ``dips leader``, ``dips follower`` (state ``RUN_DIR/followers/<i>``) and ``dips
-cluster`` (state ``RUN_DIR/clusters/<id>``) on 127.0.0.1 (``network: netns``: each cluster in
+cluster`` (state ``RUN_DIR/clusters/<id>``), with ``evaluate:`` in the config also ``dips
+evaluate`` (state ``RUN_DIR/evaluator``; the leader's held-out series goes to
+``RUN_DIR/eval.jsonl``), on 127.0.0.1 (``network: netns``: each cluster in
 its own network namespace, links shaped by tc tbf), each with its own certificate; shows live
 progress; changes link rates on ``clusters[].link.schedule``; stops at the token budget,
 ``--max-outer-steps`` (the leader reports that many outer steps), ``--max-time``, SIGINT or
@@ -45,6 +47,9 @@ from dips.wire.pb import control_pb2 as pb
 from dips.wire.pki import init_pki
 from dips.wire.security import Credentials
 from dips.wire.services import leader_client
+
+#: The child name (and state folder) of the periodic evaluator, ``cfg.evaluate`` (issue 15).
+EVALUATOR = "evaluator"
 
 
 @dataclass
@@ -109,7 +114,7 @@ class Launch:
                 continue
             self.event("exited", name, returncode=code, pid=c.proc.pid)
             if not self.cfg.supervise:
-                if not name.startswith("cluster-"):
+                if not name.startswith("cluster-") and name != EVALUATOR:  # optional roles
                     raise RuntimeError(f"{name} exited (code {code}); see {c.log_path}")
                 continue
             self.spawn(name, c.args)
@@ -220,6 +225,11 @@ def _role_args(run: Launch, spec_cfg: Path, host: str, leader_port: int,
             "cluster", "--leader", leader_addr, "--cluster-id", c.id,
             "--state-dir", str(d / "clusters" / c.id), "--tls", str(pki / f"cluster-{c.id}"),
             "--cache-dir", str(run.cfg.data.cache_dir.resolve())]
+    if run.cfg.evaluate is not None:  # the periodic evaluator (issue 15): pull-only, as admin
+        args[EVALUATOR] = ["evaluate", "--leader", leader_addr, "--every",
+                           str(run.cfg.evaluate.every), "--state-dir", str(d / EVALUATOR),
+                           "--tls", str(pki / "admin"),
+                           "--cache-dir", str(run.cfg.data.cache_dir.resolve())]
     # Every process serves Prometheus metrics (README "Metrics"); metrics.json says where.
     targets = {}
     for name, argv in args.items():
@@ -251,11 +261,12 @@ def launch(cfg: RunConfig, run_dir: Path, max_time_s: float | None = None,
     # A re-used run directory starts empty of the previous run's outputs (they are appended to).
     for stale in ("leader.addr", "events.jsonl", "outer_steps.jsonl", "summary.json", "term",
                   "leader.json", "leader_events.jsonl", "train_start", "leader.sock", "run.json",
-                  "config.json", "data_secret", "lock"):
+                  "config.json", "data_secret", "lock", "eval.jsonl"):
         (run_dir / stale).unlink(missing_ok=True)
     for stale_ipc in run_dir.glob("follower-*.ipc"):
         stale_ipc.unlink(missing_ok=True)
-    for stale in ("followers", "clusters", "logs", "final", "init", "failpoints", "pki"):
+    for stale in ("followers", "clusters", "logs", "final", "init", "failpoints", "pki",
+                  EVALUATOR):
         shutil.rmtree(run_dir / stale, ignore_errors=True)
     max_time_s = max_time_s if max_time_s is not None else cfg.max_time_s
     if max_time_s is not None:  # the leader ends the run at it too (clusters then exit 0)
@@ -308,6 +319,8 @@ def launch(cfg: RunConfig, run_dir: Path, max_time_s: float | None = None,
                   cfg.timeouts.startup_s, "followers registered", run)
         for c in cfg.clusters:
             run.spawn(f"cluster-{c.id}", args[f"cluster-{c.id}"])
+        if EVALUATOR in args:
+            run.spawn(EVALUATOR, args[EVALUATOR])
         # Training starts when the first cluster has joined (it trains from there): fault
         # times, link schedules, transients and --max-time count from this moment, as the
         # time to the token budget does.
@@ -465,6 +478,8 @@ def _finish(run: Launch, client: Any, creds: Credentials, spec: RunSpec, t_start
             if status is None or status.phase == Phase.IDLE.value:
                 break
             time.sleep(0.2)
+    if status is not None and status.finished and EVALUATOR in run.children:
+        status = _final_eval(run, client, status)
     if run.progress is not None:  # the last rounds' lines, before the summary
         run.progress.log(status)
     key = None
@@ -479,6 +494,19 @@ def _finish(run: Launch, client: Any, creds: Credentials, spec: RunSpec, t_start
                                    interrupted)
     run.console.print(summary_table(summary))
     return summary
+
+
+def _final_eval(run: Launch, client: Any, status: Any) -> Any:
+    """Let the evaluator report the final version of a finished run (it does once it sees
+    the run finished), up to ``timeouts.rpc_s`` seconds; then stop it. Returns the latest
+    status."""
+    deadline = time.monotonic() + run.cfg.timeouts.rpc_s
+    while (time.monotonic() < deadline and run.pid_of(EVALUATOR) is not None
+           and not (status.HasField("last_eval") and status.last_eval.version >= status.version)):
+        time.sleep(0.2)
+        status = _status(client) or status
+    run.stop([EVALUATOR], run.cfg.timeouts.shutdown_s)
+    return status
 
 
 def summary_table(summary: dict[str, Any]) -> str:

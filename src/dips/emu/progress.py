@@ -46,7 +46,7 @@ class Progress:
         self._stages = {c.id: c.stages for c in cfg.clusters}
         self.run_dir = run_dir
         self.t0 = t0
-        names = ("outer_steps.jsonl", "leader_events.jsonl", "events.jsonl")
+        names = ("outer_steps.jsonl", "leader_events.jsonl", "events.jsonl", "eval.jsonl")
         self._tails = {n: _Tail(run_dir / n) for n in names} if run_dir is not None else {}
         self._tokens: dict[int, int] = {}  # version -> tokens accepted into it (the ledger's)
         self._loss: dict[str, float] = {}  # cluster -> its last training loss (nats/token)
@@ -67,7 +67,7 @@ class Progress:
     def log(self, status: Any = None) -> None:
         """Print what the run recorded since the last call, in time order: off a terminal one
         line per decided round (:func:`step_line`), on both one line per fault event
-        (:func:`event_line`). ``status``: the leader's latest ``StatusReply``, or None (its
+        (:func:`event_line`) and per held-out evaluation (:func:`heldout_line`). ``status``: the leader's latest ``StatusReply``, or None (its
         clusters' last training losses go into the step lines)."""
         for c in status.clusters if status is not None else []:
             if not math.isnan(c.last_loss):
@@ -86,6 +86,8 @@ class Progress:
         for rec in self._tails["events.jsonl"].new():
             if rec.get("event") not in LAUNCHER_QUIET:
                 lines.append((rec.get("time", 0.0), event_line(rec, self.t0)))
+        for rec in self._tails["eval.jsonl"].new():  # the evaluator's reports (issue 15)
+            lines.append((rec.get("time", 0.0), heldout_line(rec, self.t0)))
         for _, line in sorted(lines, key=lambda tl: tl[0]):  # stable: in time order
             self._say(line)
 
@@ -167,6 +169,17 @@ def step_line(rec: dict[str, Any], tokens: int, budget: int, loss: float | None,
             f" ({rec['error']})" if rec.get("error") else "")
     loss_s = f"; train loss {loss:.3f}" if loss is not None else ""
     return f"{_stamp(rec, t0)} {what}{rejected}{loss_s}; tokens {tokens:,}/{budget:,}"
+
+
+def heldout_line(rec: dict[str, Any], t0: float) -> str:
+    """One held-out evaluation of the leader's ``eval.jsonl`` as a line: seconds since ``t0``,
+    the version, its loss (nats/token) and perplexity, the tokens accepted into it."""
+    ppl = rec.get("perplexity")
+    tokens = rec.get("tokens_accepted")
+    return (f"{_stamp(rec, t0)} held-out loss v{rec.get('version')}: "
+            f"{rec.get('eval_loss', math.nan):.3f} (perplexity "
+            f"{'-' if ppl is None else f'{ppl:,.1f}'})"
+            f"{'' if tokens is None else f'; tokens {tokens:,}'}")
 
 
 def event_line(rec: dict[str, Any], t0: float, source: str | None = None) -> str:

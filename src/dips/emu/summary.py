@@ -54,40 +54,85 @@ def tokens_consumed(run_dir: Path, cfg: RunConfig) -> dict[str, int]:
     return out
 
 
+class HeldOut:
+    """The model and the held-out split one process evaluates with, loaded once (``dips
+    export``, ``dips evaluate``, the launcher's final export: one evaluation routine,
+    :func:`dips.train.loop.eval_loss` with the run's ``eval_batch_size`` × ``eval_batches``).
+
+    Args:
+        cfg: the run config. cache: the tokenizer/token cache (built from the bundled
+            corpora there if missing).
+    """
+
+    def __init__(self, cfg: RunConfig, cache: Path) -> None:
+        from transformers.utils import logging as hf_logging
+
+        from dips.train.corpus import load_tokens
+        from dips.train.model import build_model
+
+        hf_logging.disable_progress_bar()
+        self.cfg, self.cache = cfg, cache
+        data = load_tokens(cache, cfg.data.vocab_size, cfg.data.val_fraction,
+                           cfg.data.max_train_tokens)
+        self.val = data.val
+        self.model = build_model(cfg.model, cfg.seed)
+
+    @property
+    def eval_tokens(self) -> int:
+        """Tokens one evaluation predicts (windows × seq_len)."""
+        from dips.train.loop import eval_windows
+
+        cfg = self.cfg
+        n = len(eval_windows(self.val.size, cfg.inner.seq_len,
+                             cfg.eval_batch_size * cfg.eval_batches))
+        return n * cfg.inner.seq_len
+
+    def pull_and_evaluate(self, source: Callable[[], tuple[list[Any], int]], key: MemberKey,
+                          attempts: int = 1) -> tuple[float | None, int | None, str | None]:
+        """Pull the global model in FP32 with the observer ``key`` and evaluate it.
+
+        ``source()`` gives the followers (``pb.FollowerInfo``: index, layers, data endpoint)
+        and the version to pull; it is asked again before each of ``attempts`` tries, so a run
+        that moved on meanwhile (its followers serve only their current version) is pulled at
+        its new version. Returns ``(eval loss in nats/token, version, None)``, or ``(None,
+        None, error)`` when every try failed (each pull waits at most ``timeouts.rpc_s``)."""
+        from dips.roles.cluster import fetch_global_model
+        from dips.train.loop import eval_loss
+
+        cfg = self.cfg
+        error = "no attempt"
+        for _ in range(max(1, attempts)):
+            followers, version = source()
+            try:
+                fetch_global_model(self.model, followers, version, key,
+                                   timeout_s=cfg.timeouts.rpc_s)
+            except (RuntimeError, ValueError, TimeoutError) as exc:
+                error = f"{type(exc).__name__}: {exc}"
+                continue
+            loss = eval_loss(self.model, self.val, cfg.inner.seq_len, cfg.eval_batch_size,
+                             cfg.eval_batches)
+            return loss, version, None
+        return None, None, error
+
+
 def export_model(cfg: RunConfig, cache: Path, source: Callable[[], tuple[list[Any], int]],
                  key: MemberKey, out_dir: Path, attempts: int = 1) -> tuple[float | None, str | None]:
     """Pull the global model in FP32 with the observer ``key``, evaluate it on the held-out
     split (nats/token) and save it to ``out_dir`` (HF safetensors + config + tokenizer).
 
-    ``source()`` gives the followers (``pb.FollowerInfo``: index, layers, data endpoint) and
-    the version to pull; it is asked again before each of ``attempts`` tries, so a run that
-    moved on meanwhile (its followers serve only recent versions) is pulled at its new
-    version. Returns ``(eval loss, None)``, or ``(None, error)`` when every try failed
-    (nothing is written then). The tokenizer and data come from ``cache`` (built from the
-    bundled corpora there if missing), before the first pull."""
-    from transformers.utils import logging as hf_logging
+    ``source`` and ``attempts``: see :meth:`HeldOut.pull_and_evaluate`. Returns ``(eval
+    loss, None)``, or ``(None, error)`` when every try failed (nothing is written then). The
+    tokenizer and data come from ``cache`` (built from the bundled corpora there if missing),
+    before the first pull."""
+    from dips.train.corpus import load_tokenizer, to_hf_tokenizer
 
-    from dips.roles.cluster import fetch_global_model
-    from dips.train.corpus import load_tokenizer, load_tokens, to_hf_tokenizer
-    from dips.train.loop import eval_loss
-    from dips.train.model import build_model
-
-    hf_logging.disable_progress_bar()
-    data = load_tokens(cache, cfg.data.vocab_size, cfg.data.val_fraction, cfg.data.max_train_tokens)
-    model = build_model(cfg.model, cfg.seed)
-    error = "no attempt"
-    for _ in range(max(1, attempts)):
-        followers, version = source()
-        try:
-            fetch_global_model(model, followers, version, key, timeout_s=cfg.timeouts.rpc_s)
-        except (RuntimeError, ValueError, TimeoutError) as exc:
-            error = f"{type(exc).__name__}: {exc}"
-            continue
-        loss = eval_loss(model, data.val, cfg.inner.seq_len, cfg.eval_batch_size, cfg.eval_batches)
-        model.save_pretrained(out_dir, safe_serialization=True)
-        to_hf_tokenizer(load_tokenizer(cache, cfg.data.vocab_size)).save_pretrained(out_dir)
-        return loss, None
-    return None, error
+    held = HeldOut(cfg, cache)
+    loss, _, error = held.pull_and_evaluate(source, key, attempts)
+    if loss is None:
+        return None, error
+    held.model.save_pretrained(out_dir, safe_serialization=True)
+    to_hf_tokenizer(load_tokenizer(cache, cfg.data.vocab_size)).save_pretrained(out_dir)
+    return loss, None
 
 
 def export_and_summarize(cfg: RunConfig, run_dir: Path, spec: RunSpec, key: MemberKey | None,

@@ -1,5 +1,5 @@
 """The role commands: ``dips leader``, ``dips follower``, ``dips cluster`` (one per host), and
-the operator's ``dips export``.
+the operator's ``dips export`` and ``dips evaluate`` (the periodic evaluator, issue 15).
 
 Each takes its own ``--state-dir`` (nothing is shared between hosts), its TLS bundle from
 ``dips init`` (``--tls DIR``) or ``--insecure``, and bind (``--listen``) and advertised
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Callable, Optional
 
 import typer
 
@@ -39,6 +39,19 @@ LogFormat = Annotated[str, typer.Option(
 def _fail(command: str, exc: Exception) -> None:
     print(f"dips {command}: {exc}", file=sys.stderr, flush=True)
     raise typer.Exit(2)
+
+
+def _run(command: str, start: Callable[[], int],
+         errors: tuple[type[Exception], ...] = (RoleError, OSError)) -> None:
+    """Exit with ``start()``'s code: 0 when stopped before it could start (:class:`Stopped`),
+    2 naming the problem for one of ``errors``."""
+    try:
+        code = start()
+    except Stopped:
+        code = 0
+    except errors as exc:
+        _fail(command, exc)
+    raise typer.Exit(code)
 
 
 def _logging(name: str, fmt: str) -> None:
@@ -112,17 +125,11 @@ def follower(leader_addr: LeaderAddr,
 
     _logging(f"follower-{index}", log_format)
     stop = stop_on_signals()
-    try:
-        creds = credentials(tls, insecure, Identity.follower(index))
-        code = run_follower(leader_addr, index, listen, advertised(listen, advertise, "--advertise"),
-                            data_listen, advertised(data_listen, data_advertise, "--data-advertise"),
-                            state_dir.resolve(), creds, stop, init=init, data_ipc=data_ipc,
-                            metrics_port=metrics_port, metrics_host=metrics_host)
-    except Stopped:
-        code = 0
-    except (RoleError, OSError) as exc:
-        _fail("follower", exc)
-    raise typer.Exit(code)
+    _run("follower", lambda: run_follower(
+        leader_addr, index, listen, advertised(listen, advertise, "--advertise"), data_listen,
+        advertised(data_listen, data_advertise, "--data-advertise"), state_dir.resolve(),
+        credentials(tls, insecure, Identity.follower(index)), stop, init=init,
+        data_ipc=data_ipc, metrics_port=metrics_port, metrics_host=metrics_host))
 
 
 def cluster(leader_addr: LeaderAddr,
@@ -142,16 +149,11 @@ def cluster(leader_addr: LeaderAddr,
 
     _logging(f"cluster-{cluster_id}", log_format)
     stop = stop_on_signals()
-    try:
-        creds = credentials(tls, insecure, Identity.cluster(cluster_id))
-        code = run_cluster(leader_addr, cluster_id, state_dir.resolve(), creds, stop,
-                           cache_dir=cache_dir, stages=stages, metrics_port=metrics_port,
-                           metrics_host=metrics_host)
-    except Stopped:
-        code = 0
-    except (RoleError, OSError, ValueError, RuntimeError, Refused) as exc:  # refused for good
-        _fail("cluster", exc)
-    raise typer.Exit(code)
+    _run("cluster", lambda: run_cluster(
+        leader_addr, cluster_id, state_dir.resolve(),
+        credentials(tls, insecure, Identity.cluster(cluster_id)), stop, cache_dir=cache_dir,
+        stages=stages, metrics_port=metrics_port, metrics_host=metrics_host),
+        (RoleError, OSError, ValueError, RuntimeError, Refused))  # refused for good
 
 
 def export(leader_addr: LeaderAddr,
@@ -182,3 +184,31 @@ def export(leader_addr: LeaderAddr,
     except (RoleError, OSError) as exc:
         _fail("export", exc)
     print(json.dumps(doc))
+
+
+def evaluate(leader_addr: LeaderAddr,
+             every: Annotated[int, typer.Option("--every", min=1,
+                                                help="evaluate every N-th version (versions)")],
+             tls: Tls = None, insecure: Insecure = False,
+             state_dir: Annotated[Optional[Path], typer.Option(
+                 "--state-dir", help="this process's own directory (locked; evaluate.json)")
+             ] = None,
+             cache_dir: Annotated[Optional[Path], typer.Option(
+                 "--cache-dir", help="tokenizer/corpus cache (default: the config's)")] = None,
+             timeout: Annotated[float, typer.Option(
+                 "--timeout", min=1.0, help="seconds to wait for the leader at start")] = 180.0,
+             metrics_port: MetricsPort = None, metrics_host: MetricsHost = "0.0.0.0",
+             log_format: LogFormat = "text",
+             ) -> None:
+    """Pull every N-th version of the global model as the operator (pki/admin), compute its
+    held-out loss and report it to the leader (its eval.jsonl, metrics and dips status)."""
+    from dips.node.evaluate import run_evaluate
+    from dips.train.run import stop_on_signals
+    from dips.wire.pki import Identity
+
+    _logging("evaluate", log_format)
+    stop = stop_on_signals()
+    _run("evaluate", lambda: run_evaluate(
+        leader_addr, every, credentials(tls, insecure, Identity.admin()), stop,
+        state=state_dir.resolve() if state_dir is not None else None, cache_dir=cache_dir,
+        metrics_port=metrics_port, metrics_host=metrics_host, timeout_s=timeout))

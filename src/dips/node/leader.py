@@ -6,7 +6,8 @@ a new term (fencing token, :mod:`dips.algo.fencing`), persisted before the leade
 first takes the lease of every follower it knew: a follower still led by a live leader keeps
 refusing, and this process then steps down (exit code 3) without having changed anything.
 The state directory holds ``run.json``, ``term``, ``data_secret`` (0600), ``leader.json``,
-``outer_steps.jsonl`` and ``leader_events.jsonl``.
+``outer_steps.jsonl``, ``leader_events.jsonl`` and, with ``dips evaluate`` reporting,
+``eval.jsonl`` (:mod:`dips.roles.leader_eval`).
 """
 
 from __future__ import annotations

@@ -41,6 +41,8 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from dips.algo.evaluation import perplexity
+
 log = logging.getLogger(__name__)
 
 #: Histogram buckets for durations, seconds (a few ms to minutes: a transfer on a slow link).
@@ -158,12 +160,21 @@ class LeaderMetrics:
         self.events = Counter("dips_leader_events", "Events of leader_events.jsonl, by kind "
                               "(cluster_joined, cluster_removed, follower_down, reconciled, "
                               "...)", ["event"], registry=r)
+        self.heldout = Gauge("dips_heldout_loss", "Held-out loss of the global model at the "
+                             "last version `dips evaluate` reported (nats/token)", registry=r)
+        self.heldout_version = Gauge("dips_heldout_loss_version", "The version that loss is "
+                                     "of (version)", registry=r)
+        self.heldout_ppl = Gauge("dips_heldout_perplexity", "exp(dips_heldout_loss) (+Inf "
+                                 "where it overflows)", registry=r)
 
     # ----- the observer hook -------------------------------------------------------------
     def observe(self, stream: str, rec: dict[str, Any]) -> None:
-        """Fold one record of ``outer_steps.jsonl`` (``stream`` ``"outer_steps"``) or
-        ``leader_events.jsonl`` (``"leader_events"``) into the metrics."""
-        if stream == "leader_events":
+        """Fold one record of ``outer_steps.jsonl`` (``stream`` ``"outer_steps"``),
+        ``leader_events.jsonl`` (``"leader_events"``) or ``eval.jsonl`` (``"eval"``) into the
+        metrics."""
+        if stream == "eval":
+            self._heldout(rec)
+        elif stream == "leader_events":
             self.events.labels(event=str(rec.get("event", "?"))).inc()
         elif "event" not in rec and "accepted" in rec:
             self._decision(rec)
@@ -203,13 +214,20 @@ class LeaderMetrics:
         if isinstance(rec.get("delta_sq_norm"), (int, float)):
             self.delta_sq.set(rec["delta_sq_norm"])
 
+    def _heldout(self, rec: dict[str, Any]) -> None:
+        loss, version = rec.get("eval_loss"), rec.get("version")
+        if isinstance(loss, (int, float)) and isinstance(version, int):
+            self.heldout.set(loss)
+            self.heldout_version.set(version)
+            self.heldout_ppl.set(perplexity(loss))
+
     def replay(self, state: Path) -> int:
-        """Feed the records of ``state/outer_steps.jsonl`` and ``state/leader_events.jsonl``
-        (a previous process's) through :meth:`observe`, before the leader starts: counters go
-        on across restarts. A line that is not a JSON object is skipped. Returns the records
-        replayed."""
+        """Feed the records of ``state/outer_steps.jsonl``, ``state/leader_events.jsonl`` and
+        ``state/eval.jsonl`` (a previous process's) through :meth:`observe`, before the leader
+        starts: counters go on across restarts, the held-out gauges show the last report. A
+        line that is not a JSON object is skipped. Returns the records replayed."""
         n = 0
-        for stream in ("outer_steps", "leader_events"):
+        for stream in ("outer_steps", "leader_events", "eval"):
             path = state / f"{stream}.jsonl"
             if not path.exists():
                 continue

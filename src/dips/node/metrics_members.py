@@ -1,6 +1,7 @@
-"""Prometheus metrics of ``dips follower`` and ``dips cluster`` (see :mod:`dips.node.metrics`
-for the leader's, the endpoint and how metrics are fed). Their counters count from the
-process start: these roles persist no counts (Prometheus' ``rate()`` handles the reset).
+"""Prometheus metrics of ``dips follower``, ``dips cluster`` and ``dips evaluate`` (see
+:mod:`dips.node.metrics` for the leader's, the endpoint and how metrics are fed). Their counters
+count from the process start: these roles persist no counts (Prometheus' ``rate()`` handles
+the reset).
 """
 
 from __future__ import annotations
@@ -203,3 +204,23 @@ class _ClusterState(Collector):
                                     "ahead of this cluster's base version (versions)",
                                     value=max(0, leader - mine))
 
+
+
+class EvaluatorMetrics:
+    """The metrics of ``dips evaluate`` (issue 15), fed by :class:`dips.node.evaluate.Evaluator`
+    (the held-out loss itself is the leader's ``dips_heldout_loss``).
+
+    Args:
+        registry: this process's registry.
+    """
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        r = registry
+        self.evaluations = Counter("dips_evaluations", "Evaluations by result: reported "
+                                   "(accepted by the leader), refused (by the leader), failed "
+                                   "(a pull, join or report that did not complete: retried)",
+                                   ["result"], registry=r)
+        self.seconds = Histogram("dips_evaluation_seconds", "Pull of one version in FP32 and "
+                                 "its held-out evaluation, seconds", buckets=SECONDS, registry=r)
+        self.version = Gauge("dips_evaluated_version", "The last version whose held-out loss "
+                             "the leader accepted from this evaluator (version)", registry=r)

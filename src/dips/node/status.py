@@ -3,7 +3,8 @@
 It calls the leader's ``GetStatus`` over the same channel as the roles (mutual TLS with a
 bundle from ``dips init``, normally the operator's ``pki/admin``, or ``--insecure``) and shows
 the members (clusters: inner step, tokens, last loss, last verdict, pulled version, staleness;
-followers), the global version, rounds, phase, counts and whether the run finished.
+followers), the global version, rounds, phase, counts, whether the run finished and the last
+held-out loss ``dips evaluate`` reported.
 ``--watch`` redraws it in place; ``--json`` prints :func:`snapshot`'s object instead.
 
 ``GetStatus`` carries no fault history and no heartbeat ages, so the faults shown are derived
@@ -64,7 +65,17 @@ def snapshot(reply: pb.StatusReply, leader: str, now: float) -> dict[str, Any]:
             "counts": {k: getattr(reply, k) for k in _COUNTS},
             "ledger": {"epoch": reply.ledger_epoch, "accepted_windows": reply.accepted_windows},
             "followers_ready": ready, "followers_total": total,
-            "clusters": clusters, "followers": followers, "faults": []}
+            "clusters": clusters, "followers": followers, "heldout": _heldout(reply),
+            "faults": []}
+
+
+def _heldout(reply: pb.StatusReply) -> dict[str, Any] | None:
+    """The last held-out evaluation the leader recorded (``dips evaluate``, issue 15):
+    ``version``, ``eval_loss`` (nats/token), ``perplexity`` (null where it overflows),
+    ``tokens_accepted`` (null: unknown), ``eval_tokens``, ``time`` (epoch s); None: none yet."""
+    from dips.wire.heldout import last_eval
+
+    return last_eval(reply)
 
 
 class Faults:

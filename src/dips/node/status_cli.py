@@ -70,11 +70,23 @@ def render(doc: dict[str, Any], error: str = "") -> Group:
     for f in doc["followers"]:
         followers.add_row(str(f["index"]), up[f["up"]], str(f["incarnation"]),
                           f["control_endpoint"], f["data_endpoint"], str(f["layers"]))
-    parts: list[Any] = [head, counts, clusters, followers, _faults(doc)]
+    parts: list[Any] = [head, counts, _heldout(doc), clusters, followers, _faults(doc)]
     if error:
         parts.insert(0, Text(f"no answer: {error} (showing the answer of "
                              f"{_ago(time.time(), doc['time'])})", style="bold red"))
     return Group(*parts)
+
+
+def _heldout(doc: dict[str, Any]) -> Text:
+    """The last held-out evaluation (``dips evaluate``), or a dim line saying there is none."""
+    h = doc.get("heldout")
+    if h is None:
+        return Text("held-out loss: none reported (dips evaluate)", style="dim")
+    ppl = "-" if h["perplexity"] is None else f"{h['perplexity']:,.1f}"
+    return Text.assemble(("held-out loss ", "bold"), f"{h['eval_loss']:.4f} nats/token "
+                         f"(perplexity {ppl}) at version {h['version']}, "
+                         f"{_num(h['tokens_accepted'])} tokens accepted, "
+                         f"{_ago(doc['time'], h['time'])}")
 
 
 def _faults(doc: dict[str, Any]) -> Table | Text:

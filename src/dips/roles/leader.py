@@ -50,6 +50,7 @@ from dips.algo.round import (
     step,
 )
 from dips.roles import failpoints
+from dips.roles.leader_eval import EvalReports
 from dips.roles.leader_members import Membership
 from dips.roles.leader_push import Pushes
 from dips.roles.leader_records import Records
@@ -76,7 +77,7 @@ __all__ = ["ClusterEntry", "FollowerControl", "FollowerEntry", "Grant", "Leader"
            "VerdictReply"]
 
 
-class Leader(Membership, Records, Pushes):
+class Leader(Membership, Records, Pushes, EvalReports):
     """The leader's shell around the round machine; gRPC handlers call its public methods
     from many threads.
 
@@ -142,6 +143,7 @@ class Leader(Membership, Records, Pushes):
                          threading.Thread(target=self._monitor, name="leader-monitor", daemon=True)]
         if run_dir is not None:
             self._resume(run_dir / "leader.json")
+        self._init_evals()  # eval.jsonl: the held-out series (issue 15)
 
     # ----- lifecycle -------------------------------------------------------------------
     @property

@@ -47,8 +47,9 @@ class Records:
     ledger: ChunkLedger | None
     rounds_reserved: int
     _known_followers: dict[int, str]
-    #: Called with (``"outer_steps"`` or ``"leader_events"``, record) for every record the
-    #: leader writes (also without a run directory): the metrics of ``dips leader`` are fed
+    #: Called with (``"outer_steps"``, ``"leader_events"`` or ``"eval"``, record) for every
+    #: record the leader writes (also without a run directory; ``"eval"``:
+    #: :mod:`dips.roles.leader_eval`): the metrics of ``dips leader`` are fed
     #: from here. It runs on the writing thread, sometimes under the lock: it must be quick.
     observer: Callable[[str, dict[str, Any]], None] | None = None
 

@@ -14,6 +14,7 @@ module                      models
 :mod:`dips.spec.cluster`    :class:`Transient`, :class:`RateChange`, :class:`LinkConfig`,
                             :class:`ClusterConfig`
 :mod:`dips.spec.protocol`   :class:`GraceConfig`, :class:`MembershipConfig`, :class:`Timeouts`
+:mod:`dips.spec.evaluate`   :class:`EvaluateConfig` (``evaluate:``, the launched evaluator)
 :mod:`dips.spec.run`        :class:`RunConfig` (``dips launch``), :class:`LeaderConfig`,
                             :class:`RunSpec` (``run.json``)
 :mod:`dips.spec.scenario`   :class:`Scenario` (``dips bench compare``), :class:`Timing`,
@@ -25,6 +26,7 @@ module                      models
 
 from dips.spec.base import SpecError, Strict, format_validation_error, load_yaml, validate
 from dips.spec.cluster import ClusterConfig, LinkConfig, RateChange, Transient
+from dips.spec.evaluate import EvaluateConfig
 from dips.spec.protocol import GraceConfig, MembershipConfig, Timeouts
 from dips.spec.run import TBF_MIN_BPS, LeaderConfig, RunConfig, RunSpec, load_config
 from dips.spec.scenario import (DEFAULT_LINK_BPS, METHODS, PAPER_TRANSFER_OVER_ROUND, RealTime,
@@ -35,7 +37,8 @@ from dips.spec.worker import Endpoint, WorkerSpec
 
 __all__ = [
     "DEFAULT_LINK_BPS", "METHODS", "PAPER_TRANSFER_OVER_ROUND", "TBF_MIN_BPS", "ClusterConfig",
-    "DataConfig", "Endpoint", "GraceConfig", "InnerConfig", "LeaderConfig", "LinkConfig", "MembershipConfig",
+    "DataConfig", "Endpoint", "EvaluateConfig", "GraceConfig", "InnerConfig", "LeaderConfig",
+    "LinkConfig", "MembershipConfig",
     "ModelConfig", "OuterConfig", "PenaltyConfig", "RateChange", "RealTime", "RunConfig",
     "RunSpec", "Scenario", "SpecError", "Strict", "Timeouts", "Timing", "Transient",
     "WeakScaling", "WorkerSpec", "format_validation_error", "load_config", "load_scenario",

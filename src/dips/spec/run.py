@@ -19,6 +19,7 @@ from pydantic import Field, field_validator, model_validator
 
 from dips.spec.base import Strict, load_yaml
 from dips.spec.cluster import ClusterConfig
+from dips.spec.evaluate import EvaluateConfig
 from dips.spec.fingerprint import Fingerprint
 from dips.spec.protocol import GraceConfig, MembershipConfig, Timeouts
 from dips.spec.training import (
@@ -84,6 +85,8 @@ class RunConfig(Strict):
                                "(with TLS; --insecure never does); off: authenticated only")
     eval_batches: int = Field(8, ge=1, description="validation batches per evaluation")
     eval_batch_size: int = Field(16, ge=1, description="sequences per validation batch")
+    evaluate: EvaluateConfig | None = Field(None, description="dips launch starts the periodic "
+                                                          "evaluator (issue 15); None: none")
     timeouts: Timeouts = Field(default_factory=Timeouts, description="seconds per blocking phase")
 
     @field_validator("clusters")

@@ -19,6 +19,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Iterable
 
+from dips.algo.evaluation import EvalReport, check_report
 from dips.algo.refusal import Refusal, Refused
 from dips.wire.pb import control_pb2 as pb
 from dips.wire.admission import PUSH_ID
@@ -239,6 +240,13 @@ def lease_request(r: pb.LeaseRequest) -> tuple[str, int]:
     """(cluster id or "", chunks wanted >= 0)."""
     m = "LeaseRequest"
     return cluster_id(m, r.cluster_id), integer(m, "n", r.n)
+
+
+def eval_report(r: pb.EvalReport) -> EvalReport:
+    """The evaluator's report (issue 15), its fields checked on their own by
+    :func:`dips.algo.evaluation.check_report` (the leader checks the version against its
+    own). Raises Refused(INVALID_ARGUMENT) naming the field and value."""
+    return check_report(EvalReport(r.version, r.eval_loss, r.eval_tokens))
 
 
 # ----- the Follower service's requests (from the leader only) --------------------------------

@@ -26,7 +26,7 @@ from typing import Any, Callable
 import grpc
 
 from dips.algo.refusal import Refusal, Refused
-from dips.wire import fields
+from dips.wire import fields, heldout
 from dips.wire.control import Client, grpc_errors, refusal_of
 from dips.wire.inflight import CallGate
 from dips.wire.pb import control_pb2 as pb
@@ -215,7 +215,16 @@ class LeaderServicer(pbg.LeaderServicer):
                               followers_ready=s.followers_ready,
                               accepted_windows=_i64(s.accepted_windows),
                               ledger_epoch=_i64(s.ledger_epoch),
-                              outer_steps_lost=n["outer_steps_lost"], finished=s.finished)
+                              outer_steps_lost=n["outer_steps_lost"], finished=s.finished,
+                              last_eval=heldout.encode(self.leader.last_eval()))
+
+    @grpc_errors
+    def ReportEval(self, request: pb.EvalReport, context: Any) -> pb.EvalRecord:
+        who = self._caller(context, "ReportEval")  # the operator's only (issue 15)
+        heldout.require_evaluator(who)
+        report = fields.eval_report(request)
+        with self.gate.enter(who.name, "ReportEval"):
+            return heldout.encode(self.leader.report_eval(report))
 
     @grpc_errors
     def Lease(self, request: pb.LeaseRequest, context: Any) -> pb.LeaseReply:

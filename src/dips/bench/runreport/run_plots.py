@@ -9,9 +9,11 @@
 * ``followers.png``: each follower's utilisation (% busy) if its ``applied.jsonl`` records
   carry ``idle_fraction`` or ``utilisation``; otherwise the version it applied over time.
 
-Held-out points: ``eval_loss_initial`` (at 0 s, 0 tokens), every evaluation record, and
+Held-out points: ``eval_loss_initial`` (at 0 s, 0 tokens), every evaluation record (the
+leader's ``eval.jsonl`` of ``dips evaluate``: at its ``time`` and ``tokens_accepted``), and
 ``eval_loss_final`` (at ``train_time_s``, ``tokens_accepted``) of ``summary.json`` (without
-the ``train_start`` file to count ``train_time_s`` from: at the last outer step).
+the ``train_start`` file to count ``train_time_s`` from: at the last outer step); the
+summary's points are left out where the series has their version (0, ``final_version``).
 """
 
 from __future__ import annotations
@@ -62,17 +64,21 @@ def cluster_steps(run: RunFiles, records: list[dict[str, Any]]) -> ClusterSteps:
 
 
 def heldout_points(run: RunFiles) -> list[tuple[float | None, float | None, float]]:
-    """(seconds since the start, tokens accepted, held-out loss) of every evaluation known."""
+    """(seconds since the start, tokens accepted, held-out loss) of every evaluation known
+    (the summary's initial or final point is left out when an evaluation record is of the
+    same version: the evaluator's series already has it)."""
     s = run.summary or {}
     pts: list[tuple[float | None, float | None, float]] = []
-    if (v := num(s, "eval_loss_initial")) is not None:
+    versions = {r.get("version") for r in run.evals}
+    if (v := num(s, "eval_loss_initial")) is not None and 0 not in versions:
         pts.append((0.0, 0.0, v))
     for rec in run.evals:
         t = num(rec, "time")
         tok = num(rec, "tokens_accepted")
         pts.append((None if t is None else run.rel(t),
                     tok if tok is not None else num(rec, "tokens"), float(rec["eval_loss"])))
-    if (v := num(s, "eval_loss_final")) is not None:
+    final = s.get("final_version")
+    if (v := num(s, "eval_loss_final")) is not None and (final is None or final not in versions):
         ends = [run.rel(t) for r in run.outer_steps if (t := num(r, "time")) is not None]
         t_end = num(s, "train_time_s") if run.train_start is not None or not ends else max(ends)
         pts.append((t_end, num(s, "tokens_accepted"), v))

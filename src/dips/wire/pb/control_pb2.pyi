@@ -325,7 +325,7 @@ class ClusterStatus(_message.Message):
     def __init__(self, cluster_id: _Optional[str] = ..., inner_step: _Optional[int] = ..., tokens: _Optional[int] = ..., last_loss: _Optional[float] = ..., last_push: _Optional[str] = ..., pulled_version: _Optional[int] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("version", "rounds", "updates_pushed", "updates_accepted", "updates_rejected", "tokens_pushed", "tokens_accepted", "phase", "clusters", "followers", "outer_steps", "followers_ready", "accepted_windows", "ledger_epoch", "outer_steps_lost", "finished")
+    __slots__ = ("version", "rounds", "updates_pushed", "updates_accepted", "updates_rejected", "tokens_pushed", "tokens_accepted", "phase", "clusters", "followers", "outer_steps", "followers_ready", "accepted_windows", "ledger_epoch", "outer_steps_lost", "finished", "last_eval")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
     UPDATES_PUSHED_FIELD_NUMBER: _ClassVar[int]
@@ -342,6 +342,7 @@ class StatusReply(_message.Message):
     LEDGER_EPOCH_FIELD_NUMBER: _ClassVar[int]
     OUTER_STEPS_LOST_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
+    LAST_EVAL_FIELD_NUMBER: _ClassVar[int]
     version: int
     rounds: int
     updates_pushed: int
@@ -358,7 +359,34 @@ class StatusReply(_message.Message):
     ledger_epoch: int
     outer_steps_lost: int
     finished: str
-    def __init__(self, version: _Optional[int] = ..., rounds: _Optional[int] = ..., updates_pushed: _Optional[int] = ..., updates_accepted: _Optional[int] = ..., updates_rejected: _Optional[int] = ..., tokens_pushed: _Optional[int] = ..., tokens_accepted: _Optional[int] = ..., phase: _Optional[str] = ..., clusters: _Optional[_Iterable[_Union[ClusterStatus, _Mapping]]] = ..., followers: _Optional[_Iterable[_Union[FollowerInfo, _Mapping]]] = ..., outer_steps: _Optional[int] = ..., followers_ready: _Optional[int] = ..., accepted_windows: _Optional[int] = ..., ledger_epoch: _Optional[int] = ..., outer_steps_lost: _Optional[int] = ..., finished: _Optional[str] = ...) -> None: ...
+    last_eval: EvalRecord
+    def __init__(self, version: _Optional[int] = ..., rounds: _Optional[int] = ..., updates_pushed: _Optional[int] = ..., updates_accepted: _Optional[int] = ..., updates_rejected: _Optional[int] = ..., tokens_pushed: _Optional[int] = ..., tokens_accepted: _Optional[int] = ..., phase: _Optional[str] = ..., clusters: _Optional[_Iterable[_Union[ClusterStatus, _Mapping]]] = ..., followers: _Optional[_Iterable[_Union[FollowerInfo, _Mapping]]] = ..., outer_steps: _Optional[int] = ..., followers_ready: _Optional[int] = ..., accepted_windows: _Optional[int] = ..., ledger_epoch: _Optional[int] = ..., outer_steps_lost: _Optional[int] = ..., finished: _Optional[str] = ..., last_eval: _Optional[_Union[EvalRecord, _Mapping]] = ...) -> None: ...
+
+class EvalReport(_message.Message):
+    __slots__ = ("version", "eval_loss", "eval_tokens")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    EVAL_LOSS_FIELD_NUMBER: _ClassVar[int]
+    EVAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    eval_loss: float
+    eval_tokens: int
+    def __init__(self, version: _Optional[int] = ..., eval_loss: _Optional[float] = ..., eval_tokens: _Optional[int] = ...) -> None: ...
+
+class EvalRecord(_message.Message):
+    __slots__ = ("time", "version", "tokens_accepted", "eval_loss", "perplexity", "eval_tokens")
+    TIME_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    EVAL_LOSS_FIELD_NUMBER: _ClassVar[int]
+    PERPLEXITY_FIELD_NUMBER: _ClassVar[int]
+    EVAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    time: float
+    version: int
+    tokens_accepted: int
+    eval_loss: float
+    perplexity: float
+    eval_tokens: int
+    def __init__(self, time: _Optional[float] = ..., version: _Optional[int] = ..., tokens_accepted: _Optional[int] = ..., eval_loss: _Optional[float] = ..., perplexity: _Optional[float] = ..., eval_tokens: _Optional[int] = ...) -> None: ...
 
 class ScoreRequest(_message.Message):
     __slots__ = ("round", "cluster_ids", "push_ids")

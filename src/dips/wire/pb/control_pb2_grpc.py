@@ -85,6 +85,11 @@ class LeaderStub:
                 request_serializer=dips_dot_wire_dot_pb_dot_control__pb2.LeaseRequest.SerializeToString,
                 response_deserializer=dips_dot_wire_dot_pb_dot_control__pb2.LeaseReply.FromString,
                 _registered_method=True)
+        self.ReportEval = channel.unary_unary(
+                '/dips.v1.Leader/ReportEval',
+                request_serializer=dips_dot_wire_dot_pb_dot_control__pb2.EvalReport.SerializeToString,
+                response_deserializer=dips_dot_wire_dot_pb_dot_control__pb2.EvalRecord.FromString,
+                _registered_method=True)
 
 
 class LeaderServicer:
@@ -156,6 +161,14 @@ class LeaderServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportEval(self, request, context):
+        """A held-out evaluation of a version of the global model (issue 15: `dips evaluate`); only
+        the operator's identity (admin) may report, once per version, a version the leader had.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_LeaderServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -208,6 +221,11 @@ def add_LeaderServicer_to_server(servicer, server):
                     servicer.Lease,
                     request_deserializer=dips_dot_wire_dot_pb_dot_control__pb2.LeaseRequest.FromString,
                     response_serializer=dips_dot_wire_dot_pb_dot_control__pb2.LeaseReply.SerializeToString,
+            ),
+            'ReportEval': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportEval,
+                    request_deserializer=dips_dot_wire_dot_pb_dot_control__pb2.EvalReport.FromString,
+                    response_serializer=dips_dot_wire_dot_pb_dot_control__pb2.EvalRecord.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -481,6 +499,33 @@ class Leader:
             '/dips.v1.Leader/Lease',
             dips_dot_wire_dot_pb_dot_control__pb2.LeaseRequest.SerializeToString,
             dips_dot_wire_dot_pb_dot_control__pb2.LeaseReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportEval(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dips.v1.Leader/ReportEval',
+            dips_dot_wire_dot_pb_dot_control__pb2.EvalReport.SerializeToString,
+            dips_dot_wire_dot_pb_dot_control__pb2.EvalRecord.FromString,
             options,
             channel_credentials,
             insecure,
