@@ -100,3 +100,9 @@ bench-dataplane: install
 simulate: install
 	$(VENV)/bin/dips simulate --scenario configs/simulate/production-100b.yaml \
 		--out runs/simulate/production-100b
+
+# Projections of the production run to 64, 256 and 1,024 clusters (100B and 14B; issue 16,
+# SCALE.md): scale.json and scale.md in runs/simulate/scale (1 simulated day per run).
+.PHONY: simulate-scale
+simulate-scale: install
+	$(VENV)/bin/python -m dips.sim.scale --days 1 --out runs/simulate/scale

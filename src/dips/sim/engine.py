@@ -41,9 +41,9 @@ from dips.algo.round import (Admitted, Decided, MemberGone, PullDone, PushReport
                              PushRequested, RoundEnded, RoundOpened, RoundPolicy, RoundState,
                              Staged, StartUpdate, Tick, UpdateFinished)
 from dips.algo.schedule import ScheduleBook
-from dips.emu.vclock import EventQueue
 from dips.roles import outer_step
 from dips.sim import costs
+from dips.sim.events import FastQueue
 from dips.sim.followers import FollowerLoad, ModelledFollower, NormBoard
 from dips.sim.member import Member
 from dips.sim.network import Job, Network
@@ -62,12 +62,12 @@ class Simulation:
 
     def __init__(self, scenario: SimScenario) -> None:
         sc = self.sc = scenario
-        self.q = EventQueue()
+        self.q = FastQueue()
         layers = costs.layer_params(sc.model)
         sizes = [p for _, p in layers]
         self.params = sum(sizes)
         wire = costs.wire_bytes_per_param(sc.outer.wire_dtype)
-        self.layer_bytes = [p * wire for p in sizes]
+        self.layer_bytes = [p * wire * sc.wire_bytes_scale for p in sizes]
         M = sc.followers.count
         parts = partition_contiguous([4 * p for p in sizes], M)  # FP32 bytes, as the leader
         self.owner = {k: f for f, r in enumerate(parts) for k in r}
@@ -197,8 +197,11 @@ class Simulation:
         m.set_state("join", t)
         self._lease(m, t)
         version = self.version
-        m.job = self._pull_job(m, lambda t2: self._joined(m, version, t2))
-        m.job.begin(t)
+        if m.epoch == 0 and not m.cfg.initial_pull:  # starts from the shared initial model
+            self._joined(m, version, t)
+        else:
+            m.job = self._pull_job(m, lambda t2: self._joined(m, version, t2))
+            m.job.begin(t)
         if m.cfg.mtbf_s is not None:
             self.q.push(t + float(m.rng["faults"].exponential(m.cfg.mtbf_s)), "fault",
                         (m.cid, m.epoch))

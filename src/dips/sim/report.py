@@ -3,7 +3,8 @@
 * ``clusters``: per cluster, seconds per state (:mod:`dips.sim.member`), the PS's overhead
   (admit + push + verdict + pull) as ``added_time_frac`` = overhead / compute seconds (§16:
   "Di-PS adds less than ~6% to each cluster's time") and ``overhead_frac`` = overhead /
-  (compute + overhead), pushes, verdicts, faults, mean push and pull seconds.
+  (compute + overhead), ``idle_frac`` = overhead / run seconds (the virtual-time engine's
+  idle fraction), pushes, verdicts, faults, mean push and pull seconds.
 * ``followers``: per follower, ``idle_frac`` = 1 − (seconds its CPU ran an outer step or its
   NIC moved data, their union) / run seconds, ``cpu_busy_frac``, ``nic_busy_frac``, peak NIC
   rate per direction (bits/s; the fluid model's rates are piecewise constant, so this is the
@@ -51,7 +52,7 @@ def _mean(xs: list[float]) -> float | None:
 
 
 def _clusters(sim: Simulation) -> dict[str, Any]:
-    out = {}
+    out, T = {}, sim.end_s or 1.0
     for cid, m in sim.members.items():
         tot = m.totals
         compute = tot.get("compute", 0.0)
@@ -60,6 +61,7 @@ def _clusters(sim: Simulation) -> dict[str, Any]:
             "compute_s": _r(compute), "overhead_s": _r(overhead),
             "added_time_frac": _r(overhead / compute) if compute else None,
             "overhead_frac": _r(overhead / (compute + overhead)) if compute + overhead else None,
+            "idle_frac": _r(overhead / T),
             "state_s": {k: _r(v) for k, v in sorted(tot.items())},
             "pushes": m.push_no, "accepted": m.accepted, "rejected": m.rejected,
             "faults": m.faults, "tokens_accepted": m.tokens_accepted,

@@ -75,6 +75,10 @@ class SimCluster(Strict):
                                           "(exponential; never before it was removed)")
     join_s: float = Field(0.0, ge=0, allow_inf_nan=False,
                           description="when the cluster first joins, seconds")
+    initial_pull: bool = Field(True, description="pull the whole model on the first join "
+                                                 "(False: start from the shared initial model, "
+                                                 "as the virtual-time engine's clusters do; a "
+                                                 "rejoin always pulls)")
 
     def ids(self) -> list[str]:
         """The cluster ids of this type: ``[id]``, or ``id1 … idN`` when ``count`` > 1."""
@@ -188,6 +192,10 @@ class SimScenario(Strict):
     seed: int = Field(0, ge=0, description="seed of every random draw")
     model: ModelConfig = Field(description="the model's shape (only its parameter counts are used)")
     H: int = Field(64, ge=1, description="inner steps per push (§13 default 64)")
+    wire_bytes_scale: float = Field(1.0, gt=0, allow_inf_nan=False,
+                                    description="bytes moved per wire byte of the model "
+                                                "(dimensionless; the virtual-time engine's "
+                                                "timing.model_bytes_scale, 1 for a real model)")
     outer: OuterConfig = Field(default_factory=OuterConfig,
                                description="the outer step's settings (clip, staleness, wire_dtype)")
     penalty: PenaltyConfig = Field(default_factory=PenaltyConfig, description="the §8 penalty")

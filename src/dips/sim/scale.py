@@ -1,0 +1,136 @@
+"""Projections of a Di-PS run to 64, 256 and 1,024 clusters (issue 16; seed §16, §17).
+
+``python -m dips.sim.scale --out DIR [--days D] [--clusters 64,256,1024] [--models 100b,14b]``
+(``make simulate-scale``) takes a base scenario per model (``configs/simulate/scale-100b.yaml``,
+``scale-14b.yaml``: the §16 cluster types, links, costs and faults), multiplies its cluster
+types to N clusters in the base's proportions, runs :func:`dips.sim.simulate` for each
+(model, N, followers, H) of the grid, and writes ``scale.json`` and ``scale.md`` (the table of
+SCALE.md). Every run is seeded; the table is the same on every machine. The wall and CPU
+seconds of each run are printed (not stored: they are the only figures that vary).
+
+Per run: the leader's control messages per second (average, busiest 1-s bin), its CPU share at
+``rpc_cpu_s`` per message, the largest per-cluster overhead (PS time / compute), the H that
+would bring it under 5% (overhead per push is about constant, compute grows with H:
+H × overhead / 5%), staleness (mean, p95, max), the share of pushes the §8 penalty rejected
+(no corrupted pushes in the model: staleness and noise alone), and a follower's peak memory
+(bytes per parameter in the base file's ``followers.memory``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+from dips.spec.simulate import SimScenario, load_sim_scenario
+
+__all__ = ["GRID", "run_grid", "scaled", "table"]
+
+ROOT = Path(__file__).resolve().parents[3]
+#: (clusters, followers) of the projections; followers at most the model's layers + 2.
+GRID = {64: (16, 32), 256: (32, 64), 1024: (64, 96)}
+
+
+def scaled(base: SimScenario, clusters: int, followers: int, days: float,
+           H: int | None = None) -> SimScenario:
+    """``base`` with its cluster types multiplied to ``clusters`` clusters (counts in the base's
+    proportions, the remainder to the first type), ``followers`` followers (capped at the
+    model's layers + 2), ``days`` simulated days and, if given, ``H`` inner steps per push."""
+    counts = [c.count for c in base.clusters]
+    total = sum(counts)
+    new = [clusters * k // total for k in counts]
+    new[0] += clusters - sum(new)
+    types = [c.model_copy(update={"count": k}) for c, k in zip(base.clusters, new) if k]
+    layers = base.model.num_layers + 2
+    data = base.data.model_copy(update={"num_chunks": max(base.data.num_chunks, 8 * clusters)})
+    update: dict[str, Any] = {
+        "name": f"{base.name}-n{clusters}-m{followers}" + (f"-h{H}" if H else ""),
+        "clusters": types, "horizon_s": days * 86400.0, "data": data, "reference": None,
+        "token_budget": None,  # a projection runs to its horizon
+        "followers": base.followers.model_copy(update={"count": min(followers, layers)})}
+    if H is not None:
+        update["H"] = H
+    return SimScenario.model_validate({**base.model_dump(), **{
+        k: (v.model_dump() if hasattr(v, "model_dump") else
+            [x.model_dump() for x in v] if isinstance(v, list) else v)
+        for k, v in update.items()}})
+
+
+def _row(model: str, sc: SimScenario, doc: dict[str, Any]) -> dict[str, Any]:
+    lead, f, st = doc["leader"], doc["followers_summary"], doc["staleness"]
+    over = doc["overhead"]["added_time_frac_max"] or 0.0
+    params = max(doc["model"]["params_per_follower"])
+    return {"model": model, "clusters": sum(c.count for c in sc.clusters),
+            "followers": sc.followers.count, "H": sc.H, "days": doc["simulated_s"] / 86400,
+            "msg_avg": lead["msg_rate_avg"], "msg_peak": lead["msg_rate_peak"],
+            "msg_peak_no_hb": lead["msg_rate_peak_no_heartbeats"],
+            "leader_cpu": lead["cpu_frac"], "overhead_max": over,
+            "overhead_mean": doc["overhead"]["added_time_frac_mean"],
+            "H_for_5pct": math.ceil(sc.H * over / 0.05) if over > 0.05 else sc.H,
+            "staleness_mean": st["mean"], "staleness_p95": st["p95"], "staleness_max": st["max"],
+            "rejected_frac": doc["pushes"]["rejected_frac"], "pushes": doc["pushes"]["decided"],
+            "outer_steps": doc["rounds"]["outer_steps"],
+            "pushes_per_round": doc["rounds"]["pushes_per_round_mean"],
+            "cpu_idle_min": f["cpu_idle_frac_min"], "link_peak_gbps": f["link_peak_bps"] / 1e9,
+            "memory_peak_gb": f["memory_peak_bytes"] / 1e9,
+            "memory_bytes_per_param": f["memory_peak_bytes"] / params}
+
+
+def run_grid(models: list[str], clusters: list[int], days: float,
+             out: Path | None = None) -> list[dict[str, Any]]:
+    """Run the grid (:data:`GRID` for each model in ``models`` and N in ``clusters``); returns
+    one row per run (see :func:`_row`) and, with ``out``, writes scale.json and scale.md."""
+    from dips.sim import simulate
+
+    rows = []
+    for model in models:
+        base = load_sim_scenario(ROOT / "configs" / "simulate" / f"scale-{model}.yaml")
+        for n in clusters:
+            for m in GRID[n]:
+                sc = scaled(base, n, m, days)
+                wall, cpu = time.perf_counter(), time.process_time()
+                doc = simulate(sc)
+                rows.append(_row(model, sc, doc))
+                print(f"{sc.name}: {days:g} days in {time.perf_counter() - wall:.1f} s wall, "
+                      f"{time.process_time() - cpu:.1f} s CPU", flush=True)
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "scale.json").write_text(json.dumps(rows, indent=1) + "\n")
+        (out / "scale.md").write_text(table(rows))
+    return rows
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    """The markdown table of ``rows`` (SCALE.md)."""
+    head = ("| model | clusters | followers | leader msg/s avg / peak (no heartbeats) | leader CPU "
+            "| overhead max / mean | H for < 5% | staleness mean / p95 / max | rejected "
+            "| pushes per round | follower CPU idle | link peak Gbit/s | follower peak memory |\n"
+            "|" + " --- |" * 13 + "\n")
+    lines = [f"| {r['model']} | {r['clusters']} | {r['followers']} | {r['msg_avg']:.2f} / "
+             f"{r['msg_peak']} ({r['msg_peak_no_hb']}) | {100 * r['leader_cpu']:.3f}% | "
+             f"{100 * r['overhead_max']:.2f}% / {100 * (r['overhead_mean'] or 0):.2f}% | "
+             f"{r['H_for_5pct']} | {r['staleness_mean']} / {r['staleness_p95']} / "
+             f"{r['staleness_max']} | {100 * r['rejected_frac']:.2f}% | "
+             f"{r['pushes_per_round']} | {100 * r['cpu_idle_min']:.1f}% | "
+             f"{r['link_peak_gbps']:.1f} | {r['memory_peak_gb']:.0f} GB "
+             f"({r['memory_bytes_per_param']:.0f} B/param) |" for r in rows]
+    return head + "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    """The command line (module docstring)."""
+    p = argparse.ArgumentParser(prog="python -m dips.sim.scale", description=__doc__.split("\n")[0])
+    p.add_argument("--out", type=Path, default=ROOT / "runs" / "simulate" / "scale")
+    p.add_argument("--days", type=float, default=2.0, help="simulated days per run")
+    p.add_argument("--clusters", default="64,256,1024", help="comma-separated, of 64,256,1024")
+    p.add_argument("--models", default="100b,14b", help="comma-separated, of 100b,14b")
+    a = p.parse_args(argv)
+    rows = run_grid(a.models.split(","), [int(x) for x in a.clusters.split(",")], a.days, a.out)
+    print(table(rows))
+
+
+if __name__ == "__main__":
+    main()
