@@ -457,29 +457,49 @@ def test_a_push_reported_delivered_but_incomplete_keeps_its_member_sent_ahead():
         assert ("h" in s.send_ahead) == (k < 63) and s.send_ahead.get("h", 0) == 63 - k
         assert [v.accepted for a in acts if isinstance(a, Decided) for v in a.verdicts] == [True]
         now += 10.0
-    assert s.push_s["h"] == pytest.approx(0.3)
+    # While it owed, the estimate never dropped (review 18, B); paid off, pushes sent ahead
+    # for its estimate (2.4 s against the others' 0.1 s) bring it down, and once it is under
+    # stage_min_s (1 s) its push is admitted into a round again.
+    assert s.push_s["h"] == pytest.approx(held)
+    for k in range(2):
+        s, acts = run([PushRequested(now, "h", f"hf{k}", 0, 5),
+                       PushReported(now + 0.3, "h", f"hf{k}", True), Tick(now + 1.3),
+                       UpdateFinished(now + 1.4, 74 + k, UpdateOutcome(68 + k, ("h",)))], pol, s)
+        assert type(acts[0]).__name__ == "Staged" and "h" not in s.send_ahead
+        now += 10.0
+    assert s.push_s["h"] == pytest.approx(0.25 * held + 0.75 * 0.3)
     s, acts = run([PushRequested(now, "h", "hn", 5, 5)], pol, s)
     assert "h" not in s.staging and s.current.slots["h"].push_id == "hn"
 
 
-def test_a_member_that_stalls_each_round_it_is_admitted_to_owes_twice_as_much_each_time():
+@pytest.mark.parametrize("how", ["silent", "late"])
+def test_a_member_that_stalls_each_round_it_is_admitted_to_owes_twice_as_much_each_time(how):
     """Review 17, C: a member sent its pushes ahead complete at once, was measured fast again,
     and stalled the next round it was admitted to (it sent nothing), round after round: honest
-    throughput 0.61×. What it owes doubles with each stall, so in 100 of its pushes it holds
+    throughput 0.61×. Review 18, B: the same with complete pushes reported just before their
+    deadline (0.59×). What it owes doubles with each stall, so in 100 of its pushes it holds
     7 rounds (after 1, 2, 4, ... complete pushes), not one in every two or three."""
     pol = policy(window_s=1.0)
-    s, now, held = RoundState(), 0.0, 0
+    s, _ = run([req(0.0, "a"), Tick(1.0)], pol)  # an honest member whose pushes take 0.1 s
+    s, _ = run([PushReported(1.1, "a", s.current.slots["a"].push_id, True),
+                UpdateFinished(1.2, 1, UpdateOutcome(1, ("a",)))], pol, s)
+    now, held = 100.0, 0
     for k in range(100):
         s, acts = run([PushRequested(now, "h", f"h{k}", 0, 5, expected_s=0.1)], pol, s)
         if "h" in s.staging:  # sent ahead: it delivers at once, complete
             s, _ = run([PushReported(now + 0.1, "h", f"h{k}", True), Tick(now + 1.1)], pol, s)
             s, _ = run([UpdateFinished(now + 1.2, s.rounds, UpdateOutcome(k, ("h",)))], pol, s)
-        else:  # admitted into a round: it holds it to the push deadline and fails
+        else:  # admitted into a round: it holds it to the push deadline
             held += 1
             s, _ = run([Tick(now + 1.0)], pol, s)
-            s, _ = run([Tick(s.current.push_deadline)], pol, s)
-            s, _ = run([UpdateFinished(s.current.push_deadline + 0.1, s.rounds,
-                                       UpdateOutcome(k))], pol, s)
+            due = s.current.push_deadline
+            if how == "silent":  # and fails
+                s, _ = run([Tick(due)], pol, s)
+                outcome = UpdateOutcome(k)
+            else:  # complete, just before the deadline
+                s, _ = run([PushReported(due - 0.4, "h", f"h{k}", True)], pol, s)
+                outcome = UpdateOutcome(k, ("h",))
+            s, _ = run([UpdateFinished(due + 0.1, s.rounds, outcome)], pol, s)
         now += 100.0
     assert held == 7 and s.stalls["h"] == 7
 
@@ -516,3 +536,17 @@ def test_a_failed_or_abandoned_push_counts_like_a_timeout_but_not_one_its_round_
         s, _ = run([PushReported(at, "a", pid, True),
                     UpdateFinished(at + 0.1, 2, UpdateOutcome(2, ("a",)))], pol, opened)
         assert s.push_s["a"] == pytest.approx(0.5 * took + 0.5 * 1.5)
+
+
+def test_a_member_without_a_prediction_gets_the_median_push_not_the_slowest():
+    """Review 18, C: a colluder made its own pushes look slow (7.5 s); a fresh identity with
+    no prediction of its own was then given 2 s + 4 × 7.5 s to stall its first round. It gets
+    the median measured push instead (the upper one)."""
+    from dips.algo.round import Round, Slot, push_deadline
+
+    pol = policy(window_s=1.0)
+    fresh = Slot("new", "p-new", 0, 5, 10.0, None, round=3, admitted_at=10.0)
+    rnd = Round(3, 10.0, 11.0, {"new": fresh})
+    measured = {"a": 0.1, "b": 0.2, "x": 7.5}
+    assert push_deadline(rnd, 11.0, pol, measured) == pytest.approx(10.0 + 2.0 + 4 * 0.2)
+    assert push_deadline(rnd, 11.0, pol, {}) == 11.0 + pol.push_timeout_s  # nothing measured

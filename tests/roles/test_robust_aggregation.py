@@ -2,8 +2,8 @@
 2026-11-30 and 2026-12-01): §8's pooled statistics follow it, but every push enters the mean at
 most ``outer.push_norm_ratio`` × √μ_robust and the clip's μ is capped at its square × μ_robust,
 so once every member has pushed the outer step is at most twice an honest one, with one
-colluder or two. The review of the bound's own gaps (``/tmp/review16``) is kept below as a
-strict xfail: a member that pushes first and alone sets μ_robust itself.
+colluder or two. The reviews of the bound's own gaps (``/tmp/review16``–``18``: a member that
+pushes first and alone, in a run of two, or among clusters added later) are kept below.
 
 The round runs through :func:`dips.roles.outer_step.run_update`, the code of the real leader
 and of the virtual-time engine, with followers whose pseudo-gradients are orthogonal vectors of
@@ -11,6 +11,7 @@ the given norms (‖δ‖² = Σ_j w_j² ‖Δ_j‖²)."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -19,7 +20,7 @@ from dips.algo.penalty import PenaltyState, robust_mu
 from dips.algo.round import Slot
 from dips.roles.outer_step import run_update
 from dips.spec import OuterConfig, PenaltyConfig
-from tests.roles.test_hostile_leader import FakeFollower
+from tests.roles.test_hostile_leader import FakeFollower, make_leader, member, wait_for
 
 CFG, OUTER = PenaltyConfig(), OuterConfig()
 
@@ -132,3 +133,37 @@ def test_a_member_that_pushes_first_and_alone_cannot_set_the_scale(members):
                                                   admitted_at=0.0, done=True, ok=True)],
                        0, PenaltyState(), CFG, OUTER)
     assert robust_mu(alone.penalty) > 1e19
+
+
+@pytest.mark.parametrize("roster", [0, 3])
+def test_the_leader_counts_the_clusters_issued_before_they_join(tmp_path, roster):
+    """Review 18, A: a run configured with fewer clusters than were issued (the others added
+    with ``dips init --add-cluster``) took the one added member that joined first as the whole
+    run, and its push of ‖Δ‖² = 1e20 set the scale: a step of 5e9. The leader counts the
+    clusters its ``clusters.txt`` lists (``Leader.roster``): with three issued, a lone first
+    push is held to the seed's clip norm."""
+    leader, fake = make_leader(tmp_path, ledger=False)  # configured_clusters: 0
+    norms = {"x": 1e20}
+    fake.score = lambda rnd, clusters, push_ids=None: [(c, True, norms[c], "") for c in clusters]
+    fake.aggregate = lambda rnd, clusters, weights: sum(w * w * norms[c]
+                                                        for c, w in zip(clusters, weights))
+    leader.roster = lambda: roster
+    try:
+        member(leader, "x")
+        grant = leader.request_push("x", 0, 1, 5.0)
+        assert leader.push_done("x", grant.push_id, True, "", 30.0).verdict.accepted
+        path = tmp_path / "outer_steps.jsonl"
+
+        def record():
+            lines = path.read_text().splitlines(keepends=True) if path.exists() else []
+            done = [json.loads(line) for line in lines if line.endswith("\n")]
+            return [r for r in done if r["round"] == grant.round]
+        wait_for(record, "the round's record")
+        rec = record()[0]
+        step = rec["clip_factor"] * math.sqrt(rec["delta_sq_norm"])
+        if roster:
+            assert step <= OUTER.clip_ratio * OUTER.push_norm_ratio * OUTER.max_norm * (1 + 1e-9)
+        else:  # what the review saw: the lone member is the run
+            assert step > 1e9
+    finally:
+        leader.stop()

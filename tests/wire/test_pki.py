@@ -17,6 +17,7 @@ from typer.testing import CliRunner
 
 from dips.cli import app
 from dips.wire.pki import (
+    ISSUED,
     ROLES,
     Identity,
     PkiError,
@@ -54,11 +55,13 @@ def _snapshot(root: Path) -> dict[str, tuple[bytes, int]]:
 
 def test_init_writes_every_bundle_with_private_keys_0600(pki: Path) -> None:
     names = ["leader", "admin", "follower-0", "follower-1", "cluster-a", "cluster-b"]
-    assert sorted(p.name for p in pki.iterdir()) == sorted(["ca.crt", "ca.key", *names])
+    assert sorted(p.name for p in pki.iterdir()) == sorted(["ca.crt", "ca.key", ISSUED, *names])
     assert stat.S_IMODE((pki / "ca.key").stat().st_mode) == 0o600
     assert stat.S_IMODE((pki / "ca.crt").stat().st_mode) == 0o644
     for name in names:
-        assert sorted(p.name for p in (pki / name).iterdir()) == ["ca.crt", "tls.crt", "tls.key"]
+        listed = [ISSUED] if name == "leader" else []  # the clusters issued, for the leader
+        assert sorted(p.name for p in (pki / name).iterdir()) == sorted(
+            ["ca.crt", "tls.crt", "tls.key", *listed])
         assert stat.S_IMODE((pki / name / "tls.key").stat().st_mode) == 0o600
         assert stat.S_IMODE((pki / name / "tls.crt").stat().st_mode) == 0o644
         assert (pki / name / "ca.crt").read_bytes() == (pki / "ca.crt").read_bytes()
@@ -154,6 +157,10 @@ def test_add_cluster_and_revoke(tmp_path: Path) -> None:
     assert TlsBundle.load(add_cluster(tmp_path, "new")).identity == Identity.cluster("new")
     with pytest.raises(PkiError, match="already"):
         add_cluster(tmp_path, "new")
+    # Every cluster issued is listed for the leader (issue 13, review 18: clusters added
+    # later must count as members before they join).
+    for where in (tmp_path, tmp_path / "leader"):
+        assert (where / ISSUED).read_text() == "a\nnew\n"
     with pytest.raises(PkiError, match="cluster id must match"):
         revoke(tmp_path, "a b")
     revoke(tmp_path, "a")

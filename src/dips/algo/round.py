@@ -51,6 +51,10 @@ __all__ = [
     "Action"]
 
 
+#: A push admitted into a round that took more than ``push_floor_s / 2 + LATE_FACTOR ×`` its
+#: predicted time counts as not delivered in time, even complete (:func:`_scored`).
+LATE_FACTOR = 2.0
+
 #: The most complete pushes a member owes before its pushes join rounds again (:func:`_scored`):
 #: after 7 incomplete ones, a member that stalls every round it is admitted to holds one round
 #: in 64 of its pushes; an honest member with a flaky link only has its pushes sent ahead.
@@ -158,9 +162,12 @@ def _scored(state: RoundState, rnd: Round, outcome: UpdateOutcome,
 
     A push counts as fast only once it is known to have been delivered complete: reported
     delivered and scored (not in ``outcome.invalid``). Its measured time (admission to report)
-    enters the member's moving average, and counts toward what the member owes (below). Any
-    other push — timed out, reported failed, dropped as its member left, or reported delivered
-    but found incomplete when scored — counts as at least as slow as it took: the estimate
+    enters the member's moving average (never lowering it while the member owes), and counts
+    toward what the member owes (below). Any other push — timed out, reported failed, dropped
+    as its member left, reported delivered but found incomplete when scored, or admitted into
+    a round and reported later than ``push_floor_s / 2 +`` :data:`LATE_FACTOR` × its predicted
+    time, complete or not (review 18, B: 0.59× honest throughput) — counts as at least as slow
+    as it took: the estimate
     never drops, and the member's pushes are sent ahead of their round until it has delivered
     complete pushes again: 1 after its first such push, then twice as many after each further
     one (at most :data:`MAX_OWED`), so a member that stalls every round it is admitted to holds
@@ -182,8 +189,14 @@ def _scored(state: RoundState, rnd: Round, outcome: UpdateOutcome,
         took = max(s.reported_at - s.admitted_at, 0.0)
         old = push_s.get(c)
         mean = took if old is None else a * took + (1 - a) * old
-        if complete:
-            push_s[c] = mean
+        # Held its round well past its prediction (review 18, B: complete pushes reported
+        # just before their deadline, estimates lowered by instant reports sent ahead).
+        late = (not s.ahead and s.expected_s is not None
+                and took > policy.push_floor_s / 2 + LATE_FACTOR * s.expected_s)
+        if complete and not late:
+            # While it owes, its estimate never drops: instant reports of pushes sent ahead
+            # cannot make it look fast again before it has paid.
+            push_s[c] = mean if old is None or c not in owed else max(old, mean)
             if owed.get(c, 0) > 1:
                 owed[c] -= 1
             else:
@@ -324,15 +337,16 @@ def push_deadline(rnd: Round, closed_at: float, policy: RoundPolicy,
     """When round ``rnd``'s push phase gives up on missing pushes (seconds): every member gets
     ``push_floor_s + push_slack ×`` its predicted push time from its admission, the round at
     most ``push_timeout_s`` after the close. A member without a prediction counts as the
-    slowest push ``measured`` so far (cluster -> seconds); with nothing measured at all, the
-    round waits the timeout."""
+    median push ``measured`` so far (cluster -> seconds; the upper median), not the slowest:
+    a colluder that made its own pushes look slow cannot stretch the first round of a fresh
+    identity (review 18, C); with nothing measured at all, the round waits the timeout."""
     bound = closed_at + policy.push_timeout_s
-    slowest = max(measured.values()) if measured else None
+    typical = sorted(measured.values())[len(measured) // 2] if measured else None
     if policy.push_slack == float("inf"):
         return bound
     due = closed_at
     for s in rnd.slots.values():
-        expected = s.expected_s if s.expected_s is not None else slowest
+        expected = s.expected_s if s.expected_s is not None else typical
         if expected is None or s.admitted_at is None:
             return bound
         due = max(due, s.admitted_at + policy.push_floor_s + policy.push_slack * expected)

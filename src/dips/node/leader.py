@@ -30,7 +30,7 @@ from dips.roles.durable import fsync_path, write_atomic
 from dips.spec import RunConfig, RunSpec
 from dips.wire.control import refusal_of
 from dips.wire.keys import SECRET_BYTES, new_secret
-from dips.wire.pki import read_revoked
+from dips.wire.pki import ISSUED, read_revoked
 from dips.wire.security import Credentials
 
 log = logging.getLogger(__name__)
@@ -183,6 +183,10 @@ def run_leader(cfg: RunConfig, listen: str, state: Path, creds: Credentials,
 
     def revoked() -> frozenset[str]:
         return read_revoked(revoked_file) if revoked_file is not None else frozenset()
+
+    if revoked_file is not None:  # the clusters issued next to it, less the revoked ones
+        issued_file = revoked_file.with_name(ISSUED)
+        leader.roster = lambda: len(read_revoked(issued_file) - revoked())
 
     workers = 8 + 4 * len(cfg.clusters)
     server = make_server(max_workers=workers)

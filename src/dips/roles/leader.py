@@ -93,7 +93,14 @@ class Leader(Membership, Records, Pushes, EvalReports):
             each push's T_j is its windows since the last accepted push × this (§6, §12).
         issued: term, data secret, run spec and fingerprint this leader hands out
             (default: term 1, a fresh secret, no spec, no fingerprint check).
+
+    ``roster``: a callable giving how many clusters hold a valid certificate (``dips leader``
+    reads its ``clusters.txt`` less ``revoked.txt``); the robust scale counts the run's members
+    as the most of that, ``cfg.configured_clusters`` and the members joined (issue 13).
     """
+
+    #: see the class docstring; None: unknown
+    roster: Callable[[], int] | None = None
 
     def __init__(self, cfg: LeaderConfig, connect: Callable[[FollowerEntry], FollowerControl],
                  run_dir: Path | None = None, ledger: ChunkLedger | None = None,
@@ -286,12 +293,22 @@ class Leader(Membership, Records, Pushes, EvalReports):
             elif update is not None:
                 self._run_update(update)
 
+    def _roster(self) -> int:
+        """Clusters holding a valid certificate (``roster``; 0 when unknown or unreadable)."""
+        if self.roster is None:
+            return 0
+        try:
+            return max(int(self.roster()), 0)
+        except Exception as exc:  # a file being replaced: the other counts still hold
+            log.warning("cannot count the run's clusters: %s", exc)
+            return 0
+
     def _run_update(self, update: StartUpdate) -> None:
         """Carry out the machine's update phase (outside the lock: followers are called)."""
         followers = [(f.index, f.control) for f in self.follower_list()]
         with self._cond:
             version, penalty = self.version, self.penalty
-            members = max(self.cfg.configured_clusters, len(self.clusters))
+            members = max(self.cfg.configured_clusters, len(self.clusters), self._roster())
         report = run_update(followers, update.number, update.slots, version, penalty,
                             self.cfg.penalty, self.cfg.outer,
                             on_decided=lambda r: self._decide(update.number, r),

@@ -13,7 +13,10 @@ client verifies a server with gRPC's ``grpc.ssl_target_name_override`` set to th
 (no real host names needed), and a server reads its peer's role from ``x509_common_name``.
 Keys are EC P-256; private key files are created 0600 with ``O_EXCL`` (never overwritten).
 Revocation is by cluster id: :func:`revoke` appends to ``OUT/revoked.txt`` and to
-``OUT/leader/revoked.txt``, which the leader reads with :func:`read_revoked`.
+``OUT/leader/revoked.txt``, which the leader reads with :func:`read_revoked`. Every cluster
+certificate issued (by :func:`init_pki` or :func:`add_cluster`) is listed the same way in
+``OUT/clusters.txt`` and ``OUT/leader/clusters.txt``: the leader counts the run's clusters from
+it (issue 13: a scale a minority cannot set needs to know how many members there are).
 """
 
 from __future__ import annotations
@@ -319,13 +322,20 @@ def init_pki(out: Path, followers: int, cluster_ids: list[str], days: int = 365,
     create_ca(out, run_name, days)
     for identity in identities:
         issue(out, identity, days)
+    for cid in cluster_ids:
+        _list(out, ISSUED, cid)
     return identities
 
 
+#: The file (in ``OUT`` and ``OUT/leader``) listing every cluster id a certificate was issued for.
+ISSUED = "clusters.txt"
+
+
 def read_revoked(path: Path) -> frozenset[str]:
-    """The revoked cluster ids in ``path``, one per line; a missing file is an empty set. Blank
-    lines and lines starting with ``#`` are ignored; PkiError for an unreadable file or a line
-    that is not a cluster id (naming the file and line)."""
+    """The cluster ids listed in ``path`` (``revoked.txt``, or :data:`ISSUED`), one per line; a
+    missing file is an empty set. Blank lines and lines starting with ``#`` are ignored;
+    PkiError for an unreadable file or a line that is not a cluster id (naming the file and
+    line)."""
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
@@ -351,7 +361,23 @@ def add_cluster(out: Path, cluster_id: str, days: int = 365) -> Path:
     identity = _cluster(cluster_id)
     if cluster_id in read_revoked(Path(out) / "revoked.txt"):
         raise PkiError(f"cluster {cluster_id!r} is revoked in {Path(out) / 'revoked.txt'}")
-    return issue(out, identity, days)
+    target = issue(out, identity, days)
+    _list(Path(out), ISSUED, cluster_id)
+    return target
+
+
+def _list(out: Path, name: str, cluster_id: str) -> None:
+    """Add ``cluster_id`` to ``out/name`` and, where ``out/leader`` exists, to
+    ``out/leader/name`` (idempotent)."""
+    for path in (out / name, out / "leader" / name):
+        if path.parent != out and not path.parent.is_dir():
+            continue
+        if cluster_id in read_revoked(path):
+            continue
+        text = path.read_text(encoding="utf-8") if path.exists() else ""
+        if text and not text.endswith("\n"):
+            text += "\n"
+        _write_public(path, (text + cluster_id + "\n").encode())
 
 
 def revoke(out: Path, cluster_id: str) -> None:
@@ -362,10 +388,4 @@ def revoke(out: Path, cluster_id: str) -> None:
     _cluster(cluster_id)
     if not (out / "leader").is_dir():
         raise PkiError(f"{out / 'leader'}: missing; the leader's revoked.txt belongs there")
-    for path in (out / "revoked.txt", out / "leader" / "revoked.txt"):
-        if cluster_id in read_revoked(path):
-            continue
-        text = path.read_text(encoding="utf-8") if path.exists() else ""
-        if text and not text.endswith("\n"):
-            text += "\n"
-        _write_public(path, (text + cluster_id + "\n").encode())
+    _list(out, "revoked.txt", cluster_id)
