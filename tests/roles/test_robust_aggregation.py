@@ -135,13 +135,15 @@ def test_a_member_that_pushes_first_and_alone_cannot_set_the_scale(members):
     assert robust_mu(alone.penalty) > 1e19
 
 
-@pytest.mark.parametrize("roster", [0, 3])
+@pytest.mark.parametrize("roster", [set(), {"c0", "x", "y"}, {"c0"}])
 def test_the_leader_counts_the_clusters_issued_before_they_join(tmp_path, roster):
     """Review 18, A: a run configured with fewer clusters than were issued (the others added
     with ``dips init --add-cluster``) took the one added member that joined first as the whole
     run, and its push of ‖Δ‖² = 1e20 set the scale: a step of 5e9. The leader counts the
     clusters its ``clusters.txt`` lists (``Leader.roster``): with three issued, a lone first
-    push is held to the seed's clip norm."""
+    push is held to the seed's clip norm; so it is with a stale list that lacks the member
+    (review 19, A′: the operator did not copy it after ``--add-cluster``), whose members
+    joined count too."""
     leader, fake = make_leader(tmp_path, ledger=False)  # configured_clusters: 0
     norms = {"x": 1e20}
     fake.score = lambda rnd, clusters, push_ids=None: [(c, True, norms[c], "") for c in clusters]

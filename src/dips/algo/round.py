@@ -165,8 +165,10 @@ def _scored(state: RoundState, rnd: Round, outcome: UpdateOutcome,
     enters the member's moving average (never lowering it while the member owes), and counts
     toward what the member owes (below). Any other push — timed out, reported failed, dropped
     as its member left, reported delivered but found incomplete when scored, or admitted into
-    a round and reported later than ``push_floor_s / 2 +`` :data:`LATE_FACTOR` × its predicted
-    time, complete or not (review 18, B: 0.59× honest throughput) — counts as at least as slow
+    a round and reported later than ``push_floor_s / 2 +`` :data:`LATE_FACTOR` × the smaller
+    of its predicted time and the median push of the members that owe nothing, complete or not
+    (review 18, B: 0.59× honest throughput; review 19: 0.76× just under a threshold of its own
+    estimate) — counts as at least as slow
     as it took: the estimate
     never drops, and the member's pushes are sent ahead of their round until it has delivered
     complete pushes again: 1 after its first such push, then twice as many after each further
@@ -191,8 +193,14 @@ def _scored(state: RoundState, rnd: Round, outcome: UpdateOutcome,
         mean = took if old is None else a * took + (1 - a) * old
         # Held its round well past its prediction (review 18, B: complete pushes reported
         # just before their deadline, estimates lowered by instant reports sent ahead).
-        late = (not s.ahead and s.expected_s is not None
-                and took > policy.push_floor_s / 2 + LATE_FACTOR * s.expected_s)
+        # Judged against the others' median push too (review 19, B′: a member reporting just
+        # under a threshold of its own estimate raised that estimate round after round).
+        others = sorted(v for k, v in state.push_s.items() if k != c and k not in state.send_ahead)
+        typical = others[len(others) // 2] if others else None
+        pred = min(x for x in (s.expected_s, typical) if x is not None) \
+            if (s.expected_s, typical) != (None, None) else None
+        late = (not s.ahead and pred is not None
+                and took > policy.push_floor_s / 2 + LATE_FACTOR * pred)
         if complete and not late:
             # While it owes, its estimate never drops: instant reports of pushes sent ahead
             # cannot make it look fast again before it has paid.
@@ -300,7 +308,9 @@ def _on_tick(state: RoundState, ev: Tick, policy: RoundPolicy,
         return state
     if state.phase is Phase.WINDOW and ev.now >= rnd.closes_at:
         actions.append(WindowClosed(rnd.number, ev.now))
-        rnd = replace(rnd, push_deadline=push_deadline(rnd, ev.now, policy, state.push_s))
+        # Members that owe complete pushes do not set a fresh member's deadline (review 19, C′).
+        honest = {c: v for c, v in state.push_s.items() if c not in state.send_ahead}
+        rnd = replace(rnd, push_deadline=push_deadline(rnd, ev.now, policy, honest))
         return replace(state, phase=Phase.PUSH, current=rnd)
     if state.phase is Phase.PUSH and ev.now >= rnd.push_deadline:
         # A push that never arrived counts as one that took this long, and its member's

@@ -186,7 +186,7 @@ def run_leader(cfg: RunConfig, listen: str, state: Path, creds: Credentials,
 
     if revoked_file is not None:  # the clusters issued next to it, less the revoked ones
         issued_file = revoked_file.with_name(ISSUED)
-        leader.roster = lambda: len(read_revoked(issued_file) - revoked())
+        leader.roster = lambda: read_revoked(issued_file) - revoked()
 
     workers = 8 + 4 * len(cfg.clusters)
     server = make_server(max_workers=workers)

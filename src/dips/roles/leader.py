@@ -94,13 +94,15 @@ class Leader(Membership, Records, Pushes, EvalReports):
         issued: term, data secret, run spec and fingerprint this leader hands out
             (default: term 1, a fresh secret, no spec, no fingerprint check).
 
-    ``roster``: a callable giving how many clusters hold a valid certificate (``dips leader``
-    reads its ``clusters.txt`` less ``revoked.txt``); the robust scale counts the run's members
-    as the most of that, ``cfg.configured_clusters`` and the members joined (issue 13).
+    ``roster``: a callable giving the ids of the clusters holding a valid certificate (``dips
+    leader`` reads its ``clusters.txt`` less ``revoked.txt``); the robust scale counts the
+    run's members as the more of ``cfg.configured_clusters`` and the union of those ids with
+    the members joined (issue 13).
     """
 
     #: see the class docstring; None: unknown
-    roster: Callable[[], int] | None = None
+    roster: Callable[[], set[str] | frozenset[str]] | None = None
+    _unlisted: frozenset[str] = frozenset()  # members already said to be missing from it
 
     def __init__(self, cfg: LeaderConfig, connect: Callable[[FollowerEntry], FollowerControl],
                  run_dir: Path | None = None, ledger: ChunkLedger | None = None,
@@ -293,22 +295,33 @@ class Leader(Membership, Records, Pushes, EvalReports):
             elif update is not None:
                 self._run_update(update)
 
-    def _roster(self) -> int:
-        """Clusters holding a valid certificate (``roster``; 0 when unknown or unreadable)."""
+    def _roster(self) -> set[str]:
+        """Clusters holding a valid certificate (``roster``; empty when unknown or unreadable).
+        A joined member missing from a non-empty roster means the leader's list is stale (the
+        operator did not copy ``clusters.txt`` after ``--add-cluster``): it is said once per
+        member, and the members joined count anyway (review 19, A′)."""
         if self.roster is None:
-            return 0
+            return set()
         try:
-            return max(int(self.roster()), 0)
+            ids = {str(c) for c in self.roster()}
         except Exception as exc:  # a file being replaced: the other counts still hold
             log.warning("cannot count the run's clusters: %s", exc)
-            return 0
+            return set()
+        unlisted = set(self.clusters) - ids - self._unlisted if ids else set()
+        for cid in sorted(unlisted):
+            log.warning("cluster %s joined but is not in the leader's clusters.txt: copy "
+                        "pki/leader/clusters.txt from `dips init` to the leader's --tls "
+                        "directory", cid)
+        self._unlisted = self._unlisted | unlisted  # an instance's own set, never the class's
+        return ids
 
     def _run_update(self, update: StartUpdate) -> None:
         """Carry out the machine's update phase (outside the lock: followers are called)."""
         followers = [(f.index, f.control) for f in self.follower_list()]
         with self._cond:
             version, penalty = self.version, self.penalty
-            members = max(self.cfg.configured_clusters, len(self.clusters), self._roster())
+            members = max(self.cfg.configured_clusters,
+                          len(self._roster() | set(self.clusters)))
         report = run_update(followers, update.number, update.slots, version, penalty,
                             self.cfg.penalty, self.cfg.outer,
                             on_decided=lambda r: self._decide(update.number, r),
