@@ -26,10 +26,7 @@ import json
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +35,7 @@ from rich.console import Console
 
 from dips.algo import limits
 from dips.algo.round import Phase
+from dips.emu.children import EVALUATOR, Interrupted, Launch, free_port, wait_for
 from dips.emu.faults import FaultInjector, FaultPlan
 from dips.emu.link_schedule import LinkSchedule
 from dips.emu.progress import Progress
@@ -48,140 +46,8 @@ from dips.wire.pki import init_pki
 from dips.wire.security import Credentials
 from dips.wire.services import leader_client
 
-#: The child name (and state folder) of the periodic evaluator, ``cfg.evaluate`` (issue 15).
-EVALUATOR = "evaluator"
-
-
-@dataclass
-class Child:
-    """A process this launcher started."""
-
-    name: str
-    proc: subprocess.Popen
-    log_path: Path
-    args: list[str] = field(default_factory=list)
-    restarts: int = 0
-    prefix: list[str] = field(default_factory=list)
-
-
-@dataclass
-class Launch:
-    """State of one launched run."""
-
-    cfg: RunConfig
-    run_dir: Path
-    console: Console
-    children: dict[str, Child] = field(default_factory=dict)
-    events: list[dict[str, Any]] = field(default_factory=list)
-    net: Any = None  # dips.emu.netns.ShapedNetwork when cfg.network == "netns"
-    progress: Progress | None = None  # what the console shows once training started
-
-    def prefix_of(self, name: str) -> list[str]:
-        """argv prefix that runs child ``name`` in its network namespace ([] on loopback)."""
-        if self.net is None:
-            return []
-        return self.net.exec_prefix(name[len("cluster-"):] if name.startswith("cluster-") else None)
-
-    def spawn(self, name: str, args: list[str]) -> Child:
-        log_path = self.run_dir / "logs" / f"{name}.log"
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        out = open(log_path, "ab")
-        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
-                   TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", DIPS_PROCESS=name,
-                   DIPS_FAILPOINTS=str(self.run_dir / "failpoints"),
-                   DIPS_TRAIN_START=str(self.run_dir / "train_start"))
-        prefix = self.prefix_of(name)
-        proc = subprocess.Popen([*prefix, sys.executable, "-m", "dips.cli", *args], stdout=out,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                start_new_session=True)
-        out.close()
-        old = self.children.get(name)
-        child = Child(name, proc, log_path, list(args), old.restarts + 1 if old else 0, prefix)
-        self.children[name] = child
-        self.event("start" if old is None else "restart", name, pid=proc.pid)
-        return child
-
-    def pid_of(self, name: str) -> int | None:
-        """The pid of child ``name`` if it is running, else None."""
-        c = self.children.get(name)
-        return c.proc.pid if c is not None and c.proc.poll() is None else None
-
-    def supervise(self) -> None:
-        """Restart every child that exited (as an orchestrator would, §12); log each exit."""
-        for name, c in list(self.children.items()):
-            code = c.proc.poll()
-            if code is None:
-                continue
-            self.event("exited", name, returncode=code, pid=c.proc.pid)
-            if not self.cfg.supervise:
-                if not name.startswith("cluster-") and name != EVALUATOR:  # optional roles
-                    raise RuntimeError(f"{name} exited (code {code}); see {c.log_path}")
-                continue
-            self.spawn(name, c.args)
-
-    def event(self, kind: str, name: str, **extra: Any) -> None:
-        rec = {"time": time.time(), "event": kind, "process": name, **extra}
-        self.events.append(rec)
-        with open(self.run_dir / "events.jsonl", "a") as f:
-            f.write(json.dumps(rec) + "\n")
-
-    def stop(self, names: list[str], timeout_s: float) -> None:
-        """SIGTERM the named children, wait up to ``timeout_s``, then SIGKILL."""
-        live = [self.children[n] for n in names if self.children[n].proc.poll() is None]
-        for c in live:
-            c.proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + timeout_s
-        for c in live:
-            try:
-                c.proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                c.proc.kill()
-                c.proc.wait(10)
-                self.event("killed", c.name)
-            self.event("stopped", c.name, returncode=c.proc.returncode)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port on ``host`` that was free a moment ago, for a process started later.
-
-    Chosen below the kernel's ephemeral range (``ip_local_port_range``): a port from inside it
-    can be taken meanwhile as the source port of any outgoing connection on the machine (a
-    follower once failed to bind its data port so), a port below it only by another explicit
-    bind. Falls back to a kernel-chosen port when the range leaves no room below."""
-    import random
-    import socket
-
-    try:
-        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        low = 32768
-    rng = random.SystemRandom()
-    for _ in range(200 if low > 11000 else 0):
-        port = rng.randrange(10000, low)
-        with socket.socket() as sock:
-            try:
-                sock.bind((host, port))
-            except OSError:
-                continue
-            return port
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
-
-
-def _wait_for(cond: Any, timeout_s: float, what: str, launch: Launch) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        dead = [c.name for c in launch.children.values() if c.proc.poll() is not None]
-        if dead:
-            raise RuntimeError(f"{what}: process {dead[0]} exited early; see "
-                               f"{launch.children[dead[0]].log_path}")
-        time.sleep(0.2)
-    raise TimeoutError(f"{what} not reached within {timeout_s} s")
-
+__all__ = ["EVALUATOR", "Interrupted", "Launch", "free_port", "launch", "stop_reason",
+           "summary_table"]
 
 def _status(client: Any) -> pb.StatusReply | None:
     return _probe(client)[0]
@@ -195,14 +61,6 @@ def _probe(client: Any) -> tuple[pb.StatusReply | None, bool]:
         return client.GetStatus(pb.StatusRequest(), timeout=1.0), True
     except grpc.RpcError as exc:
         return None, refusal_of(exc) is not None
-
-
-class Interrupted(KeyboardInterrupt):
-    """SIGINT or SIGTERM reached the launcher (handled as Ctrl-C at every phase)."""
-
-
-def _interrupt(signum: int, frame: Any) -> None:
-    raise Interrupted(signal.Signals(signum).name)
 
 
 def _role_args(run: Launch, spec_cfg: Path, host: str, leader_port: int,
@@ -282,7 +140,8 @@ def launch(cfg: RunConfig, run_dir: Path, max_time_s: float | None = None,
     client = None
     t_train = None
     phase = "prepare"
-    previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
+    previous = {sig: signal.signal(sig, run.interrupts.handler)
+                for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         console.print(f"[bold]dips[/] preparing data and model for run {cfg.name!r} in {run_dir}")
         host = "127.0.0.1"
@@ -311,11 +170,11 @@ def launch(cfg: RunConfig, run_dir: Path, max_time_s: float | None = None,
         phase = "start-up"
         run.spawn("leader", args["leader"])
         client = leader_client(f"unix:{run_dir / 'leader.sock'}", creds)
-        _wait_for(lambda: _status(client) is not None, cfg.timeouts.startup_s, "leader serving",
+        wait_for(lambda: _status(client) is not None, cfg.timeouts.startup_s, "leader serving",
                   run)
         for i in range(cfg.followers):
             run.spawn(f"follower-{i}", args[f"follower-{i}"])
-        _wait_for(lambda: (s := _status(client)) and len(s.followers) == cfg.followers,
+        wait_for(lambda: (s := _status(client)) and len(s.followers) == cfg.followers,
                   cfg.timeouts.startup_s, "followers registered", run)
         for c in cfg.clusters:
             run.spawn(f"cluster-{c.id}", args[f"cluster-{c.id}"])
@@ -324,7 +183,7 @@ def launch(cfg: RunConfig, run_dir: Path, max_time_s: float | None = None,
         # Training starts when the first cluster has joined (it trains from there): fault
         # times, link schedules, transients and --max-time count from this moment, as the
         # time to the token budget does.
-        _wait_for(lambda: (s := _status(client)) and len(s.clusters) > 0,
+        wait_for(lambda: (s := _status(client)) and len(s.clusters) > 0,
                   cfg.timeouts.startup_s, "first cluster joined", run)
         t_train, t0_wall = time.monotonic(), time.time()
         (run_dir / "train_start").write_text(repr(t0_wall))
@@ -343,6 +202,7 @@ def launch(cfg: RunConfig, run_dir: Path, max_time_s: float | None = None,
     except KeyboardInterrupt as exc:
         for sig in previous:  # a second signal must not cut the clean-up short
             signal.signal(sig, signal.SIG_IGN)
+        run.interrupts.handled()
         console.print(f"[yellow]interrupted ({exc or 'SIGINT'}) during {phase}: stopping every "
                       "process[/]")
         run.event("interrupt", "launcher", phase=phase)
@@ -420,6 +280,7 @@ def _train(run: Launch, client: Any, progress: Progress, t_train: float,
         with progress.live() as live:
             while True:
                 time.sleep(0.1)
+                run.interrupts.check()
                 elapsed = time.monotonic() - t_train
                 if injector is not None:
                     injector.tick(elapsed)
@@ -453,6 +314,7 @@ def _train(run: Launch, client: Any, progress: Progress, t_train: float,
     except KeyboardInterrupt as exc:
         for sig in (signal.SIGINT, signal.SIGTERM):  # the clean-up runs to its end
             signal.signal(sig, signal.SIG_IGN)
+        run.interrupts.handled()
         run.console.print(f"[yellow]interrupted ({exc or 'SIGINT'}): stopping every process[/]")
         run.event("interrupt", "launcher", phase="training")
         return True
@@ -474,6 +336,7 @@ def _finish(run: Launch, client: Any, creds: Credentials, spec: RunSpec, t_start
     if client is not None:
         deadline = time.monotonic() + cfg.timeouts.push_s + cfg.timeouts.pull_s
         while time.monotonic() < deadline:
+            run.interrupts.check()
             status = _status(client)
             if status is None or status.phase == Phase.IDLE.value:
                 break
@@ -504,6 +367,7 @@ def _final_eval(run: Launch, client: Any, status: Any) -> Any:
     while (time.monotonic() < deadline and run.pid_of(EVALUATOR) is not None
            and not (status.HasField("last_eval") and status.last_eval.version >= status.version)):
         time.sleep(0.2)
+        run.interrupts.check()
         status = _status(client) or status
     run.stop([EVALUATOR], run.cfg.timeouts.shutdown_s)
     return status

@@ -1,0 +1,194 @@
+"""The processes ``dips launch`` starts and how it stops them (§5, §12).
+
+:class:`Launch` holds one launched run's children (each in its own session, so a signal
+reaches only the launcher) and its event log; :class:`InterruptLatch` turns SIGINT and
+SIGTERM into :class:`Interrupted` at the next wait, even when the signal's exception was
+raised, and swallowed, inside a finaliser (``__del__``) the interpreter happened to run.
+Only processes this launcher started are signalled, by pid.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from dips.spec import RunConfig
+
+#: The child name (and state folder) of the periodic evaluator, ``cfg.evaluate`` (issue 15).
+EVALUATOR = "evaluator"
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM reached the launcher (handled as Ctrl-C at every phase)."""
+
+
+class InterruptLatch:
+    """Remembers a SIGINT or SIGTERM until the launcher has handled it.
+
+    Python raises a signal handler's exception in whatever frame runs when the signal is
+    checked; inside a finaliser (``__del__``, e.g. a regex cache's) that exception is only
+    printed, and an interrupt once left every child of a run running. The handler therefore
+    both raises and latches; :meth:`check` re-raises a latched interrupt from the launcher's
+    own wait loops, and :meth:`handled` clears it once the clean-up has begun."""
+
+    def __init__(self) -> None:
+        self.pending: str | None = None
+
+    def handler(self, signum: int, frame: Any) -> None:
+        """The signal handler (``signal.signal(sig, latch.handler)``). Raises Interrupted."""
+        self.pending = signal.Signals(signum).name
+        raise Interrupted(self.pending)
+
+    def check(self) -> None:
+        """Raise :class:`Interrupted` if a signal arrived and was not handled yet."""
+        if self.pending is not None:
+            raise Interrupted(self.pending)
+
+    def handled(self) -> None:
+        """The interrupt is being handled: later waits (the clean-up's) run to their end."""
+        self.pending = None
+
+
+@dataclass
+class Child:
+    """A process this launcher started."""
+
+    name: str
+    proc: subprocess.Popen
+    log_path: Path
+    args: list[str] = field(default_factory=list)
+    restarts: int = 0
+    prefix: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Launch:
+    """State of one launched run."""
+
+    cfg: RunConfig
+    run_dir: Path
+    console: Console
+    children: dict[str, Child] = field(default_factory=dict)
+    events: list[dict[str, Any]] = field(default_factory=list)
+    net: Any = None  # dips.emu.netns.ShapedNetwork when cfg.network == "netns"
+    progress: Any = None  # dips.emu.progress.Progress once training started
+    interrupts: InterruptLatch = field(default_factory=InterruptLatch)
+
+    def prefix_of(self, name: str) -> list[str]:
+        """argv prefix that runs child ``name`` in its network namespace ([] on loopback)."""
+        if self.net is None:
+            return []
+        return self.net.exec_prefix(name[len("cluster-"):] if name.startswith("cluster-") else None)
+
+    def spawn(self, name: str, args: list[str]) -> Child:
+        log_path = self.run_dir / "logs" / f"{name}.log"
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        out = open(log_path, "ab")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
+                   TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", DIPS_PROCESS=name,
+                   DIPS_FAILPOINTS=str(self.run_dir / "failpoints"),
+                   DIPS_TRAIN_START=str(self.run_dir / "train_start"))
+        prefix = self.prefix_of(name)
+        proc = subprocess.Popen([*prefix, sys.executable, "-m", "dips.cli", *args], stdout=out,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                start_new_session=True)
+        out.close()
+        old = self.children.get(name)
+        child = Child(name, proc, log_path, list(args), old.restarts + 1 if old else 0, prefix)
+        self.children[name] = child
+        self.event("start" if old is None else "restart", name, pid=proc.pid)
+        return child
+
+    def pid_of(self, name: str) -> int | None:
+        """The pid of child ``name`` if it is running, else None."""
+        c = self.children.get(name)
+        return c.proc.pid if c is not None and c.proc.poll() is None else None
+
+    def supervise(self) -> None:
+        """Restart every child that exited (as an orchestrator would, §12); log each exit."""
+        for name, c in list(self.children.items()):
+            code = c.proc.poll()
+            if code is None:
+                continue
+            self.event("exited", name, returncode=code, pid=c.proc.pid)
+            if not self.cfg.supervise:
+                if not name.startswith("cluster-") and name != EVALUATOR:  # optional roles
+                    raise RuntimeError(f"{name} exited (code {code}); see {c.log_path}")
+                continue
+            self.spawn(name, c.args)
+
+    def event(self, kind: str, name: str, **extra: Any) -> None:
+        rec = {"time": time.time(), "event": kind, "process": name, **extra}
+        self.events.append(rec)
+        with open(self.run_dir / "events.jsonl", "a") as f:
+            f.write(json.dumps(rec) + "\n")
+
+    def stop(self, names: list[str], timeout_s: float) -> None:
+        """SIGTERM the named children, wait up to ``timeout_s``, then SIGKILL."""
+        live = [self.children[n] for n in names if self.children[n].proc.poll() is None]
+        for c in live:
+            c.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for c in live:
+            try:
+                c.proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                c.proc.kill()
+                c.proc.wait(10)
+                self.event("killed", c.name)
+            self.event("stopped", c.name, returncode=c.proc.returncode)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on ``host`` that was free a moment ago, for a process started later.
+
+    Chosen below the kernel's ephemeral range (``ip_local_port_range``): a port from inside it
+    can be taken meanwhile as the source port of any outgoing connection on the machine (a
+    follower once failed to bind its data port so), a port below it only by another explicit
+    bind. Falls back to a kernel-chosen port when the range leaves no room below."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    rng = random.SystemRandom()
+    for _ in range(200 if low > 11000 else 0):
+        port = rng.randrange(10000, low)
+        with socket.socket() as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def wait_for(cond: Any, timeout_s: float, what: str, launch: Launch) -> Any:
+    """Poll ``cond()`` every 0.2 s until it returns a true value (returned) or ``timeout_s``
+    seconds pass. Raises TimeoutError then, RuntimeError when a child of ``launch`` exited
+    meanwhile, :class:`Interrupted` on a signal (also one a finaliser swallowed)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        launch.interrupts.check()
+        value = cond()
+        if value:
+            return value
+        dead = [c.name for c in launch.children.values() if c.proc.poll() is not None]
+        if dead:
+            raise RuntimeError(f"{what}: process {dead[0]} exited early; see "
+                               f"{launch.children[dead[0]].log_path}")
+        time.sleep(0.2)
+    launch.interrupts.check()
+    raise TimeoutError(f"{what} not reached within {timeout_s} s")
