@@ -77,6 +77,17 @@ def test_bad_reports_are_refused_and_change_nothing():
     assert led.to_dict() == before
 
 
+def test_a_chunk_changed_behind_the_ledgers_back_fails_the_check():
+    """The holder and free-chunk indexes are derived from the chunks; check() compares them."""
+    led = ChunkLedger(num_chunks=3, windows_per_chunk=10)
+    led.lease("a", 1)
+    led.check()
+    led.chunks[2].holder = "b"  # not through the ledger: the indexes do not know
+    with pytest.raises(LedgerError, match="indexes disagree"):
+        led.check()
+    ChunkLedger.from_dict(led.to_dict()).check()  # a loaded state builds its indexes afresh
+
+
 def test_round_trip_and_malformed_state():
     led = ChunkLedger(num_chunks=3, windows_per_chunk=4)
     led.lease("a", 2)
@@ -220,5 +231,9 @@ def test_random_histories_with_reassignment_never_lose_or_double_count(history):
         elif op == "release":
             led.release(cl)
             pos.pop(cl, None)
-        led.check()
+        led.check()  # also: the holder and free-chunk indexes agree with the chunks
+        assert led.holdings(cl) == [(i, c.accepted) for i, c in enumerate(led.chunks)
+                                    if c.holder == cl]
+        assert led.free_chunks() == [i for i, c in enumerate(led.chunks)
+                                     if c.holder is None and not c.finished]
     assert led.accepted_windows == len(accepted)

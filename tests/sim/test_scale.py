@@ -8,7 +8,7 @@ import pytest
 
 from dips.sim import simulate
 from dips.sim.costs import layer_params, memory_bytes
-from dips.sim.scale import _row, scaled, table
+from dips.sim.scale import _row, plot_load, scaled, table
 from dips.spec.simulate import load_sim_scenario
 
 pytestmark = pytest.mark.timeout(60)
@@ -27,7 +27,7 @@ def test_bases_scale_in_proportion(model, params):
     assert memory_bytes(base.followers.memory, 1, 2) == 38
 
 
-def test_a_small_projection_fills_the_table():
+def test_a_small_projection_fills_the_table(tmp_path):
     base = load_sim_scenario(ROOT / "configs" / "simulate" / "scale-14b.yaml")
     sc = scaled(base, 18, 8, 0.5)
     row = _row("14b", sc, simulate(sc))
@@ -35,3 +35,8 @@ def test_a_small_projection_fills_the_table():
     assert row["msg_peak"] >= row["msg_peak_no_hb"] > 0 and 0 <= row["rejected_frac"] < 0.1
     assert row["memory_bytes_per_param"] >= 38 - 1e-9
     assert "| 14b | 18 | 8 |" in table([row])
+    # The leader-load plot: one series per (model, followers), a PNG on disk.
+    other = dict(row, clusters=36, msg_avg=2 * row["msg_avg"], msg_peak=2 * row["msg_peak"])
+    labels = plot_load([other, row, dict(row, followers=16)], tmp_path / "leader_load.png")
+    assert labels == ["14b, 8 followers", "14b, 16 followers"]
+    assert (tmp_path / "leader_load.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

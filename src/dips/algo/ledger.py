@@ -43,6 +43,7 @@ Pure: no clocks, threads or I/O.
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -89,6 +90,13 @@ class ChunkLedger:
     #: holder -> seconds between its last two timed advances (its push interval, as seen).
     interval: dict[str, float] = field(default_factory=dict, repr=False, compare=False)
     _previous: dict[str, float] = field(default_factory=dict, repr=False, compare=False)
+    #: Indexes of ``chunks`` (derived; every change of a chunk's holder, position or finish
+    #: goes through :meth:`_set`): holder -> chunks held, and the free chunks split into
+    #: partially accepted and fresh ones. They keep a lease, a member's holdings and the
+    #: holders O(what they return) instead of O(chunks) (8,192 chunks: 1.7 ms a call).
+    _held: dict[str, set[int]] = field(default_factory=dict, repr=False, compare=False)
+    _free_partial: set[int] = field(default_factory=set, repr=False, compare=False)
+    _free_fresh: set[int] = field(default_factory=set, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.num_chunks < 1 or self.windows_per_chunk < 1:
@@ -96,14 +104,53 @@ class ChunkLedger:
                               f"{self.windows_per_chunk}: both must be >= 1")
         if not self.chunks:
             self.chunks = [_Chunk() for _ in range(self.num_chunks)]
+        self._held, self._free_partial, self._free_fresh = self._index()
+
+    def _index(self) -> tuple[dict[str, set[int]], set[int], set[int]]:
+        """The indexes built from ``chunks`` (see the fields)."""
+        held: dict[str, set[int]] = {}
+        partial, fresh = set(), set()
+        for i, c in enumerate(self.chunks):
+            if c.holder is not None:
+                held.setdefault(c.holder, set()).add(i)
+            elif not c.finished:
+                (partial if c.accepted else fresh).add(i)
+        return held, partial, fresh
+
+    def _set(self, i: int, holder: str | None, accepted: int | None = None,
+             finished: bool | None = None) -> None:
+        """Chunk ``i`` is now held by ``holder`` (None: by nobody), at ``accepted`` and
+        ``finished`` when given; the indexes follow."""
+        c = self.chunks[i]
+        if c.holder is not None:
+            mine = self._held[c.holder]
+            mine.discard(i)
+            if not mine:
+                del self._held[c.holder]
+        self._free_partial.discard(i)
+        self._free_fresh.discard(i)
+        c.holder = holder
+        if accepted is not None:
+            c.accepted = accepted
+        if finished is not None:
+            c.finished = finished
+        if holder is not None:
+            self._held.setdefault(holder, set()).add(i)
+        elif not c.finished:
+            (self._free_partial if c.accepted else self._free_fresh).add(i)
 
     # ----- queries ----------------------------------------------------------------------
     def holdings(self, cluster: str) -> list[tuple[int, int]]:
         """(chunk, accepted position) of every chunk ``cluster`` holds, in chunk order."""
-        return [(i, c.accepted) for i, c in enumerate(self.chunks) if c.holder == cluster]
+        return [(i, self.chunks[i].accepted) for i in sorted(self._held.get(cluster, ()))]
+
+    def holders(self) -> set[str]:
+        """The clusters holding at least one chunk."""
+        return set(self._held)
 
     def free_chunks(self) -> list[int]:
-        return [i for i, c in enumerate(self.chunks) if c.holder is None and not c.finished]
+        """Chunks neither held nor finished, in chunk order."""
+        return sorted(self._free_partial | self._free_fresh)
 
     def idle_chunks(self, cluster: str, now: float, idle_s: float) -> list[int]:
         """Chunks ``cluster`` may take from another holder (see the module docstring: work
@@ -115,20 +162,20 @@ class ChunkLedger:
         """
         self.observe(now)
         out = []
-        for i, c in enumerate(self.chunks):
-            if c.holder in (None, cluster) or i in self.pending.get(c.holder, {}):
+        for holder, held in self._held.items():
+            since = self.progressed_at.get(holder)
+            bound = max(idle_s, IDLE_INTERVALS * self.interval.get(holder, 0.0))
+            if holder == cluster or since is None or not now - since > bound:
                 continue
-            since = self.progressed_at.get(c.holder)
-            bound = max(idle_s, IDLE_INTERVALS * self.interval.get(c.holder, 0.0))
-            if since is not None and now - since > bound:
-                out.append((since, c.accepted == 0, i))
+            pending = self.pending.get(holder, {})
+            out += [(since, self.chunks[i].accepted == 0, i) for i in held if i not in pending]
         return [i for _, _, i in sorted(out)]
 
     def observe(self, now: float) -> None:
         """Time the progress made since the last call: a holder whose accepted position
         advanced meanwhile, or first seen holding chunks, counts as having progressed at
         ``now`` (seconds); a member holding nothing is forgotten."""
-        holders = {c.holder for c in self.chunks} - {None}
+        holders = set(self._held)
         for h in holders:
             if self.progressed_at.get(h) is None and h in self._previous:
                 self.interval[h] = now - self._previous.pop(h)
@@ -151,14 +198,15 @@ class ChunkLedger:
             raise LedgerError(f"lease(cluster={cluster!r}, n={n}): need an id and n >= 1")
         if all(c.finished for c in self.chunks):
             self._new_epoch()
-        take = sorted(self.free_chunks(), key=lambda i: (self.chunks[i].accepted == 0, i))[:n]
+        take = sorted(self._free_partial)[:n]
+        take += heapq.nsmallest(n - len(take), self._free_fresh)
         if now is not None:
             self.observe(now)
             if idle_s is not None and len(take) < n:
                 take += self.idle_chunks(cluster, now, idle_s)[:n - len(take)]
         out = []
         for i in take:
-            self.chunks[i].holder = cluster
+            self._set(i, cluster)
             out.append((i, self.chunks[i].accepted))
         if now is not None:
             self.observe(now)
@@ -237,9 +285,9 @@ class ChunkLedger:
                 self.progressed_at[cluster] = None  # timed at the next observe
             gained += upto - c.accepted
             ranges.append((chunk, c.accepted, upto))
-            c.accepted = upto
+            c.accepted = upto  # still held: no index changes
             if upto == self.windows_per_chunk:
-                c.finished, c.holder = True, None
+                self._set(chunk, None, finished=True)
         self.accepted_windows += gained
         for old in sorted(self.history)[:-self.keep_history]:
             del self.history[old]
@@ -254,7 +302,7 @@ class ChunkLedger:
                 c = self.chunks[chunk]
                 if c.accepted != upto:
                     continue  # a new epoch reset it: nothing to undo
-                c.accepted, c.finished, c.holder = start, False, None
+                self._set(chunk, None, start, False)
                 lost += upto - start
         self.accepted_windows -= lost
         return lost
@@ -262,17 +310,15 @@ class ChunkLedger:
     def release(self, cluster: str) -> list[int]:
         """Return every chunk ``cluster`` holds to the pool; returns their ids."""
         self.pending.pop(cluster, None)
-        out = []
-        for i, c in enumerate(self.chunks):
-            if c.holder == cluster:
-                c.holder = None
-                out.append(i)
+        out = sorted(self._held.get(cluster, ()))
+        for i in out:
+            self._set(i, None)
         return out
 
     def _new_epoch(self) -> None:
         self.epoch += 1
-        for c in self.chunks:
-            c.accepted, c.finished, c.holder = 0, False, None
+        for i in range(self.num_chunks):
+            self._set(i, None, 0, False)
 
     # ----- invariants and persistence ---------------------------------------------------
     def check(self) -> None:
@@ -289,13 +335,15 @@ class ChunkLedger:
         expected = self.accepted_windows - self.epoch * self.num_chunks * self.windows_per_chunk
         if total != expected:
             raise LedgerError(f"accepted windows {total} in chunks != {expected} accounted")
+        if (self._held, self._free_partial, self._free_fresh) != self._index():
+            raise LedgerError("the ledger's holder and free-chunk indexes disagree with its chunks")
 
     def summary(self) -> dict[str, Any]:
         """Counts for logs: epoch, accepted windows (all epochs), finished/held/free chunks."""
         return {"epoch": self.epoch, "accepted_windows": self.accepted_windows,
                 "finished": sum(c.finished for c in self.chunks),
                 "held": sum(c.holder is not None for c in self.chunks),
-                "free": len(self.free_chunks())}
+                "free": len(self._free_partial) + len(self._free_fresh)}
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able state (for the leader's checkpoint)."""

@@ -126,7 +126,7 @@ class Records:
         if self.ledger is not None and state.get("ledger"):
             self.ledger = ChunkLedger.from_dict(state["ledger"])
             self.ledger.pending.clear()  # pushes in flight at the crash are lost
-            for holder in {c.holder for c in self.ledger.chunks} - set(self.clusters) - {None}:
+            for holder in self.ledger.holders() - set(self.clusters):
                 self.ledger.release(holder)  # left while its last round was being decided
         self.event("leader_resumed", version=self.version, rounds=self.rounds,
                    finished=self._state.finished)

@@ -4,9 +4,10 @@
 (``make simulate-scale``) takes a base scenario per model (``configs/simulate/scale-100b.yaml``,
 ``scale-14b.yaml``: the §16 cluster types, links, costs and faults), multiplies its cluster
 types to N clusters in the base's proportions, runs :func:`dips.sim.simulate` for each
-(model, N, followers, H) of the grid, and writes ``scale.json`` and ``scale.md`` (the table of
-SCALE.md). Every run is seeded; the table is the same on every machine. The wall and CPU
-seconds of each run are printed (not stored: they are the only figures that vary).
+(model, N, followers, H) of the grid, and writes ``scale.json``, ``scale.md`` (the table of
+SCALE.md) and ``leader_load.png`` (leader messages per second and the largest per-cluster
+overhead against clusters). Every run is seeded; the table is the same on every machine. The
+wall and CPU seconds of each run are printed (not stored: they are the only figures that vary).
 
 Per run: the leader's control messages per second (average, busiest 1-s bin), its CPU share at
 ``rpc_cpu_s`` per message, the largest per-cluster overhead (PS time / compute), the H that
@@ -27,7 +28,7 @@ from typing import Any
 
 from dips.spec.simulate import SimScenario, load_sim_scenario
 
-__all__ = ["GRID", "run_grid", "scaled", "table"]
+__all__ = ["GRID", "plot_load", "run_grid", "scaled", "table"]
 
 ROOT = Path(__file__).resolve().parents[3]
 #: (clusters, followers) of the projections; followers at most the model's layers + 2.
@@ -100,7 +101,47 @@ def run_grid(models: list[str], clusters: list[int], days: float,
         out.mkdir(parents=True, exist_ok=True)
         (out / "scale.json").write_text(json.dumps(rows, indent=1) + "\n")
         (out / "scale.md").write_text(table(rows))
+        plot_load(rows, out / "leader_load.png")
     return rows
+
+
+def plot_load(rows: list[dict[str, Any]], path: Path) -> list[str]:
+    """``leader_load.png``: against clusters (log scale), the leader's control messages per
+    second (average and busiest second, heartbeats included) and the largest per-cluster
+    overhead, one line per (model, followers) series of ``rows``. Returns the series' labels,
+    in plotting order (rows with one cluster count still make a one-point series)."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only; never a display
+    import matplotlib.pyplot as plt
+
+    series: dict[str, list[dict[str, Any]]] = {}
+    for r in sorted(rows, key=lambda r: (r["model"], r["followers"], r["clusters"])):
+        series.setdefault(f"{r['model']}, {r['followers']} followers", []).append(r)
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for label, rs in series.items():
+        xs = [r["clusters"] for r in rs]
+        line, = a1.plot(xs, [r["msg_avg"] for r in rs], "o-", label=f"{label}: average")
+        a1.plot(xs, [r["msg_peak"] for r in rs], "^--", color=line.get_color(),
+                label=f"{label}: busiest second")
+        a2.plot(xs, [100 * r["overhead_max"] for r in rs], "o-", color=line.get_color(),
+                label=label)
+    for ax in (a1, a2):
+        ax.set_xscale("log")
+        ax.set_xlabel("clusters")
+        ax.grid(alpha=0.3)
+    a1.set_yscale("log")
+    a1.set_ylabel("leader messages / s")
+    a1.set_title("leader load")
+    a1.legend(fontsize=7)
+    a2.axhline(5, ls=":", color="k", lw=0.8, label="5% target")
+    a2.set_ylabel("largest per-cluster overhead, % of compute")
+    a2.set_title("PS time per cluster")
+    a2.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return list(series)
 
 
 def table(rows: list[dict[str, Any]]) -> str:
