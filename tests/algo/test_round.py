@@ -152,6 +152,38 @@ def test_pull_barrier_ends_at_timeout_or_when_followers_stop_being_ready():
     assert kinds(acts) == ["RoundOpened", "Admitted"]
 
 
+def test_a_member_that_never_reports_its_pull_holds_one_barrier_per_1_2_4_pushes():
+    """Review 20, B: under the pull barrier a member that took its verdict and never sent
+    PullDone held every round it joined until the pull timeout (honest outer steps 0.074×).
+    Now holding the barrier to its deadline is a stall: the member owes complete pushes, and
+    no barrier waits for it while it owes."""
+    pol = policy(window_s=0.0, barrier=True, pull_timeout_s=10.0)
+    s, held, t = RoundState(), [], 0.0
+    for _ in range(8):
+        for c in ("a", "h"):  # each member has one push requested, queued or sent ahead
+            if slot_of(s, c) is None and c not in s.staging:
+                s, _ = run([req(t, c)], pol, s)
+        if s.phase is Phase.WINDOW:
+            s, _ = run([Tick(t)], pol, s)
+        late = [PushReported(t + 1, c, x.push_id, True)
+                for c, x in [*s.current.slots.items(), *s.staging.items()] if not x.done]
+        s, _ = run([*late, Tick(t + 1)], pol, s)
+        members = tuple(sorted(s.current.slots))
+        s, _ = run([UpdateFinished(t + 2, s.current.number, UpdateOutcome(1, members))], pol, s)
+        waits = "h" in members and "h" not in s.send_ahead
+        s, acts = run([PullDone(t + 3, c) for c in members if c != "h"], pol, s)  # h never does
+        if "RoundEnded" not in kinds(acts):
+            s, acts = run([Tick(t + 2 + 10.0)], pol, s)  # the barrier's deadline
+        assert "RoundEnded" in kinds(acts)
+        held.append(waits)
+        t += 20.0
+    # h's pushes, sent ahead while it owes, join every other round. It held the barrier at its
+    # 1st push (then owed 1), at its 2nd (owed 2), at its 4th (owed 4): one round per 1, 2, 4
+    # of its pushes. Every other round ended at a's pull.
+    assert held == [True, False, True, False, False, False, True, False]
+    assert s.stalls["h"] == 3 and s.send_ahead["h"] == 4 and "a" not in s.stalls
+
+
 def test_refusals_leave_the_state_unchanged():
     pol = policy(window_s=1.0, barrier=True)
     s, _ = run([req(0.0, "a")], pol)

@@ -211,9 +211,35 @@ def _scored(state: RoundState, rnd: Round, outcome: UpdateOutcome,
                 owed.pop(c, None)
         else:
             push_s[c] = mean if old is None else max(old, mean)
-            stalls[c] = stalls.get(c, 0) + 1
-            owed[c] = min(2 ** min(stalls[c] - 1, 30), MAX_OWED)
+            _stalled(c, owed, stalls)
     return replace(state, push_s=push_s, send_ahead=owed, stalls=stalls)
+
+
+def _stalled(cluster: str, owed: dict[str, int], stalls: dict[str, int]) -> None:
+    """``cluster`` held a round (a push, or a pull under the barrier): one more stall, and it
+    owes 1, 2, 4, ... (at most :data:`MAX_OWED`) complete pushes, sent ahead of their rounds."""
+    stalls[cluster] = stalls.get(cluster, 0) + 1
+    owed[cluster] = min(2 ** min(stalls[cluster] - 1, 30), MAX_OWED)
+
+
+def _pull_stalls(state: RoundState, policy: RoundPolicy) -> RoundState:
+    """``state`` with a stall counted for each member that held the pull barrier (§6, the
+    seed's round: ``grace.pull_barrier``) of the round ending now to its deadline: its push was
+    delivered, it never reported its pull, and it owed nothing (a member that owes is not
+    waited for, :func:`_pulls_over`). Review 20, B: a member that took its verdict and never
+    sent PullDone held every round it joined for ``pull_timeout_s`` (honest outer steps 0.074×);
+    now it holds one round per 1, 2, 4, ... of its pushes, as a stalled push does."""
+    rnd = state.current
+    if not policy.grace.pull_barrier or not state.ready:
+        return state  # no barrier, or the round ended because the followers stopped
+    late = [c for c, s in sorted(rnd.slots.items())
+            if s.ok and not s.pulled and c not in state.send_ahead]
+    if not late:
+        return state
+    owed, stalls = dict(state.send_ahead), dict(state.stalls)
+    for c in late:
+        _stalled(c, owed, stalls)
+    return replace(state, send_ahead=owed, stalls=stalls)
 
 
 def _on_reported(state: RoundState, ev: PushReported, policy: RoundPolicy,
@@ -417,7 +443,7 @@ def _pulls_over(state: RoundState, policy: RoundPolicy, now: float) -> bool:
     rnd = state.current
     if not policy.grace.pull_barrier or not state.ready or now >= rnd.pull_deadline:
         return True
-    return all(s.pulled or not s.ok for s in rnd.slots.values())
+    return all(s.pulled or not s.ok or c in state.send_ahead for c, s in rnd.slots.items())
 
 
 def _end_round(state: RoundState, now: float, policy: RoundPolicy,
@@ -427,6 +453,7 @@ def _end_round(state: RoundState, now: float, policy: RoundPolicy,
     update_s = rnd.update_done - rnd.update_started
     pull_s = now - rnd.update_done
     grace = grace_rules.observe_round(state.grace, max(update_s, 0.0), max(pull_s, 0.0))
+    state = _pull_stalls(state, policy)
     actions.append(RoundEnded(rnd.number, rnd.closes_at - rnd.opened_at, push_s, update_s,
                               pull_s, grace_rules.stats(grace, policy.grace)))
     return replace(state, phase=Phase.IDLE, current=None, grace=grace)

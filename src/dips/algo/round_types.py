@@ -154,8 +154,9 @@ class RoundState:
     of its measured push seconds (admission to report), updated when a round is decided: only
     a push delivered complete can lower it (review 14, F2). ``send_ahead``: cluster -> the
     complete pushes it still owes since a decided push of its was not delivered complete
-    (timed out, failed, or reported delivered but found incomplete): each of its pushes is
-    sent ahead of its round until it has delivered them (:func:`dips.algo.round._scored`).
+    (timed out, failed, or reported delivered but found incomplete), or since it held a pull
+    barrier to its deadline: each of its pushes is sent ahead of its round until it has
+    delivered them, and no pull barrier waits for it (:func:`dips.algo.round._scored`).
     ``stalls``: cluster -> how many of its decided pushes were not delivered complete (never
     decreases: what it owes doubles with each).
     ``staging``: cluster -> a push sent ahead of any round (a slow link or ``send_ahead``),

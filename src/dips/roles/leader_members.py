@@ -12,7 +12,7 @@ import logging
 import math
 
 from dips.algo.ledger import ChunkLedger
-from dips.algo.limits import INT64_MAX, lease_allowed
+from dips.algo.limits import INT64_MAX, join_allowed, lease_allowed
 from dips.algo.refusal import Refusal, Refused
 from dips.algo.round import MemberGone, Phase
 from dips.roles.leader_types import (
@@ -164,9 +164,19 @@ class Membership:
             if sorted(flat) != sorted(self._layer_owner) or len(flat) != len(set(flat)):
                 raise ValueError(f"cluster {cluster_id!r}: stage layers {flat} do not cover the "
                                  f"model's layers {sorted(self._layer_owner)} exactly once")
+            members = self.cfg.membership
+            wait, joins = join_allowed(self._joins.get(cluster_id), self._clock(),
+                                       members.rejoin_min_s, members.rejoin_max_s)
+            if wait > 0:
+                raise Refused(Refusal.BUSY, f"cluster {cluster_id!r} joined "
+                                            f"{joins[1] + 1} times in a row: it may join "
+                                            f"again in {wait:.1f} s "
+                                            "(membership.rejoin_min_s)")
+            self._joins[cluster_id] = joins
             rejoin = cluster_id in self.clusters
             self._drop_cluster(cluster_id, "cluster re-joined")
-            self.clusters[cluster_id] = ClusterEntry(cluster_id, stages, last_seen=self._clock())
+            self.clusters[cluster_id] = ClusterEntry(cluster_id, stages, last_seen=self._clock(),
+                                                     floor_version=self.version)
             version, followers = self.version, list(self.followers.values())
             key = self._key(Identity.cluster(cluster_id))
         self.event("cluster_joined", cluster=cluster_id, rejoin=rejoin, version=version)

@@ -6,7 +6,8 @@ machine and the state); split out to keep each module small.
 
 What a member claims is bounded before it reaches the round machine: T_j is the ledger's count
 (or, without a ledger, the claim cut to ``cfg.max_push_tokens``), a base version must lie in
-[0, the leader's version], and every grant carries an admission ticket
+[0, the leader's version] and is raised to the lowest version the member can hold
+(:func:`dips.algo.limits.push_base_version`), and every grant carries an admission ticket
 (:mod:`dips.wire.admission`) naming its round, cluster, push id (a fresh nonce), T_j and base
 version, signed under the followers' admission key: followers stage only what it names. A
 waiting call ends as soon as its caller is gone (``cancelled``), so a member that gave up
@@ -22,7 +23,7 @@ import time
 from typing import Any, Callable
 
 from dips.algo.ledger import ChunkLedger, LedgerError
-from dips.algo.limits import INT64_MAX, push_tokens
+from dips.algo.limits import INT64_MAX, push_base_version, push_tokens
 from dips.algo.refusal import Refusal, Refused
 from dips.algo.round import (
     PullDone,
@@ -88,6 +89,12 @@ class Pushes:
                 raise Refused(Refusal.NOT_READY, "followers not ready (down, missing or reconciling)")
             now = self._clock()
             self._sync_ready(now)
+            believed = push_base_version(base_version, cluster.floor_version, self.version)
+            if believed != base_version:
+                log.info("cluster %s claimed base version %d below %d, the lowest it can hold: "
+                         "its staleness is counted from %d", cluster_id, base_version, believed,
+                         believed)
+                base_version = believed
             if self.ledger is not None:
                 per_push = (None if self.cfg.max_push_tokens is None else
                             self.cfg.max_push_tokens // max(self.tokens_per_window or 1, 1))
@@ -197,5 +204,6 @@ class Pushes:
                                                         "must be >= -1")
             if 0 <= version <= self.version:  # a version it cannot hold is not shown
                 c.pulled_version = version
+                c.floor_version = max(c.floor_version, version)
             self._apply(PullDone(self._clock(), cluster_id))
 

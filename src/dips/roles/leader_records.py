@@ -119,9 +119,12 @@ class Records:
         # Members get a few extra intervals to find the restarted leader before removal.
         members = self.cfg.membership
         grace = self._clock() + 2 * members.missed_heartbeats * members.heartbeat_interval_s
-        self.clusters = {c: ClusterEntry(c, stages, last_seen=grace)
+        floors = state.get("floor_versions", {})
+        self.clusters = {c: ClusterEntry(c, stages, last_seen=grace,
+                                         floor_version=min(int(floors.get(c, 0)), self.version))
                          for c, stages in state["clusters"].items()}
         self._member_keys = {str(k): str(v) for k, v in state.get("member_keys", {}).items()}
+        self._eval_lineage_saved = state.get("eval_lineage")  # read by _init_evals
         self._key_seq = int(state.get("key_seq", 0))
         if self.ledger is not None and state.get("ledger"):
             self.ledger = ChunkLedger.from_dict(state["ledger"])
@@ -151,6 +154,8 @@ class Records:
                      "training_started_at": self.training_started_at,
                      "penalty": self.penalty.to_dict(),
                      "clusters": {c.cluster_id: c.stages for c in self.clusters.values()},
+                     "floor_versions": {c.cluster_id: c.floor_version
+                                        for c in self.clusters.values()},
                      "ledger": self.ledger.to_dict() if self.ledger else None,
                      "version_stats": {str(v): list(x) for v, x in self._version_stats.items()},
                      "grace": grace_rules.to_dict(self._state.grace),
@@ -227,7 +232,9 @@ class Records:
                 holdings = self.ledger.holdings(v.cluster_id)
             self._holdings[v.push_id] = holdings
             if v.cluster_id in self.clusters:
-                self.clusters[v.cluster_id].last_push = "accepted" if v.accepted else "rejected"
+                entry = self.clusters[v.cluster_id]
+                entry.last_push = "accepted" if v.accepted else "rejected"
+                entry.floor_version = max(entry.floor_version, v.version)  # it pulls v.version
         known = set(self._state.verdicts) | {v.push_id for v in verdicts}
         for pid in [p for p in self._holdings if p not in known]:
             del self._holdings[pid]

@@ -78,6 +78,9 @@ class ClusterEntry:
     last_push: str = "-"
     pulled_version: int = -1
     last_seen: float = 0.0
+    #: The lowest version the member can hold (:func:`dips.algo.limits.push_base_version`):
+    #: the version it joined at, raised by each verdict's version and each pull it reported.
+    floor_version: int = 0
 
 
 @dataclass(frozen=True)

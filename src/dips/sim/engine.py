@@ -15,9 +15,12 @@ machine and the update phase are looked up on their modules at each call (``roun
 What is modelled (:mod:`dips.sim.costs`, :mod:`dips.sim.network`): the seconds of H inner steps
 (§13 slowdown), the transfers (per-stage links sharing follower NICs), the followers' outer
 step (seconds per parameter), ‖Δ‖² (a documented stochastic model), faults (exponential MTBF
-per cluster; a failed cluster is removed after ``missed_heartbeats`` intervals as the real
-leader removes it, rejoins after its recovery, pulls the whole model and trains on; the work
-since its last pull is lost) and the control messages the leader handles.
+per cluster, and scheduled faults at a cluster's n-th push in one phase, :mod:`dips.sim.rounds`;
+a failed cluster is removed after ``missed_heartbeats`` intervals as the real leader removes
+it, rejoins after its recovery, pulls the whole model and trains on; the work since its last
+pull is lost) and the control messages the leader handles. The ledger is settled where the
+leader settles it: a push's progress reported once the machine took its request, a decided
+step's verdicts at the decision (inside ``run_update``), a join releasing what the cluster held.
 
 A cluster's life: join → pull the model → compute H steps → request a push (waits to be
 admitted) → push (its stage workers send as the schedule says) → wait for the verdict → pull
@@ -37,16 +40,16 @@ from dips.algo.partition import partition_contiguous
 from dips.algo.penalty import PenaltyState
 from dips.algo.refusal import Refused
 from dips.algo import round as round_machine
-from dips.algo.round import (Admitted, Decided, MemberGone, PullDone, PushReported,
+from dips.algo.round import (Admitted, Decided, MemberGone, PushReported,
                              PushRequested, RoundEnded, RoundOpened, RoundPolicy, RoundState,
                              Staged, StartUpdate, Tick, UpdateFinished)
 from dips.algo.schedule import ScheduleBook
-from dips.roles import outer_step
 from dips.sim import costs
 from dips.sim.events import FastQueue
 from dips.sim.followers import FollowerLoad, ModelledFollower, NormBoard
 from dips.sim.member import Member
 from dips.sim.network import Job, Network
+from dips.sim.rounds import RoundActions
 from dips.spec.run import PUSH_TOKENS_SLACK
 from dips.spec.simulate import SimScenario
 
@@ -56,7 +59,7 @@ __all__ = ["FOLLOWER_CALLS", "Simulation"]
 FOLLOWER_CALLS = ("Score", "Aggregate", "Discard", "Apply", "Commit")
 
 
-class Simulation:
+class Simulation(RoundActions):
     """One simulated run of ``scenario``; :meth:`run` plays it to the end (the horizon, the
     token budget, or nothing left to do). Deterministic: same scenario, same result."""
 
@@ -91,9 +94,11 @@ class Simulation:
             stages = partition_contiguous([4 * p for p in sizes], c.stages)
             for cid in c.ids():
                 self.members[cid] = Member(cid, len(self.members), c, sc, stages)
-        # The leader's bound on one push, as a run config sets it (LeaderConfig.max_push_tokens).
-        self.max_push_tokens = PUSH_TOKENS_SLACK * max(
+        # The leader's bounds on one push, as a run config sets them: the most it weighs (one
+        # sync interval, LeaderConfig.push_tokens_weighed) and is credited (max_push_tokens).
+        self.push_tokens_weighed = max(
             m.cfg.windows_per_step * m.H for m in self.members.values()) * d.tokens_per_window
+        self.max_push_tokens = PUSH_TOKENS_SLACK * self.push_tokens_weighed
         self.msgs: Counter[str] = Counter()
         self.bins: Counter[int] = Counter()
         self.follower_bins: Counter[int] = Counter()
@@ -107,6 +112,9 @@ class Simulation:
         self.end_s = 0.0
         self.finished = ""
         self._ticks: set[float] = set()
+        self._gained: dict[str, int] = {}
+        self.planned_faults = {(cid, f.push): f.phase for c in sc.clusters
+                               for cid in c.ids() for f in c.faults}
 
     # ----- the loop -------------------------------------------------------------------------
     def run(self) -> "Simulation":
@@ -137,14 +145,18 @@ class Simulation:
         if kind in FOLLOWER_CALLS:
             self.follower_bins[int(t)] += n
 
-    def _feed(self, event: Any) -> bool:
+    def _feed(self, event: Any, accepted: Any = None) -> bool:
         """The leader: one event into the round machine, its actions carried out. A refused
-        event is counted by its refusal code and changes nothing (returns False)."""
+        event is counted by its refusal code and changes nothing (returns False); else
+        ``accepted()`` runs before the actions are carried out (as the leader reports a
+        push's progress to the ledger)."""
         try:
             self.state, actions = round_machine.step(self.state, event, self.policy)
         except Refused as exc:
             self.refusals[exc.code.name] += 1
             return False
+        if accepted is not None:
+            accepted()
         now = event.now
         for a in actions:
             if isinstance(a, RoundOpened):
@@ -182,8 +194,12 @@ class Simulation:
 
     def _on_flow_done(self, t: float, payload: tuple[int, int, int, str]) -> None:
         flow = self.net.finish(t, *payload)
-        if flow is not None:
-            flow.job.flow_done(t, flow)
+        if flow is None:
+            return
+        m = self.members[flow.job.cluster]
+        if flow.job.direction == "in" and m.job is flow.job and self._fault_due(m, "push", t):
+            return  # lost in the middle of its push (after its first layer)
+        flow.job.flow_done(t, flow)
 
     def _on_cpu(self, t: float, payload: tuple[int, bool]) -> None:
         self.loads[payload[0]].cpu(payload[1], t)
@@ -193,6 +209,8 @@ class Simulation:
         if payload[1] != m.epoch:
             return
         self._message(t, "JoinCluster")
+        self.ledger.release(m.cid)  # as the leader's join: a (re-)joining cluster starts afresh
+        self._feed(MemberGone(t, m.cid, "cluster re-joined"))
         m.down = False
         m.set_state("join", t)
         self._lease(m, t)
@@ -227,17 +245,18 @@ class Simulation:
             self.counts["no_data"] += 1
             self._compute(m, t)
             return
-        self.ledger.report(m.cid, progress)
         m.new_push(t)
         m.set_state("admit", t)
         self._message(t, "RequestPush")
         ok = self._feed(PushRequested(t, m.cid, m.push_id, m.base_version,
-                                      windows * self.sc.data.tokens_per_window, m.last_push_s))
+                                      windows * self.sc.data.tokens_per_window, m.last_push_s),
+                        lambda: self.ledger.report(m.cid, progress))
         if not ok:  # the run finished (or a push is still in flight): the cluster stops here
-            self.ledger.resolve(m.cid, False)
             m.set_state("stopped", t)
 
-    def _on_fault(self, t: float, payload: tuple[str, int]) -> None:
+    def _on_fault(self, t: float, payload: tuple[str, int], scheduled: bool = False) -> None:
+        """Cluster ``payload[0]`` fails; back after an exponential draw of its ``recovery_s``
+        (a ``scheduled`` fault: after exactly ``recovery_s``), removed after the heartbeats."""
         m = self.members[payload[0]]
         if payload[1] != m.epoch or m.down:
             return
@@ -250,7 +269,8 @@ class Simulation:
         m.set_state("down", t)
         hb = self.sc.leader.membership
         detect = hb.missed_heartbeats * hb.heartbeat_interval_s
-        back = max(detect, float(m.rng["faults"].exponential(m.cfg.recovery_s)))
+        back = max(detect, m.cfg.recovery_s if scheduled else
+                   float(m.rng["faults"].exponential(m.cfg.recovery_s)))
         self.q.push(t + detect, "gone", (m.cid, m.epoch))
         self.q.push(t + back, "join", (m.cid, m.epoch), priority=1)
 
@@ -258,7 +278,7 @@ class Simulation:
         m = self.members[payload[0]]
         if payload[1] != m.epoch:
             return
-        self._feed(MemberGone(t, m.cid, "missed heartbeats"))
+        self._feed(MemberGone(t, m.cid, "heartbeat timeout"))  # the leader's reason
         self.ledger.release(m.cid)
         m.positions = {}
 
@@ -295,6 +315,8 @@ class Simulation:
                 plan[tr.worker].append((tr.follower, self.layer_bytes[tr.layer]))
         m.set_state("push", t)
         m.admitted_at = t
+        if self._fault_due(m, "window", t):
+            return  # lost once admitted, before sending anything
         m.job = Job(self.net, m.cid, "in", plan, m.cfg.uplink, m.cfg.latency_s, m.cfg.shared_links,
                     lambda t2: self._pushed(m, t2))
         m.job.begin(t)
@@ -306,6 +328,7 @@ class Simulation:
         m.set_state("verdict", t)
         self._message(t, "PushDone")
         self._feed(PushReported(t, m.cid, m.push_id, True))
+        self._fault_due(m, "update", t)  # lost after its push, before the verdict
 
     def _pull_job(self, m: Member, on_done: Any) -> Job:
         """Each stage worker fetches its layers, one owning follower after another."""
@@ -317,75 +340,3 @@ class Simulation:
             plan.append(list(by_follower.items()))
         return Job(self.net, m.cid, "out", plan, m.cfg.downlink or m.cfg.uplink,
                    m.cfg.latency_s, False, on_done)
-
-    def _update(self, start: StartUpdate, t: float) -> None:
-        """The update phase: the real :func:`run_update` on modelled followers, timed by the
-        followers' cost per parameter."""
-        sc, M = self.sc, self.sc.followers.count
-        self.board.sq_norms = {}
-        for s in start.slots:
-            lag = max(0, self.version - s.base_version)
-            if s.ok:
-                self.lags[lag] += 1
-                m = self.members[s.cluster_id]
-                self.board.sq_norms[s.cluster_id] = costs.push_sq_norm(
-                    sc.norms, m.H, m.H, lag, m.rng["norms"])
-        report = outer_step.run_update(self.followers, start.number, start.slots, self.version,
-                                       self.penalty, sc.penalty, sc.outer,
-                                       weight_cap=self.max_push_tokens, members=len(self.members))
-        self.version, self.penalty = report.outcome.version, report.penalty
-        k = len(report.outcome.accepted)
-        self.round_sizes[len(start.slots)] += 1
-        self._message(t, "Score", M)
-        self._message(t, "Aggregate" if k else "Discard", M)
-        f = sc.followers
-        per_param = f.update_s_per_param + k * f.update_s_per_push_param if k else 0.0
-        begin = end = t  # sequential: each follower starts when the one before finished
-        for (index, _), load in zip(self.followers, self.loads):
-            load.memory(costs.memory_bytes(f.memory, load.params,
-                                           len(start.slots) + len(self.state.staging)))
-            busy = load.params * per_param
-            if busy > 0:
-                self.q.push(begin, "cpu", (index, True))
-                self.q.push(begin + busy, "cpu", (index, False))
-            end = max(end, begin + busy)
-            begin = end if f.apply == "sequential" else t
-        phase = end - t + 4 * M * sc.leader.rpc_latency_s
-        if k:
-            self._message(t, "Apply", M)
-            self._message(t + phase, "Commit", M)
-        self.q.push(t + phase, "updated", (start.number, report.outcome), priority=2)
-
-    def _decided(self, decided: Decided, t: float) -> None:
-        for v in decided.verdicts:
-            gained = self.ledger.resolve(v.cluster_id, v.accepted, v.version)
-            self.tokens_accepted += gained * self.sc.data.tokens_per_window
-            self.counts["pushes"] += 1
-            self.counts["accepted" if v.accepted else "rejected"] += 1
-            if not v.accepted:
-                self.reasons["penalty" if v.reason.startswith("penalty") else "failed"] += 1
-            m = self.members[v.cluster_id]
-            m.verdict(v.accepted, gained * self.sc.data.tokens_per_window)
-            if m.down or m.push_id != v.push_id:  # failed since: its new life pulls on joining
-                continue
-            m.positions = {c: p for c, p in self.ledger.holdings(m.cid)}
-            m.set_state("pull", t)
-            m.pull_started = t
-            version = v.version
-            m.job = self._pull_job(m, lambda t2, m=m, version=version: self._pulled(m, version, t2))
-            m.job.begin(t)
-
-    def _pulled(self, m: Member, version: int, t: float) -> None:
-        m.base_version = version
-        m.pull_s.append(t - m.pull_started)
-        self._message(t, "PullDone")
-        self._feed(PullDone(t, m.cid))
-        self._compute(m, t)
-
-    def _ended(self, ended: RoundEnded, t: float) -> None:
-        self.counts["rounds_ended"] += 1
-        if t < self.sc.timeline_s:
-            self.rounds.append({"round": ended.number, "end_s": round(t, 3),
-                                "window_s": round(ended.window_s, 3),
-                                "push_s": round(ended.push_s, 3),
-                                "update_s": round(ended.update_s, 3)})

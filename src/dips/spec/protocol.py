@@ -46,6 +46,15 @@ class MembershipConfig(Strict):
                                                     "seconds")
     missed_heartbeats: int = Field(3, ge=1, description="silent intervals after which a cluster "
                                                         "is removed or a follower marked down")
+    rejoin_min_s: float = Field(1.0, gt=0, allow_inf_nan=False,
+                                description="the shortest interval between two joins of one "
+                                            "cluster after a few in a row, seconds; it doubles "
+                                            "with each join sooner than 2 × rejoin_max_s after "
+                                            "the one before (dips.algo.limits.join_allowed)")
+    rejoin_max_s: float = Field(300.0, gt=0, allow_inf_nan=False,
+                                description="the longest a cluster waits to re-join, seconds; a "
+                                            "join twice this long after the one before starts "
+                                            "afresh")
 
 
 class Timeouts(Strict):

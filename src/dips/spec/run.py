@@ -145,6 +145,14 @@ class LeaderConfig(Strict):
                                 "it is cut to it when there is no ledger, and it bounds the chunks "
                                 "a member may hold; from a run config: PUSH_TOKENS_SLACK × H × "
                                 "batch_size × seq_len; None: 2**63 - 1")
+    push_tokens_weighed: int | None = Field(
+        None, ge=1, description="the most tokens one push weighs in the mean (§6 weights T_j; "
+                                "tokens): one sync interval of one cluster, H × batch_size × "
+                                "seq_len from a run config. A member may be credited up to "
+                                "max_push_tokens (a push retried after a failure carries "
+                                "more), but weighs no more than an honest interval: a token "
+                                "claim and the push-norm radius would otherwise multiply "
+                                "(review 20). None: max_push_tokens")
     lease_ahead: int | None = Field(None, ge=1, description="unfinished chunks a member keeps "
                                                             "leased (data.lease_ahead); None: a "
                                                             "lease is not capped")
@@ -167,6 +175,7 @@ class LeaderConfig(Strict):
                    token_budget=cfg.token_budget, max_outer_steps=cfg.max_outer_steps,
                    max_time_s=cfg.max_time_s,
                    max_push_tokens=PUSH_TOKENS_SLACK * inner.H * inner.batch_size * inner.seq_len,
+                   push_tokens_weighed=inner.H * inner.batch_size * inner.seq_len,
                    lease_ahead=cfg.data.lease_ahead, lease_timeout_s=cfg.data.lease_timeout_s,
                    configured_clusters=len(cfg.clusters))
 

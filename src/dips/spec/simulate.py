@@ -35,6 +35,19 @@ __all__ = ["NormModel", "SimCluster", "SimData", "SimFollowers", "SimLeader", "S
 _ID = r"^[A-Za-z0-9_.-]+$"
 
 
+class SimFault(Strict):
+    """One cluster's fault at a given push and phase, as ``dips launch --faults``'s phase faults
+    kill a cluster process at a failpoint (:mod:`dips.roles.failpoints`): ``window`` admitted,
+    nothing sent yet; ``push`` in the middle of its push (after its first layer); ``update``
+    pushed, waiting for the verdict; ``pull`` the verdict in hand, nothing pulled yet. The
+    cluster is then lost as a modelled fault is (removed after the missed heartbeats, back
+    after ``recovery_s``)."""
+
+    push: int = Field(ge=1, description="the cluster's n-th push request (1: its first)")
+    phase: Literal["window", "push", "update", "pull"] = Field(
+        description="where the cluster is lost: window, push, update or pull")
+
+
 class SimCluster(Strict):
     """One cluster type (``count`` identical clusters, ids ``<id>1`` … ``<id>N`` when N > 1).
 
@@ -73,6 +86,9 @@ class SimCluster(Strict):
     recovery_s: float = Field(1800.0, ge=0, allow_inf_nan=False,
                               description="mean seconds from a fault until the cluster rejoins "
                                           "(exponential; never before it was removed)")
+    faults: list[SimFault] = Field(default_factory=list,
+                                   description="scheduled faults (each id of the type), on top "
+                                               "of mtbf_s")
     join_s: float = Field(0.0, ge=0, allow_inf_nan=False,
                           description="when the cluster first joins, seconds")
     initial_pull: bool = Field(True, description="pull the whole model on the first join "

@@ -1,0 +1,139 @@
+"""What the simulated leader does with a round's update and verdicts, and the scheduled faults.
+
+A mixin of :class:`dips.sim.engine.Simulation` (kept apart to keep each module small). The
+update phase is the real :func:`dips.roles.outer_step.run_update` on modelled followers; the
+ledger settles each push where the real leader does (:mod:`dips.roles.leader_push`): a decided
+step (something accepted, every follower prepared) at the decision, inside ``run_update``'s
+``on_decided`` and before the commits, any other round when its verdicts are out. A cluster
+lost after the decision and before the verdicts (the update phase) is therefore credited,
+never handed its windows out again.
+
+Scheduled faults (:class:`dips.spec.simulate.SimFault`) kill a cluster at its n-th push in one
+of the four cluster-side phases of :mod:`dips.roles.failpoints` (``window``, ``push``,
+``update``, ``pull``); the engine asks :meth:`RoundActions._fault_due` at each of them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dips.algo import round as round_machine
+from dips.algo.round import Decided, RoundEnded, StartUpdate
+from dips.roles import outer_step
+from dips.sim import costs
+
+__all__ = ["RoundActions"]
+
+
+class RoundActions:
+    """The update phase, the verdicts, the pulls and the round records of a simulation.
+
+    ``planned_faults``: (cluster id, push number) -> phase of the scheduled faults still to
+    come; ``_gained``: push id -> windows its verdict accepted, until the verdict is out."""
+
+    planned_faults: dict[tuple[str, int], str]
+    _gained: dict[str, int]
+
+    # ----- scheduled faults -----------------------------------------------------------------
+    def _fault_due(self, m: Any, phase: str, t: float) -> bool:
+        """Whether ``m`` is scheduled to fail now, at its current push in ``phase``; if so it
+        fails at ``t`` (:meth:`_on_fault`) and True is returned (the caller stops there)."""
+        plan = self.planned_faults
+        if plan.get((m.cid, m.push_no)) != phase or m.down:
+            return False
+        del plan[(m.cid, m.push_no)]
+        self.counts["scheduled_faults"] += 1
+        self._on_fault(t, (m.cid, m.epoch), scheduled=True)
+        return True
+
+    # ----- the update phase -----------------------------------------------------------------
+    def _update(self, start: StartUpdate, t: float) -> None:
+        """The update phase: the real :func:`run_update` on modelled followers, timed by the
+        followers' cost per parameter."""
+        sc, M = self.sc, self.sc.followers.count
+        self.board.sq_norms = {}
+        for s in start.slots:
+            lag = max(0, self.version - s.base_version)
+            if s.ok:
+                self.lags[lag] += 1
+                m = self.members[s.cluster_id]
+                self.board.sq_norms[s.cluster_id] = costs.push_sq_norm(
+                    sc.norms, m.H, m.H, lag, m.rng["norms"])
+        rnd = self.state.current
+        report = outer_step.run_update(self.followers, start.number, start.slots, self.version,
+                                       self.penalty, sc.penalty, sc.outer,
+                                       on_decided=lambda r: self._account(
+                                           round_machine.verdicts_of(rnd, r.outcome),
+                                           r.outcome.version),
+                                       weight_cap=self.push_tokens_weighed,
+                                       members=len(self.members))
+        self.version, self.penalty = report.outcome.version, report.penalty
+        k = len(report.outcome.accepted)
+        self.round_sizes[len(start.slots)] += 1
+        self._message(t, "Score", M)
+        self._message(t, "Aggregate" if k else "Discard", M)
+        f = sc.followers
+        per_param = f.update_s_per_param + k * f.update_s_per_push_param if k else 0.0
+        begin = end = t  # sequential: each follower starts when the one before finished
+        for (index, _), load in zip(self.followers, self.loads):
+            load.memory(costs.memory_bytes(f.memory, load.params,
+                                           len(start.slots) + len(self.state.staging)))
+            busy = load.params * per_param
+            if busy > 0:
+                self.q.push(begin, "cpu", (index, True))
+                self.q.push(begin + busy, "cpu", (index, False))
+            end = max(end, begin + busy)
+            begin = end if f.apply == "sequential" else t
+        phase = end - t + 4 * M * sc.leader.rpc_latency_s
+        if k:
+            self._message(t, "Apply", M)
+            self._message(t + phase, "Commit", M)
+        self.q.push(t + phase, "updated", (start.number, report.outcome), priority=2)
+
+    def _account(self, verdicts: Any, version: int | None) -> None:
+        """Settle the ledger for a round's ``verdicts`` once (the leader's ``_account``;
+        ``version``: the decided step, None for a round that was not decided): the windows
+        newly accepted, per push id, go to ``_gained``."""
+        gained = self._gained
+        for v in verdicts:
+            if v.push_id not in gained:
+                gained[v.push_id] = self.ledger.resolve(v.cluster_id, v.accepted, version)
+
+    # ----- verdicts and pulls ---------------------------------------------------------------
+    def _decided(self, decided: Decided, t: float) -> None:
+        self._account(decided.verdicts, None)  # a round not decided (nothing accepted, failed)
+        gained_by = self._gained
+        for v in decided.verdicts:
+            gained = gained_by.pop(v.push_id, 0)
+            self.tokens_accepted += gained * self.sc.data.tokens_per_window
+            self.counts["pushes"] += 1
+            self.counts["accepted" if v.accepted else "rejected"] += 1
+            if not v.accepted:
+                self.reasons["penalty" if v.reason.startswith("penalty") else "failed"] += 1
+            m = self.members[v.cluster_id]
+            m.verdict(v.accepted, gained * self.sc.data.tokens_per_window)
+            if m.down or m.push_id != v.push_id:  # failed since: its new life pulls on joining
+                continue
+            if self._fault_due(m, "pull", t):
+                continue
+            m.positions = {c: p for c, p in self.ledger.holdings(m.cid)}
+            m.set_state("pull", t)
+            m.pull_started = t
+            version = v.version
+            m.job = self._pull_job(m, lambda t2, m=m, version=version: self._pulled(m, version, t2))
+            m.job.begin(t)
+
+    def _pulled(self, m: Any, version: int, t: float) -> None:
+        m.base_version = version
+        m.pull_s.append(t - m.pull_started)
+        self._message(t, "PullDone")
+        self._feed(round_machine.PullDone(t, m.cid))
+        self._compute(m, t)
+
+    def _ended(self, ended: RoundEnded, t: float) -> None:
+        self.counts["rounds_ended"] += 1
+        if t < self.sc.timeline_s:
+            self.rounds.append({"round": ended.number, "end_s": round(t, 3),
+                                "window_s": round(ended.window_s, 3),
+                                "push_s": round(ended.push_s, 3),
+                                "update_s": round(ended.update_s, 3)})
