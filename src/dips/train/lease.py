@@ -102,14 +102,31 @@ class LeaseSampler:
         Raises NoData (and consumes nothing) if fewer than batch_size windows are left (none
         at all when draining).
         """
+        return self.read(self.next_windows(self.batch_size))
+
+    def next_windows(self, count: int) -> list[tuple[int, int]]:
+        """Take the next ``count`` windows as ``(chunk, position)`` pairs (positions advance),
+        from the lowest held chunk with windows left; with :attr:`drain` set, the last windows
+        even if fewer than ``count`` (then ``drain`` resets). The order depends only on the
+        holdings, so every rank of a cluster holding the same state takes the same windows
+        (:mod:`dips.train.ddp` splits them among ranks).
+
+        Raises NoData (and consumes nothing) if fewer than ``count`` are left (none at all
+        when draining).
+        """
         left = self.available()
-        if left < self.batch_size and not (self.drain and left > 0):
-            raise NoData(f"{left} windows left, a batch needs {self.batch_size}")
-        if left < self.batch_size:
+        if left < count and not (self.drain and left > 0):
+            raise NoData(f"{left} windows left, a batch needs {count}")
+        if left < count:
             self.drain = False
-        rows = []
+        out: list[tuple[int, int]] = []
         for chunk in sorted(self._held):
-            while self._held[chunk] < self.windows_per_chunk and len(rows) < self.batch_size:
-                rows.append(self._window(chunk, self._held[chunk]))
+            while self._held[chunk] < self.windows_per_chunk and len(out) < count:
+                out.append((chunk, self._held[chunk]))
                 self._held[chunk] += 1
+        return out
+
+    def read(self, windows: list[tuple[int, int]]) -> torch.Tensor:
+        """The token ids of ``windows`` ((chunk, position) pairs): (len, T+1) int64."""
+        rows = [self._window(c, p) for c, p in windows]
         return torch.from_numpy(np.stack(rows).astype(np.int64))
