@@ -170,7 +170,7 @@ def test_leader_config_composes_the_run_config_and_one_grace_default() -> None:
     assert set(LeaderConfig.model_fields) == {"grace", "penalty", "outer", "membership",
                                               "timeouts", "followers", "token_budget",
                                               "max_outer_steps", "max_time_s",
-                                              "max_push_tokens", "lease_ahead",
+                                              "max_push_tokens", "push_tokens_weighed", "lease_ahead",
                                               "lease_timeout_s", "configured_clusters"}
     assert lead.configured_clusters == len(cfg.clusters)  # the robust scale's quorum (issue 13)
 
