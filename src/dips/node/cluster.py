@@ -26,13 +26,27 @@ from dips.wire.security import Credentials
 log = logging.getLogger(__name__)
 
 
-def run_cluster(leader_addr: str, cluster_id: str, state: Path, creds: Credentials,
+def run_cluster(leader_addr: str, cluster_id: str, state: Path, creds: Credentials | None,
                 stop: threading.Event, *, cache_dir: Path | None = None,
                 stages: int | None = None, metrics_port: int | None = None,
                 metrics_host: str = "0.0.0.0") -> int:
     """Train cluster ``cluster_id`` until ``stop``; returns the exit code. ``metrics_port``:
     serve Prometheus metrics there (:mod:`dips.node.metrics_members`; 0: a free port, logged;
-    None: none). Raises RoleError if it cannot start."""
+    None: none). Raises RoleError if it cannot start.
+
+    Under torchrun with ``WORLD_SIZE > 1`` this process is one rank of a DDP cluster
+    (:func:`dips.node.cluster_ddp.run_cluster_ranks`; its ranks are the stage workers, so
+    ``stages`` is ignored; ``creds`` may be None on ranks other than 0)."""
+    from dips.node.cluster_ddp import run_cluster_ranks, world_size
+
+    if world_size() > 1:
+        if stages is not None:
+            log.info("cluster %s: --stages ignored: each rank is a stage worker", cluster_id)
+        return run_cluster_ranks(leader_addr, cluster_id, state, creds, stop,
+                                 cache_dir=cache_dir, metrics_port=metrics_port,
+                                 metrics_host=metrics_host)
+    if creds is None:
+        raise RoleError("a cluster of one process needs its credentials")
     import torch
 
     from dips.roles.client import ClusterClient

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from typing import Literal
+
 from pydantic import Field, field_validator, model_validator
 
 from dips.spec.base import Strict
@@ -98,6 +100,18 @@ class ClusterConfig(Strict):
                                                    "with slowdown")
     link: LinkConfig | None = Field(None, description="the cross-cluster link; None: unshaped "
                                                       "(real time)")
+    parallel: Literal["ddp", "fsdp2"] = Field(
+        "ddp", description="how the ranks of a multi-rank cluster (launched by torchrun, "
+                           "WORLD_SIZE > 1) train, each rank a stage worker: ddp = one "
+                           "replica per rank, gradients all-reduced each inner step; fsdp2 = "
+                           "parameters sharded over the ranks (fully_shard per decoder block), "
+                           "a block's owner materialises it to push and after a pull (issue "
+                           "14; one process when WORLD_SIZE is 1 or unset)")
+    collective_timeout_s: float = Field(
+        1800.0, gt=0, allow_inf_nan=False,
+        description="longest wait of one in-cluster collective (torch.distributed), seconds: "
+                    "ranks wait this long for rank 0's talk with the leader (raised to at "
+                    "least timeouts.startup_s + 60 and 2 × timeouts.push_s + 60 at start)")
 
     def slowdown_at(self, t: float) -> float:
         """Compute slowdown (>= 1) at ``t`` seconds: ``slowdown`` × every active transient."""
@@ -115,7 +129,7 @@ class ClusterConfig(Strict):
         """The real-time form of an emulated cluster: transient and link-change times ×
         ``time_scale``, link rates mapped by ``rate`` (None: no link, unshaped)."""
         link = None if rate is None or self.link is None else self.link.rescaled(time_scale, rate)
-        return ClusterConfig(
-            id=self.id, slowdown=self.slowdown, stages=self.stages, link=link,
+        return self.model_copy(update=dict(
+            link=link,
             transient=[Transient(start_s=tr.start_s * time_scale, end_s=tr.end_s * time_scale,
-                                 factor=tr.factor) for tr in self.transient])
+                                 factor=tr.factor) for tr in self.transient]))

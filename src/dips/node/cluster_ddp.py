@@ -1,0 +1,260 @@
+"""One rank of a cluster launched as a torchrun job: DDP replicas or FSDP2 shards (issue 14; §3, §5, §12).
+
+``torchrun --nproc-per-node N -m dips.cluster --leader HOST:PORT --cluster-id ID ...`` (or
+``dips cluster`` under torchrun) runs this on every rank when ``WORLD_SIZE > 1``:
+
+1. ``init_process_group`` (torchrun's ``env://`` rendezvous; NCCL and ``cuda:LOCAL_RANK`` when
+   CUDA is available, else gloo on CPU), bounded by ``BOOT_TIMEOUT_S``;
+2. rank 0 checks its certificate, locks ``--state-dir``, fetches the run spec from the leader
+   and broadcasts it (JSON); every rank builds the same model and its token data (local
+   rank 0 first: it fills the node's cache);
+3. the ranks split the layers into blocks balanced by bytes (:func:`dips.roles.cluster_ranks.
+   rank_blocks`), wrap their replica in DDP (``parallel: ddp``) or shard it with
+   ``fully_shard`` per decoder block (``parallel: fsdp2``) and train (:mod:`dips.train.ddp`);
+   rank 0 joins, heartbeats and syncs for the cluster, every rank pushes and pulls its own
+   block;
+4. when the run finishes (or on SIGTERM/SIGINT on any rank) every rank leaves the loop at the
+   same step and exits 0. Any failure (a rank killed, a collective timed out) exits non-zero;
+   torchrun (``--max-restarts``) or the operator restarts the cluster, which re-joins.
+
+Only rank 0 writes ``train.jsonl`` (the cluster's records; sync steps carry each rank's
+pushed layers and the replicas' checksums) and serves metrics.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from dips.node.common import RoleError, StateDir, Stopped, fetch_spec
+from dips.wire.pki import Identity
+from dips.wire.security import Credentials
+
+log = logging.getLogger(__name__)
+
+#: Collective timeout while the ranks start (spec fetch, data preparation), seconds.
+BOOT_TIMEOUT_S = 1800.0
+
+
+def world_size() -> int:
+    """torchrun's WORLD_SIZE (1 when unset)."""
+    return int(os.environ.get("WORLD_SIZE", "1") or 1)
+
+
+def run_cluster_ranks(leader_addr: str, cluster_id: str, state: Path, creds: Credentials | None,
+                      stop: threading.Event, *, cache_dir: Path | None = None,
+                      metrics_port: int | None = None, metrics_host: str = "0.0.0.0") -> int:
+    """Run this rank of cluster ``cluster_id`` (module docstring); returns the exit code.
+
+    ``creds``: rank 0's credentials (other ranks never talk to the leader; may be None).
+    Raises RoleError (rank 0: wrong certificate, no spec; others: rank 0 could not start),
+    Stopped, or what training raises (RuntimeError when a peer rank fails).
+    """
+    import torch
+    import torch.distributed as dist
+
+    rank, world = int(os.environ["RANK"]), world_size()
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    cuda = torch.cuda.is_available()
+    device = torch.device(f"cuda:{local}" if cuda else "cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    torch.set_num_threads(1)
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=BOOT_TIMEOUT_S))
+    try:
+        return _run(rank, world, local, device, leader_addr, cluster_id, state, creds, stop,
+                    cache_dir, metrics_port, metrics_host)
+    finally:
+        try:
+            dist.destroy_process_group()
+        except Exception:  # a broken group (a peer died): the process exits anyway
+            pass
+
+
+def collective_timeout(configured_s: float, timeouts: Any) -> float:
+    """The control group's timeout (seconds): ``configured_s`` (the cluster's
+    ``collective_timeout_s``), raised to the longest rank 0 may talk to the leader alone while
+    the other ranks wait: a join (``timeouts.startup_s``) or a verdict (the leader's push
+    timeout plus the cluster's own, both ``timeouts.push_s``), plus 60 s."""
+    return max(configured_s, timeouts.startup_s + 60.0, 2 * timeouts.push_s + 60.0)
+
+
+def _no_buffer_sync(ddp: Any) -> dict[str, bool]:
+    """DDP's option not to broadcast buffers every forward (the models' buffers are constants
+    built alike on every rank): ``forward_sync_buffers`` where torch has it, else the older
+    ``broadcast_buffers``."""
+    import inspect
+
+    if "forward_sync_buffers" in inspect.signature(ddp.__init__).parameters:
+        return {"forward_sync_buffers": False}
+    return {"broadcast_buffers": False}
+
+
+def _spec(ranks: Any, leader_addr: str, cluster_id: str, state: Path,
+          creds: Credentials | None, stop: threading.Event) -> Any:
+    """Rank 0 fetches the run spec and broadcasts it (or why it cannot start)."""
+    from dips.spec import RunSpec
+
+    if not ranks.lead:
+        msg = ranks.broadcast(None)
+        if "stopped" in msg:
+            raise Stopped(msg["stopped"])
+        if "error" in msg:
+            raise RoleError(f"rank 0 could not start: {msg['error']}")
+        return RunSpec.model_validate_json(msg["spec"])
+    try:
+        if creds is None or creds.identity != Identity.cluster(cluster_id):
+            raise RoleError(f"--cluster-id {cluster_id!r}, but the certificate is "
+                            f"{creds.identity.name if creds else None!r}")
+        StateDir(state).acquire()
+        spec, _ = fetch_spec(leader_addr, creds, stop, 180.0)
+    except Stopped as exc:
+        ranks.broadcast({"stopped": str(exc)})
+        raise
+    except BaseException as exc:
+        ranks.broadcast({"error": str(exc)})
+        raise
+    ranks.broadcast({"spec": spec.model_dump_json()})
+    return spec
+
+
+def _run(rank: int, world: int, local: int, device: Any, leader_addr: str, cluster_id: str,
+         state: Path, creds: Credentials | None, stop: threading.Event,
+         cache_dir: Path | None, metrics_port: int | None, metrics_host: str) -> int:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from dips.roles.cluster_ranks import RankWorker, rank_blocks
+    from dips.roles.layers import group_layers
+    from dips.roles.rank_comm import Ranks
+    from dips.spec import ClusterConfig
+    from dips.train.ddp import RankSampler, RankTrainer
+    from dips.train.loop import make_inner_optimizer
+    from dips.train.model import layer_namer
+    from dips.train.trainer import build_trainer
+
+    boot = Ranks.control_group(rank, world, BOOT_TIMEOUT_S, device)
+    cfg = _spec(boot, leader_addr, cluster_id, state, creds, stop).config
+    listed = [c for c in cfg.clusters if c.id == cluster_id]
+    me = listed[0] if listed else ClusterConfig(id=cluster_id)
+    cache = (cache_dir or cfg.data.cache_dir).resolve()
+    if local != 0:
+        dist.barrier(group=boot.control)  # local rank 0 fills this node's cache first
+    base = build_trainer(cluster_id, cfg.model, cfg.data, cfg.inner, cfg.seed, cache_dir=cache)
+    if local == 0:
+        dist.barrier(group=boot.control)
+    fingerprint = ""
+    if rank == 0:
+        from dips.train.corpus import load_tokenizer
+        from dips.train.model import fingerprint_of
+
+        fingerprint = fingerprint_of(base.model, load_tokenizer(
+            cache, cfg.data.vocab_size).get_vocab()).to_json()
+    timeout_s = collective_timeout(me.collective_timeout_s, cfg.timeouts)
+    ranks = Ranks.control_group(rank, world, timeout_s, device)
+    model = base.model.to(device)
+    layer_of = layer_namer(model, cfg.model.layer_pattern)
+    if me.parallel == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        from dips.roles.layers import blocks_prefix
+
+        for block in model.get_submodule(blocks_prefix(model)):
+            fully_shard(block)
+        ddp = fully_shard(model)  # parameters become DTensors sharded over the ranks
+    else:
+        ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda"
+                                      else None, **_no_buffer_sync(DistributedDataParallel))
+    layers = group_layers(model, layer_of)
+    blocks = rank_blocks([sum(p.numel() * 4 for _, p in ps) for _, ps in layers], world)
+    sampler = RankSampler(base.batches, rank, world)  # type: ignore[arg-type]
+    trainer = RankTrainer(cluster_id, model, ddp, make_inner_optimizer(
+        model, cfg.inner.lr, cfg.inner.weight_decay), sampler, cfg.inner.grad_clip, ranks)
+    bucket = None
+    if me.link is not None and cfg.network == "loopback":
+        from dips.emu.link_schedule import ScheduledBucket
+
+        bucket = ScheduledBucket(me)  # emulation: each stage rank's upload shaped alone
+    worker = RankWorker(ranks, layers, blocks, bucket.consume if bucket else None,
+                        cfg.outer.wire_dtype, stop)
+    log.info("cluster %s: rank %d of %d (local rank %d, pid %d) on %s owns layers %s",
+             cluster_id, rank, world, local, os.getpid(), device, sorted(worker.mine))
+    try:
+        return _train(cfg, me, trainer, ranks, worker, sampler, leader_addr, cluster_id,
+                      creds, state, stop, fingerprint, bucket, layer_of, metrics_port,
+                      metrics_host)
+    finally:
+        worker.close()
+
+
+def _train(cfg: Any, me: Any, trainer: Any, ranks: Any, worker: Any, sampler: Any,
+           leader_addr: str, cluster_id: str, creds: Credentials | None, state: Path,
+           stop: threading.Event, fingerprint: str, bucket: Any, layer_of: Any,
+           metrics_port: int | None, metrics_host: str) -> int:
+    from dips.emu.pacing import Pacer
+    from dips.roles.cluster_ranks import RankLeadClient
+    from dips.train.ddp import NullLog, RankSync
+    from dips.train.dips_sync import DiPSSync
+    from dips.train.run import TrainLog, run_loop
+
+    client = observed = metrics = None
+    if ranks.lead:
+        client = RankLeadClient(
+            trainer.model, leader_addr, cluster_id, creds, worker=worker, H=cfg.inner.H,
+            stages=len(worker.blocks), timeout_s=cfg.timeouts.push_s, layer_of=layer_of,
+            admit_timeout_s=cfg.timeouts.admit_s,
+            heartbeat_interval_s=cfg.membership.heartbeat_interval_s, data=sampler,
+            limiter=bucket.consume if bucket is not None else None, stop=stop,
+            fingerprint=fingerprint, wire_dtype=cfg.outer.wire_dtype)
+        assert client.stage_layers == [[k for k, _ in b] for b in worker.blocks]
+        if metrics_port is not None:
+            from prometheus_client import CollectorRegistry
+
+            from dips.node.metrics import serve_metrics
+            from dips.node.metrics_members import ClusterMetrics
+
+            observed = ClusterMetrics(CollectorRegistry())
+            observed.attach(client)
+            metrics = serve_metrics(observed.registry, metrics_port, metrics_host)
+    sync = RankSync(ranks, worker, sampler, DiPSSync(client) if client is not None else None)
+    try:
+        if not sync.join(stop, cfg.timeouts.startup_s):
+            log.info("cluster %s: nothing to do (the run finished or stopping)", cluster_id)
+            if client is not None:
+                client.close(leave=False)
+            return 0
+        pacer = Pacer(me.slowdown, cfg.step_s, me.transient_tuples())
+        start_file = os.environ.get("DIPS_TRAIN_START")
+        t_start = (float(Path(start_file).read_text()) if start_file and Path(start_file).exists()
+                   else time.time())
+        if bucket is not None:
+            bucket.start(t_start)
+        out: Any = NullLog()
+        if client is not None:
+            log.info("cluster %s joined at version %d, %d ranks, stages %s", cluster_id,
+                     client.version, ranks.world, client.stage_layers)
+            out = TrainLog(state / "train.jsonl", stamp=time.time, delay=False,
+                           observer=observed.observe if observed is not None else None)
+            out.write({"event": "join", "version": client.version, "ranks": ranks.world,
+                       "stages": client.stage_layers,
+                       "replicas": {"version": client.version, "checksums": worker.checksums}})
+        try:
+            run_loop(trainer, sync, stop, pacer, out, clock=lambda: time.time() - t_start)
+        finally:
+            out.close()
+        if client is not None:
+            log.info("cluster %s: %s: stopping after %d inner steps", cluster_id,
+                     client.finished or "stopped", client.inner_step)
+            client.close()
+            client = None
+        return 0
+    finally:
+        if client is not None:  # failed: stop heartbeating, keep the membership to re-join
+            client.close(leave=False)
+        if metrics is not None:
+            metrics.close()

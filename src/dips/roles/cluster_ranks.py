@@ -1,0 +1,361 @@
+"""A multi-rank cluster's stage workers are its ranks (issue 14; §5, §10 of the seed).
+
+A cluster launched by torchrun as ``world`` DDP replicas splits its layers among its ranks as
+it splits them among stage workers in one process: contiguous blocks balanced by bytes
+(:func:`rank_blocks`; at most one block per layer, so ranks ``>= len(blocks)`` own none).
+Rank 0 runs the cluster's :class:`dips.roles.client.ClusterClient` logic
+(:class:`RankLeadClient`: join, heartbeats, leases, push requests, verdicts); wherever that
+logic would move tensors it broadcasts a command on the control group and every rank executes
+it with its own :class:`RankWorker`:
+
+* ``connect``: each rank opens its own stage worker (one ZeroMQ connection per follower) with
+  the member key rank 0 got at its join (it travels on the in-cluster network, in clear);
+* ``push``: each rank sends its block in the order of the leader's §10 schedule straight to the
+  owning followers (the followers see one connection per stage worker, not per replica), and
+  the outcomes are all-gathered (a refusal on any rank fails the whole push);
+* ``pull``: each rank fetches its block at the verdict's version; only if every rank got all
+  of its tensors (all-gather) does each widen its block into its replica and broadcast it to
+  the others, so every replica holds the same complete model of one version; then the ranks
+  compare per-shard checksums (:func:`dips.roles.follower.shard_checksum`) and fail if any
+  replica differs;
+* ``end``: the command sequence of one inner step (or join) is over; it carries rank 0's data
+  position (:class:`dips.train.ddp.RankSampler` state) and whether to stop.
+
+The other ranks wait in :meth:`RankWorker.serve` meanwhile, each wait bounded by the control
+group's timeout.
+
+Under FSDP2 (``fully_shard``; the parameters are DTensors sharded over the ranks) the owner of
+a block keeps it whole in host buffers: before a push every rank gathers each parameter in
+turn (``full_tensor()``, a collective) and the owner copies it in; after a pull the owner's
+buffers hold the pulled block, each parameter is broadcast whole from its owner and every rank
+keeps its own shard (``distribute_tensor`` without communication).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any, Callable
+
+import torch
+
+from dips.algo import partition_contiguous
+from dips.algo.refusal import Refusal
+from dips.roles.client import ClusterClient
+from dips.roles.client_sync import AHEAD_CAP_S, PullFailed, StageFailures, _in_threads
+from dips.roles.cluster import StageWorker
+from dips.roles.follower import shard_checksum
+from dips.roles.rank_comm import Ranks, broadcast_params
+from dips.wire.dataclient import DataPlaneError
+from dips.wire.keys import MemberKey
+from dips.wire.pb import control_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+__all__ = ["RankLeadClient", "RankWorker", "rank_blocks"]
+
+#: Seconds a rank's transfer stops short of the control group's timeout.
+MARGIN_S = 60.0
+
+Layers = list[tuple[str, list[tuple[str, torch.nn.Parameter]]]]
+
+
+def rank_blocks(sizes: list[int], world: int) -> list[range]:
+    """Layer indices of each rank's block: ``min(world, len(sizes))`` contiguous ranges
+    (rank r owns block r; later ranks none), minimising the largest block's bytes.
+
+    Args: sizes: bytes of each layer in model order (ints >= 0); world: ranks (>= 1).
+    Raises ValueError for no layers, ``world < 1`` or a bad size. Source: §10 (stage workers).
+    """
+    if world < 1 or not sizes:
+        raise ValueError(f"rank_blocks: world = {world} must be >= 1 and sizes non-empty")
+    return partition_contiguous(list(sizes), min(world, len(sizes)))
+
+
+class RankWorker:
+    """One rank's stage worker and its part in the cluster's commands (module docstring).
+
+    Args:
+        ranks: this rank's :class:`~dips.roles.rank_comm.Ranks`.
+        layers: the replica's layers in model order (:func:`dips.roles.layers.group_layers`).
+        blocks: :func:`rank_blocks` of those layers (the same on every rank).
+        limiter: called with each data-plane message's bytes (link shaping) or None.
+        wire_dtype: "bf16" or "fp32". stop: this process's stop request (gives a transfer up).
+        verify: compare the replicas' checksums after every pull.
+    """
+
+    def __init__(self, ranks: Ranks, layers: Layers, blocks: list[range],
+                 limiter: Callable[[int], Any] | None = None, wire_dtype: str = "bf16",
+                 stop: threading.Event | None = None, verify: bool = True) -> None:
+        self.ranks = ranks
+        self.blocks = [[layers[i] for i in r] for r in blocks]
+        own = dict(self.blocks[ranks.rank]) if ranks.rank < len(blocks) else {}
+        #: FSDP2: the parameters are DTensors sharded over the ranks; the owner of a block
+        #: stages it whole in host buffers (``full``) to push it and after a pull.
+        self.sharded = any(_is_dtensor(p) for _, ps in layers for _, p in ps)
+        self.full: dict[str, torch.Tensor] = {}
+        if self.sharded:
+            self.full = {n: torch.empty(tuple(p.shape), dtype=torch.float32)
+                         for ps in own.values() for n, p in ps}
+            own = {layer: [(n, self.full[n]) for n, _ in ps] for layer, ps in own.items()}
+        self.mine = own  # layer -> [(name, tensor the stage worker reads and the pull fills)]
+        self.limiter = limiter
+        self.wire_dtype = wire_dtype
+        self.stop = stop or threading.Event()
+        self.verify = verify
+        self.stage: StageWorker | None = None
+        self.owner: dict[str, int] = {}
+        self._connect_cmd: dict | None = None
+        self._pulled: dict[str, torch.Tensor] = {}
+        self.checksums: dict[str, str] = {}  # follower index -> checksum after the last pull
+
+    # ----- commands --------------------------------------------------------------------
+    def run(self, cmd: dict, abandon: Callable[[], str | None] | None = None) -> list[dict]:
+        """Execute ``cmd`` (the same on every rank); returns every rank's outcome (rank
+        order). Raises RuntimeError if a collective fails."""
+        op = cmd["op"]
+        if op == "connect":
+            self.connect(cmd)
+            return []
+        if op == "push":
+            if self.sharded:
+                self._materialise()
+            return self.ranks.gather(self._transfer(cmd, abandon, self._push))
+        if op == "pull":
+            results = self.ranks.gather(self._transfer(cmd, abandon, self._fetch))
+            if all(r["error"] is None for r in results):
+                self._load_and_share()
+            self._pulled = {}
+            return results
+        raise ValueError(f"unknown in-cluster command {op!r}")
+
+    def serve(self) -> dict:
+        """Follow rank 0's commands until its ``end``; returns that message."""
+        while True:
+            cmd = self.ranks.broadcast(None)
+            if cmd["op"] == "end":
+                return cmd
+            self.run(cmd, lambda: "stopping" if self.stop.is_set() else None)
+
+    def connect(self, cmd: dict) -> None:
+        """(Re)open this rank's stage worker to the followers of ``cmd``."""
+        self.close()
+        self._connect_cmd = cmd
+        self.owner = {k: int(v) for k, v in cmd["owner"].items()}
+        if self.mine:
+            key = MemberKey(cmd["key_id"], bytes.fromhex(cmd["key"]), bool(cmd["encrypt"]))
+            self.stage = StageWorker(self.ranks.rank, self.mine, key,
+                                     {int(f): ep for f, ep in cmd["endpoints"].items()},
+                                     float(cmd["timeout_s"]), limiter=self.limiter,
+                                     dtype=self.wire_dtype)
+
+    def _transfer(self, cmd: dict, abandon: Callable[[], str | None] | None,
+                  job: Callable[[dict], None]) -> dict:
+        """Run ``job(cmd)`` on this rank's stage worker within ``cmd["limit"]`` seconds."""
+        out: dict[str, Any] = {"rank": self.ranks.rank, "error": None, "refusals": [],
+                               "overran": False, "aborted": None, "acked": 0,
+                               "layers": sorted(self.mine)}
+        if self.stage is None:
+            return out
+        self.stage.set_timeout(float(cmd["limit"]))
+        failures = _in_threads([lambda: job(cmd)], float(cmd["limit"]), abandon)
+        out["acked"] = self.stage.acked_bytes
+        if failures is not None:
+            out.update(error=str(failures), overran=failures.overran, aborted=failures.aborted,
+                       refusals=[int(c) for c in failures.refusals()])
+            if failures.overran and self._connect_cmd is not None:
+                self.connect(self._connect_cmd)  # the stuck thread keeps its own sockets
+        return out
+
+    def _push(self, cmd: dict) -> None:
+        ticket = (cmd["ticket"], bytes.fromhex(cmd["ticket_mac"])) if cmd.get("ticket") else None
+        plan = [(layer, int(f)) for layer, f in cmd["plans"][self.ranks.rank]] \
+            if self.ranks.rank < len(cmd["plans"]) else []
+        assert self.stage is not None
+        self.stage.push(cmd["cluster"], int(cmd["round"]), cmd["push_id"], plan,
+                        int(cmd["tokens"]), stage=bool(cmd["stage_first"]), ticket=ticket)
+
+    def _fetch(self, cmd: dict) -> None:
+        assert self.stage is not None
+        self._pulled = self.stage.pull(int(cmd["version"]), self.owner)
+
+    def _materialise(self) -> None:
+        """FSDP2: every parameter gathered whole (``full_tensor``, a collective on every rank,
+        one parameter at a time); the owner of its block keeps it in ``full``."""
+        for block in self.blocks:
+            for _, params in block:
+                for n, p in params:
+                    whole = p.full_tensor().detach()
+                    if n in self.full:
+                        self.full[n].copy_(whole)
+
+    def _load_and_share(self) -> None:
+        """Widen this rank's pulled block into the replica, broadcast every block from its
+        rank (FSDP2: each parameter whole, one at a time, each rank keeping its own shard),
+        then (``verify``) check that every replica holds the same model."""
+        with torch.no_grad():
+            for params in self.mine.values():
+                for n, p in params:
+                    p.copy_(self._pulled[n])
+        for src, block in enumerate(self.blocks):
+            params = [p for _, ps in block for _, p in ps]
+            if self.sharded:
+                names = [n for _, ps in block for n, _ in ps]
+                for n, p in zip(names, params):
+                    _scatter_into(p, self.full.get(n), src)
+            else:
+                broadcast_params(params, src)
+        if not self.verify:
+            return
+        if self.sharded:
+            self._verify_shards()
+            return
+        shards: dict[int, dict[str, torch.Tensor]] = {}
+        for block in self.blocks:
+            for layer, params in block:
+                shard = shards.setdefault(self.owner.get(layer, -1), {})
+                shard.update({n: p.detach().float().cpu() for n, p in params})
+        self.checksums = {str(f): shard_checksum(t) for f, t in sorted(shards.items())}
+        seen = self.ranks.gather({"checksums": self.checksums})
+        if any(s["checksums"] != self.checksums for s in seen):
+            raise RuntimeError(f"replicas differ after a pull: {[s['checksums'] for s in seen]}")
+
+    def _verify_shards(self) -> None:
+        """FSDP2: gather every parameter whole once more; each owner checks it equals the
+        block it pulled, rank 0 keeps the per-shard checksums (a host copy of the model on
+        rank 0). Raises RuntimeError on every rank if some parameter differs."""
+        same = True
+        shards: dict[int, dict[str, torch.Tensor]] = {}
+        for block in self.blocks:
+            for layer, params in block:
+                for n, p in params:
+                    whole = p.full_tensor().detach().float().cpu()
+                    if n in self.full and not torch.equal(whole, self.full[n]):
+                        same = False
+                    if self.ranks.lead:
+                        shards.setdefault(self.owner.get(layer, -1), {})[n] = whole
+        self.checksums = {str(f): shard_checksum(t) for f, t in sorted(shards.items())}
+        if self.ranks.any(not same):
+            raise RuntimeError("after a pull, the sharded model differs from the pulled blocks")
+
+    def close(self) -> None:
+        """Close this rank's stage worker (if any)."""
+        if self.stage is not None:
+            self.stage.close()
+            self.stage = None
+
+
+def _is_dtensor(p: torch.Tensor) -> bool:
+    return type(p).__name__ == "DTensor" or hasattr(p, "device_mesh")
+
+
+def _scatter_into(p: torch.Tensor, whole: torch.Tensor | None, src: int) -> None:
+    """FSDP2: the DTensor parameter ``p`` takes rank ``src``'s ``whole`` value (a full-size
+    host tensor there, None elsewhere): broadcast on the data group, then each rank copies
+    its own shard (``distribute_tensor`` without communication)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import distribute_tensor
+
+    device = p.to_local().device  # type: ignore[attr-defined]
+    buf = whole.to(device) if whole is not None else torch.empty(tuple(p.shape), dtype=p.dtype,
+                                                                 device=device)
+    dist.broadcast(buf, src=src)
+    local = distribute_tensor(buf, p.device_mesh, p.placements,  # type: ignore[attr-defined]
+                              src_data_rank=None).to_local()
+    with torch.no_grad():
+        p.to_local().copy_(local)  # type: ignore[attr-defined]
+
+
+def _failures(results: list[dict], limit: float) -> StageFailures | None:
+    """Rank 0's view of the ranks' outcomes: each failed rank as a stage error."""
+    failed = [r for r in results if r["error"] is not None]
+    if not failed:
+        return None
+    out = StageFailures(timeout_s=limit, overran=any(r["overran"] for r in failed),
+                        aborted=next((r["aborted"] for r in failed if r["aborted"]), None))
+    for r in failed:
+        codes = r["refusals"] or [int(Refusal.UNSPECIFIED)]
+        out.errors.append((r["rank"], DataPlaneError(f"rank {r['rank']}: {r['error']}",
+                                                     Refusal(codes[0]))))
+    return out
+
+
+class RankLeadClient(ClusterClient):
+    """Rank 0's :class:`~dips.roles.client.ClusterClient` of a multi-rank cluster: the same
+    control logic, with every transfer run by all ranks (module docstring).
+
+    Args: as ClusterClient (``stages`` is the number of rank blocks), plus ``worker`` (rank
+    0's :class:`RankWorker`). Attributes after each push / pull: ``last_ranks`` (every rank's
+    outcome of the last push: layers, acked bytes, error) and ``worker.checksums``.
+    """
+
+    def __init__(self, model: torch.nn.Module, leader: str, cluster_id: str, creds: Any, *,
+                 worker: RankWorker, **kwargs: Any) -> None:
+        self.worker = worker
+        self.last_ranks: list[dict] = []
+        super().__init__(model, leader, cluster_id, creds, **kwargs)
+
+    def _limit(self, kind: str, cap_s: float) -> float:
+        """A transfer's deadline (seconds): the measured one, never within MARGIN_S of the
+        control group's timeout (the other ranks wait that long at most)."""
+        return min(self._xfer.limit(kind, cap_s), max(1.0, self.worker.ranks.timeout_s - MARGIN_S))
+
+    def sync(self) -> Any:
+        self.last_ranks = []  # filled by this sync's push, if it gets that far
+        return super().sync()
+
+    def _connect(self, followers: list[pb.FollowerInfo], keep_owner: bool = False) -> None:
+        self._endpoints = {f.index: f.data_endpoint for f in followers}
+        if not keep_owner:
+            self._owner = {l: f.index for f in followers for l in f.layers}
+        assert self._key is not None
+        cmd = {"op": "connect", "key_id": self._key.key_id, "key": self._key.key.hex(),
+               "encrypt": self._key.encrypt, "timeout_s": self.timeout_s,
+               "endpoints": {str(f): ep for f, ep in self._endpoints.items()},
+               "owner": self._owner}
+        self.worker.ranks.broadcast(cmd)
+        self.worker.run(cmd)
+        self._stages = [self.worker.stage] if self.worker.stage is not None else []
+
+    def _guard(self, failures: StageFailures | None) -> StageFailures | None:
+        return failures  # each rank replaces its own overrun stage worker (RankWorker)
+
+    def _run_stages(self, grant: pb.PushGrant, tokens: int) -> str | None:
+        plans: list[list[tuple[str, int]]] = [[] for _ in self.worker.blocks]
+        for step in grant.schedule:
+            for t in step.transfers:
+                plans[t.stage].append((t.layer, t.follower))
+        limit = self._limit("push_s", AHEAD_CAP_S if grant.stage_first else self.timeout_s)
+        cmd = {"op": "push", "cluster": self.cluster_id, "round": grant.round,
+               "push_id": grant.push_id, "plans": plans, "tokens": tokens,
+               "stage_first": grant.stage_first, "limit": limit,
+               "ticket": grant.ticket or None, "ticket_mac": bytes(grant.ticket_mac).hex()}
+        t0 = time.monotonic()
+        self.worker.ranks.broadcast(cmd)
+        self.last_ranks = self.worker.run(cmd, self._abandoned())
+        failures = _failures(self.last_ranks, limit)
+        if failures is not None and Refusal.NOT_JOINED in failures.refusals():
+            self._rejoin.set()
+        if failures is not None and not failures.aborted:
+            took = time.monotonic() - t0
+            acked = sum(r["acked"] for r in self.last_ranks)
+            self._xfer.observe("push_s", took * self._push_bytes / acked if acked
+                               else 2 * max(took, limit))
+        return None if failures is None else str(failures)
+
+    def _pull(self, version: int) -> None:
+        t0 = time.monotonic()
+        limit = self._limit("pull_s", self.timeout_s)
+        cmd = {"op": "pull", "version": version, "limit": limit}
+        self.worker.ranks.broadcast(cmd)
+        failures = _failures(self.worker.run(cmd, self._abandoned()), limit)
+        if failures is not None:
+            raise PullFailed(version, failures)
+        self._xfer.observe("pull_s", time.monotonic() - t0)
+        self.version = version
+        self.tokens_since_pull = 0
+
+    def end(self, state: dict) -> None:
+        """Close the command sequence of this step: the other ranks adopt ``state``."""
+        self.worker.ranks.broadcast({"op": "end", **state})

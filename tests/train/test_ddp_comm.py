@@ -1,0 +1,66 @@
+"""The in-cluster collectives of a multi-rank cluster (dips.roles.rank_comm) between two real
+gloo processes: JSON control messages (never pickled) broadcast and all-gathered, a stop flag
+any rank may raise, and parameters broadcast from their owner in buckets (split by size and
+dtype) that leave every rank with the owner's exact values."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _rank(rank: int, store: str, out: str) -> None:
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from dips.roles.rank_comm import Ranks, broadcast_params
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=60))
+    try:
+        ranks = Ranks.control_group(rank, 2, 60.0, torch.device("cpu"))
+        got = ranks.broadcast({"op": "push", "plans": [["embed", 0]], "é": "ü"} if rank == 0
+                              else None)
+        gathered = ranks.gather({"rank": rank, "pad": "x" * (rank * 100)})
+        flags = [ranks.any(rank == 1), ranks.any(False)]
+        gen = torch.Generator().manual_seed(rank)  # different values on each rank
+        params = [torch.randn(5, 3, generator=gen), torch.randn(7, generator=gen),
+                  torch.randn(2, 2, generator=gen).to(torch.bfloat16),
+                  torch.randn(40, generator=gen)]
+        broadcast_params(params, src=1, bucket_bytes=100)  # several buckets
+        digest = [t.float().sum().item() for t in params] + [params[0][1, 2].item()]
+        Path(out).write_text(json.dumps({"got": got, "gathered": gathered, "flags": flags,
+                                         "digest": digest}))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_control_messages_and_parameter_broadcast_between_two_ranks(tmp_path):
+    ctx = mp.get_context("spawn")
+    outs = [tmp_path / f"rank{r}.json" for r in range(2)]
+    procs = [ctx.Process(target=_rank, args=(r, str(tmp_path / "store"), str(outs[r])))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        for p in procs:
+            p.join(90)
+            assert p.exitcode == 0
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(10)
+    r0, r1 = (json.loads(o.read_text()) for o in outs)
+    assert r0["got"] == r1["got"] == {"op": "push", "plans": [["embed", 0]], "é": "ü"}
+    assert r0["gathered"] == r1["gathered"] == [{"rank": 0, "pad": ""},
+                                                {"rank": 1, "pad": "x" * 100}]
+    assert r0["flags"] == r1["flags"] == [True, False]
+    assert r0["digest"] == r1["digest"]  # rank 1's values everywhere
