@@ -89,7 +89,7 @@ def test_the_evaluator_reports_a_falling_held_out_loss_the_leader_keeps(tmp_path
 
         # The evaluator pulled only: never a member, never a holder of data chunks.
         doc = json.loads((state / "leader.json").read_text())
-        assert set(doc["clusters"]) == {"a"}
+        assert set(doc["clusters"]) <= {"a"}  # (a left at the end: written at its leave)
         assert {holder for holder, _, _ in doc["ledger"]["chunks"]} <= {"a", None}
         assert load_run(tmp_path).evals == records  # dips report finds the series once
 

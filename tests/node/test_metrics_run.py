@@ -18,7 +18,9 @@ from pathlib import Path
 import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
+from typer.testing import CliRunner
 
+from dips.cli import app
 from dips.emu.launcher import free_port
 
 from .roles import ROOT, follower_args, kill_left, stop_cleanly
@@ -172,6 +174,23 @@ def test_every_role_serves_metrics_that_match_the_leader_records(tmp_path):
         assert observed(after) == observed(before)
         assert total(after, "dips_leader_restarts_total") == 1
         assert total(after, "dips_leader_events_total", event="leader_resumed") == 1
+        # Per cluster and the ledger's chunks too (replayed records; leader.json's ledger).
+        for name, labels in (("dips_cluster_pushes_total", {"cluster": "a"}),
+                             ("dips_cluster_tokens_pushed_total", {"cluster": "a"}),
+                             ("dips_ledger_chunks_leased_total", {}),
+                             ("dips_ledger_chunks_returned_total", {})):
+            assert total(after, name, **labels) == total(before, name, **labels), name
+        assert total(after, "dips_cluster_pushes_total", cluster="a") == \
+            files["accepted"] + files["rejected"]
+        assert total(after, "dips_ledger_chunks_leased_total") >= 1
+        assert total(after, "dips_ledger_chunks_returned_total") >= 1  # a left: its chunks back
+        # dips status --json: the leader's faults of the last hour (its restart) and ages.
+        shown = CliRunner().invoke(app, ["status", "--leader", leader, "--insecure", "--json"])
+        assert shown.exit_code == 0, shown.output
+        doc = json.loads(shown.stdout)
+        assert doc["fault_window_s"] == 3600 and "leader_restarted" in {
+            f["kind"] for f in doc["faults"]}
+        assert all(f["heartbeat_age_s"] is not None for f in doc["followers"])
         stop_cleanly(procs, ("f0", "f1", "leader"))
     finally:
         kill_left(procs)

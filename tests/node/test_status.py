@@ -29,11 +29,11 @@ pytestmark = pytest.mark.timeout(120)
 
 TOP = {"leader", "time", "version", "outer_steps", "rounds", "phase", "finished",
        "finished_reason", "counts", "ledger", "followers_ready", "followers_total", "clusters",
-       "followers", "heldout", "faults"}
+       "followers", "heldout", "faults", "fault_counts", "fault_window_s", "conditions"}
 CLUSTER = {"cluster_id", "inner_step", "tokens", "last_loss", "last_push", "pulled_version",
-           "staleness"}
+           "staleness", "heartbeat_age_s"}
 FOLLOWER = {"index", "up", "version", "incarnation", "control_endpoint", "data_endpoint",
-            "layers"}
+            "layers", "heartbeat_age_s"}
 COUNTS = {"updates_pushed", "updates_accepted", "updates_rejected", "tokens_pushed",
           "tokens_accepted", "outer_steps_lost"}
 
@@ -69,7 +69,9 @@ def test_the_json_object_has_stable_keys_and_staleness_is_version_minus_pulled()
     assert (by_id["a"]["staleness"], by_id["b"]["staleness"], by_id["c"]["staleness"]) == (0, 3, None)
     assert by_id["c"]["pulled_version"] is None and by_id["c"]["last_loss"] is None
     assert by_id["b"] == {"cluster_id": "b", "inner_step": 30, "tokens": 300, "last_loss": 4.25,
-                          "last_push": "rejected", "pulled_version": 4, "staleness": 3}
+                          "last_push": "rejected", "pulled_version": 4, "staleness": 3,
+                          "heartbeat_age_s": None}  # an older leader: no ages, no faults
+    assert (doc["fault_window_s"], doc["faults"], doc["fault_counts"]) == (None, [], [])
     assert [(f["index"], f["up"], f["version"], f["layers"]) for f in doc["followers"]] == \
         [(0, True, None, 2), (1, True, None, 1)]
     assert (doc["leader"], doc["version"], doc["finished"], doc["finished_reason"]) == \
@@ -92,8 +94,8 @@ def test_the_screen_shows_every_member_its_staleness_and_the_finish():
     assert "finished: token budget reached" in text and "version 7" in text
     rows = {cells[0]: cells for line in text.splitlines()
             if (cells := [c for c in line.split() if c != "│"])}
-    assert rows["a"][-3:] == ["accepted", "7", "0"] and rows["b"][-3:] == ["rejected", "4", "3"]
-    assert rows["c"][-2:] == ["-", "-"]
+    assert rows["a"][-4:] == ["accepted", "7", "0", "-"]  # heartbeat age: not sent
+    assert rows["b"][-4:-1] == ["rejected", "4", "3"] and rows["c"][-3:] == ["-", "-", "-"]
     assert "push_rejected" in text and "cluster-b" in text
 
 
@@ -202,6 +204,10 @@ def test_status_json_of_a_live_leader_lists_every_member_with_version_and_stalen
         assert (a_row["inner_step"], a_row["tokens"], a_row["last_loss"]) == (8, 512, 3.25)
         assert [(f["index"], f["up"]) for f in doc["followers"]] == [(0, True)]
         assert doc["counts"]["updates_accepted"] == 1 and doc["faults"] == []
+        # Heartbeat ages on the leader's clock (the test's): b was last heard 5 s ago.
+        ages = {c["cluster_id"]: c["heartbeat_age_s"] for c in doc["clusters"]}
+        assert ages["b"] == 5.0 and 0.0 <= ages["a"] <= 5.0
+        assert doc["followers"][0]["heartbeat_age_s"] == 5.0 and doc["fault_window_s"] == 3600
         screen = CliRunner().invoke(app, ["status", "--leader", f"127.0.0.1:{site.port}",
                                           "--insecure"])
         assert screen.exit_code == 0 and "running" in screen.stdout

@@ -14,20 +14,29 @@ then-current version: the evaluator skips to the newest rather than chasing a ve
 followers no longer serve.
 
 Which report: a finite, non-negative loss over at least one token, of a version the leader had
-(0 ≤ version ≤ its version now), newer than the last one it recorded (a repeated or older
-version is refused). Every refusal is :class:`~dips.algo.refusal.Refused` ``INVALID_ARGUMENT``
-naming the field and its value, and changes nothing.
+(0 ≤ version ≤ its version now), newer than the last one it recorded in the model's current
+history (a repeated or older version is refused). Every refusal is
+:class:`~dips.algo.refusal.Refused` ``INVALID_ARGUMENT`` naming the field and its value, and
+changes nothing.
+
+Rollbacks (§12): when the leader reconciles its followers to an older version t, the versions
+above t are made again, with other content. The eval series is keyed by version, so a record
+of such a version no longer describes the model that has that number now: the leader's
+:class:`Lineage` forgets the records above t, and takes a report of version t + 1, t + 2, …
+again (of t itself only if t was never recorded: its content did not change). The evaluator
+sees its last version above the leader's (:meth:`Schedule.rolled_back`) and goes on from the
+multiple of ``every`` at or below t.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from dips.algo.refusal import Refusal, Refused
 
-__all__ = ["EvalReport", "Schedule", "admit_report", "check_report", "due", "next_due",
+__all__ = ["EvalReport", "Lineage", "Schedule", "admit_report", "check_report", "due", "next_due",
            "perplexity", "record", "retry_delay", "tokens_at"]
 
 #: The largest loss ``exp`` takes without overflow (nats/token); above it perplexity is +inf.
@@ -108,12 +117,89 @@ class Schedule:
         self.last = version if self.last is None else max(self.last, version)
         self.failures, self.not_before = 0, 0.0
 
+    def rolled_back(self, version: int) -> bool:
+        """The leader's ``version`` is below the last one evaluated: it rolled back (§12),
+        and the versions above ``version`` will be made again with other content. Goes on from
+        the multiple of ``every`` at or below ``version`` (evaluated with the content it still
+        has, or skipped); returns whether anything changed."""
+        if self.last is None or version >= self.last:
+            return False
+        self.last = (max(version, 0) // self.every) * self.every
+        return True
+
     def failed(self, now: float) -> float:
         """A pull (or report) failed at ``now``: back off; returns the delay (seconds)."""
         self.failures += 1
         delay = retry_delay(self.failures)
         self.not_before = now + delay
         return delay
+
+
+@dataclass
+class Lineage:
+    """The recorded versions still in the model's history, as the leader knows it (see the
+    module docstring: rollbacks). Pure; the leader keeps it in ``leader.json``.
+
+    Attributes:
+        versions: recorded versions, ascending, the newest :attr:`keep` of them.
+        below: the highest version dropped from ``versions`` to keep it short (every dropped
+            one is at or below it); None: none dropped.
+        time: when the newest record was added (epoch s, the record's ``time``); None: none.
+        keep: how many versions to keep (a rollback never reaches further back than the
+            ledger's 64 versions of history).
+    """
+
+    versions: list[int] = field(default_factory=list)
+    below: int | None = None
+    time: float | None = None
+    keep: int = 64
+
+    def last(self) -> int | None:
+        """The newest recorded version still in the history (None: none): a report must be
+        of a newer one."""
+        return self.versions[-1] if self.versions else self.below
+
+    def add(self, version: int, time: float | None = None) -> None:
+        """A record of ``version`` was written at ``time``."""
+        while self.versions and self.versions[-1] >= version:
+            self.versions.pop()
+        self.versions.append(version)
+        if len(self.versions) > self.keep:
+            dropped, self.versions = self.versions[:-self.keep], self.versions[-self.keep:]
+            self.below = max(dropped[-1], self.below if self.below is not None else -1)
+        if time is not None:
+            self.time = time
+
+    def rolled_back(self, target: int) -> None:
+        """The model went back to version ``target``: the records above it are forgotten.
+        When that empties the list and a dropped record might be above ``target``, every
+        version up to ``target`` counts as recorded (it cannot be told which were)."""
+        while self.versions and self.versions[-1] > target:
+            self.versions.pop()
+        if not self.versions and self.below is not None and self.below > target:
+            self.below = target
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able (``leader.json``)."""
+        return {"versions": list(self.versions), "below": self.below, "time": self.time}
+
+    @classmethod
+    def from_dict(cls, d: Any) -> "Lineage":
+        """Inverse of :meth:`to_dict`. Raises ValueError naming the field and value."""
+        if not isinstance(d, dict):
+            raise ValueError(f"eval lineage = {str(d)[:60]!r}: not an object")
+        versions = d.get("versions", [])
+        if not isinstance(versions, list) or not all(
+                isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in versions) \
+                or versions != sorted(set(versions)):
+            raise ValueError(f"eval lineage field 'versions' = {str(versions)[:60]}: not "
+                             "ascending versions >= 0")
+        below, t = d.get("below"), d.get("time")
+        if below is not None and (not isinstance(below, int) or isinstance(below, bool)):
+            raise ValueError(f"eval lineage field 'below' = {below!r}: not a version")
+        if t is not None and (not isinstance(t, (int, float)) or isinstance(t, bool)):
+            raise ValueError(f"eval lineage field 'time' = {t!r}: not epoch seconds")
+        return cls(list(versions), below, None if t is None else float(t))
 
 
 def perplexity(eval_loss: float) -> float:
@@ -146,7 +232,8 @@ def check_report(report: EvalReport) -> EvalReport:
 
 def admit_report(report: EvalReport, leader_version: int, last_reported: int | None) -> EvalReport:
     """``report`` if the leader takes it (see the module docstring), its version being
-    ``leader_version`` now and the last version it recorded ``last_reported`` (None: none).
+    ``leader_version`` now and the last version it recorded ``last_reported`` (None: none;
+    after a rollback, :meth:`Lineage.last`).
     Raises Refused(INVALID_ARGUMENT) naming the field and value: a malformed field
     (:func:`check_report`), a version in the future (above ``leader_version``), a version
     repeated or older than the last one recorded."""

@@ -90,6 +90,11 @@ class ChunkLedger:
     #: holder -> seconds between its last two timed advances (its push interval, as seen).
     interval: dict[str, float] = field(default_factory=dict, repr=False, compare=False)
     _previous: dict[str, float] = field(default_factory=dict, repr=False, compare=False)
+    #: Chunks ``leased`` (handed to a cluster, taken from an idle holder too), ``accepted``
+    #: (every window accepted: finished), ``returned`` to the pool (released by a member that
+    #: left or was removed, or rolled back), over the whole run (checkpointed: counters).
+    counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(
+        ("leased", "accepted", "returned"), 0), repr=False, compare=False)
     #: Indexes of ``chunks`` (derived; every change of a chunk's holder, position or finish
     #: goes through :meth:`_set`): holder -> chunks held, and the free chunks split into
     #: partially accepted and fresh ones. They keep a lease, a member's holdings and the
@@ -208,6 +213,7 @@ class ChunkLedger:
         for i in take:
             self._set(i, cluster)
             out.append((i, self.chunks[i].accepted))
+        self.counts["leased"] += len(out)
         if now is not None:
             self.observe(now)
         return out
@@ -288,6 +294,7 @@ class ChunkLedger:
             c.accepted = upto  # still held: no index changes
             if upto == self.windows_per_chunk:
                 self._set(chunk, None, finished=True)
+                self.counts["accepted"] += 1
         self.accepted_windows += gained
         for old in sorted(self.history)[:-self.keep_history]:
             del self.history[old]
@@ -296,7 +303,7 @@ class ChunkLedger:
     def rollback(self, version: int) -> int:
         """Un-accept the windows of every recorded version above ``version``; their chunks
         return to the pool. Returns the windows un-accepted."""
-        lost = 0
+        lost, returned = 0, set()
         for v in sorted((v for v in self.history if v > version), reverse=True):
             for chunk, start, upto in reversed(self.history.pop(v)):
                 c = self.chunks[chunk]
@@ -304,7 +311,9 @@ class ChunkLedger:
                     continue  # a new epoch reset it: nothing to undo
                 self._set(chunk, None, start, False)
                 lost += upto - start
+                returned.add(chunk)
         self.accepted_windows -= lost
+        self.counts["returned"] += len(returned)
         return lost
 
     def release(self, cluster: str) -> list[int]:
@@ -313,6 +322,7 @@ class ChunkLedger:
         out = sorted(self._held.get(cluster, ()))
         for i in out:
             self._set(i, None)
+        self.counts["returned"] += len(out)
         return out
 
     def _new_epoch(self) -> None:
@@ -351,7 +361,8 @@ class ChunkLedger:
                 "epoch": self.epoch, "accepted_windows": self.accepted_windows,
                 "chunks": [[c.holder, c.accepted, c.finished] for c in self.chunks],
                 "pending": {k: {str(c): u for c, u in v.items()} for k, v in self.pending.items()},
-                "history": {str(v): [list(r) for r in rs] for v, rs in self.history.items()}}
+                "history": {str(v): [list(r) for r in rs] for v, rs in self.history.items()},
+                "counts": dict(self.counts)}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ChunkLedger":
@@ -365,6 +376,11 @@ class ChunkLedger:
                        for v, rs in d.get("history", {}).items()})
         except (KeyError, TypeError, ValueError) as exc:
             raise LedgerError(f"ledger state is malformed: {exc}") from None
+        counts = d.get("counts") or {}
+        if not isinstance(counts, dict) or not all(
+                isinstance(counts.get(k, 0), int) and counts.get(k, 0) >= 0 for k in led.counts):
+            raise LedgerError(f"ledger state field 'counts' = {str(counts)[:60]}: not counts")
+        led.counts.update({k: int(counts.get(k, 0)) for k in led.counts})
         if len(led.chunks) != led.num_chunks:
             raise LedgerError(f"ledger state has {len(led.chunks)} chunks, expected {led.num_chunks}")
         led.check()

@@ -341,8 +341,8 @@ def _finish(run: Launch, client: Any, creds: Credentials, spec: RunSpec, t_start
             if status is None or status.phase == Phase.IDLE.value:
                 break
             time.sleep(0.2)
-    if status is not None and status.finished and EVALUATOR in run.children:
-        status = _final_eval(run, client, status)
+    if status is not None and EVALUATOR in run.children and (status.finished or not interrupted):
+        status = _final_eval(run, client, status)  # (Ctrl-C: only if the leader ended the run)
     if run.progress is not None:  # the last rounds' lines, before the summary
         run.progress.log(status)
     key = None
@@ -360,9 +360,12 @@ def _finish(run: Launch, client: Any, creds: Credentials, spec: RunSpec, t_start
 
 
 def _final_eval(run: Launch, client: Any, status: Any) -> Any:
-    """Let the evaluator report the final version of a finished run (it does once it sees
-    the run finished), up to ``timeouts.rpc_s`` seconds; then stop it. Returns the latest
-    status."""
+    """Let the evaluator report the final version (it does once it sees the run finished, or
+    when told: the launcher's own clock ended the run), up to ``timeouts.rpc_s`` seconds; then
+    stop it. Returns the latest status."""
+    if not status.finished and not _ask_final(run):
+        run.stop([EVALUATOR], run.cfg.timeouts.shutdown_s)
+        return status
     deadline = time.monotonic() + run.cfg.timeouts.rpc_s
     while (time.monotonic() < deadline and run.pid_of(EVALUATOR) is not None
            and not (status.HasField("last_eval") and status.last_eval.version >= status.version)):
@@ -371,6 +374,21 @@ def _final_eval(run: Launch, client: Any, status: Any) -> Any:
         status = _status(client) or status
     run.stop([EVALUATOR], run.cfg.timeouts.shutdown_s)
     return status
+
+
+def _ask_final(run: Launch) -> bool:
+    """Send the evaluator SIGUSR1 (``dips.node.evaluate.FINAL_SIGNAL``: take the current
+    version as the final one) if it is ready for it: its state directory's lock file names
+    its pid (it installs the handler first). Returns whether it was sent."""
+    pid = run.pid_of(EVALUATOR)
+    try:
+        ready = pid is not None and (run.run_dir / EVALUATOR / "lock").read_text().strip() == str(pid)
+    except OSError:
+        ready = False
+    if ready:
+        os.kill(pid, signal.SIGUSR1)
+        run.event("final_eval_asked", EVALUATOR, pid=pid)
+    return ready
 
 
 def summary_table(summary: dict[str, Any]) -> str:

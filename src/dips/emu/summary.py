@@ -2,8 +2,13 @@
 
 ``summary.json`` fields (units): ``method``, ``clusters``, ``followers``, ``H``,
 ``outer_steps`` (versions applied), ``rounds``, ``tokens_consumed`` (tokens of every inner
-step of every cluster, over every process it ran as), ``tokens_accepted`` (T_j of accepted
-pushes, the ledger's count), ``updates_pushed``, ``updates_accepted``, ``updates_rejected``
+step of every cluster, over every process it ran as, at least what the leader saw it push),
+``tokens_accepted`` (T_j of accepted
+pushes, the ledger's count), ``per_cluster`` (each cluster's ``updates_pushed``,
+``updates_accepted``, ``updates_rejected``, ``updates_lost``, ``tokens_pushed``,
+``tokens_accepted`` from the leader's ``outer_steps.jsonl``, over every process of the
+cluster and of the leader, less the steps rolled back; and its ``tokens_consumed``),
+``updates_pushed``, ``updates_accepted``, ``updates_rejected``
 (every push not accepted, whatever the reason: penalty, invalid, a failed round; each
 decision line of ``outer_steps.jsonl`` says why), ``outer_steps_lost`` (steps rolled back by
 reconciliation), ``eval_loss_initial`` / ``eval_loss_final`` (nats/token on the
@@ -40,17 +45,83 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 def tokens_consumed(run_dir: Path, cfg: RunConfig) -> dict[str, int]:
     """Per cluster: tokens of all its inner steps, over every process it ran as (from
-    ``train.jsonl``, whose cumulative ``tokens`` restarts at 0 in a restarted process)."""
+    ``train.jsonl``, whose cumulative ``tokens`` and ``step`` start again in a restarted
+    process: a step number or a count that does not grow marks a new process)."""
     out = {}
     for c in cfg.clusters:
-        total = last = 0
+        total = last = last_step = 0
         for r in read_jsonl(run_dir / "clusters" / c.id / "train.jsonl"):
-            if "tokens" not in r:
+            tokens, step = r.get("tokens"), r.get("step")
+            if not isinstance(tokens, int):
                 continue
-            if r["tokens"] < last:  # a new process: its count starts again
-                total += last
-            last = r["tokens"]
+            if tokens < last or (isinstance(step, int) and step <= last_step):
+                total += last  # a new process: its counts start again
+            last = tokens
+            last_step = step if isinstance(step, int) else last_step
         out[c.id] = total + last
+    return out
+
+
+#: The per-cluster counts of :func:`leader_counts`.
+PER_CLUSTER = ("updates_pushed", "updates_accepted", "updates_rejected", "updates_lost",
+               "tokens_pushed", "tokens_accepted")
+
+
+def leader_counts(outer_steps: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
+    """Per cluster, from the leader's ``outer_steps.jsonl`` records (one file over every
+    leader process; a cluster keeps its id over its restarts): the counts of
+    :data:`PER_CLUSTER`. A decision line counts each push of its round once (a line repeated
+    for a round already seen counts nothing); a ``rollback`` line to version t takes the
+    accepted pushes of every version above t out of ``updates_accepted`` and
+    ``tokens_accepted`` into ``updates_lost`` (as the leader's own counts do)."""
+    out: dict[str, dict[str, int]] = {}
+    applied: dict[int, dict[str, int]] = {}  # version -> accepted cluster -> tokens
+    rounds: set[Any] = set()
+
+    def row(cid: str) -> dict[str, int]:
+        return out.setdefault(str(cid), dict.fromkeys(PER_CLUSTER, 0))
+
+    for rec in outer_steps:
+        if rec.get("event") == "rollback" and isinstance(rec.get("version"), int):
+            for v in [v for v in applied if v > rec["version"]]:
+                for cid, tokens in applied.pop(v).items():
+                    r = row(cid)
+                    r["updates_accepted"] -= 1
+                    r["tokens_accepted"] -= tokens
+                    r["updates_lost"] += 1
+            continue
+        if "event" in rec or "accepted" not in rec or rec.get("round") in rounds:
+            continue
+        rounds.add(rec.get("round"))
+        tokens = {str(c): int(t) for c, t in (rec.get("tokens") or {}).items()
+                  if isinstance(t, (int, float)) and not isinstance(t, bool)}
+        accepted = [str(c) for c in rec.get("accepted") or []]
+        for cid in rec.get("clusters") or list(tokens):
+            r = row(cid)
+            r["updates_pushed"] += 1
+            r["tokens_pushed"] += tokens.get(str(cid), 0)
+        for cid in rec.get("rejected") or {}:
+            row(cid)["updates_rejected"] += 1
+        for cid in accepted:
+            r = row(cid)
+            r["updates_accepted"] += 1
+            r["tokens_accepted"] += tokens.get(cid, 0)
+        if accepted and isinstance(rec.get("version"), int):
+            applied[rec["version"]] = {cid: tokens.get(cid, 0) for cid in accepted}
+    return dict(sorted(out.items()))
+
+
+def per_cluster(run_dir: Path, cfg: RunConfig) -> dict[str, dict[str, int]]:
+    """Each configured cluster's :func:`leader_counts` (zeros if it never pushed) with its
+    ``tokens_consumed``: :func:`tokens_consumed`, but never below the leader's
+    ``tokens_pushed`` (every token a push carried was trained; a process killed after its
+    push was decided and before its line was written leaves ``train.jsonl`` short)."""
+    counts = leader_counts(read_jsonl(run_dir / "outer_steps.jsonl"))
+    consumed = tokens_consumed(run_dir, cfg)
+    out = {}
+    for c in cfg.clusters:
+        row = counts.get(c.id, dict.fromkeys(PER_CLUSTER, 0))
+        out[c.id] = {**row, "tokens_consumed": max(consumed[c.id], row["tokens_pushed"])}
     return out
 
 
@@ -155,7 +226,8 @@ def export_and_summarize(cfg: RunConfig, run_dir: Path, spec: RunSpec, key: Memb
                  for f in status.followers]
         final_loss, export_error = export_model(cfg, cache, lambda: (local, version), key,
                                                 model_dir)
-    consumed = tokens_consumed(run_dir, cfg)
+    clusters = per_cluster(run_dir, cfg)
+    consumed = {cid: row["tokens_consumed"] for cid, row in clusters.items()}
     total = sum(consumed.values())
     summary = {
         "method": "di-ps", "run_dir": str(run_dir), "clusters": len(cfg.clusters),
@@ -166,6 +238,7 @@ def export_and_summarize(cfg: RunConfig, run_dir: Path, spec: RunSpec, key: Memb
         "rounds": status.rounds if status else 0,
         "final_version": version,
         "tokens_consumed": total, "tokens_consumed_per_cluster": consumed,
+        "per_cluster": clusters,
         "tokens_accepted": status.tokens_accepted if status else 0,
         "updates_pushed": status.updates_pushed if status else 0,
         "updates_accepted": status.updates_accepted if status else 0,

@@ -18,9 +18,15 @@ to a restarted one), and a report it could not take is sent again; a report the 
 (INVALID_ARGUMENT, e.g. a version it rolled back) is logged and not retried. Every call has a
 deadline (the run's ``timeouts.rpc_s``). It runs one torch thread at a lowered CPU priority
 (:data:`NICE`): beside training, the scheduler favours the training. A restarted evaluator
-continues after the last version the leader recorded (``GetStatus.last_eval``).
+continues after the last version the leader recorded (``GetStatus.last_eval``). After a
+rollback (the leader's version below the last one evaluated) it goes on from the multiple of
+``--every`` at or below the leader's version (:meth:`dips.algo.evaluation.Schedule.rolled_back`:
+the versions above are made again, with other content, and the leader takes their reports).
 SIGTERM/SIGINT stop it (exit 0); it keeps running after the run finished (having evaluated the
-final version) until stopped.
+final version) until stopped. SIGUSR1 (:data:`FINAL_SIGNAL`) asks it to take the current
+version as the final one (evaluated once, if not yet): ``dips launch`` sends it when its own
+clock (``--max-time``) ends the run before the leader has; the handler is installed before the
+state directory's lock file names this process, so a sender that sees its pid there is safe.
 ``--state-dir`` (optional) is locked for the process and holds ``evaluate.json``: the last
 record the leader accepted from it, and its counts.
 """
@@ -30,6 +36,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import threading
 import time
 from pathlib import Path
@@ -51,6 +58,8 @@ log = logging.getLogger(__name__)
 
 #: Seconds between looks at the leader's status.
 POLL_S = 0.5
+#: The signal that asks for the current version as the final one (see the module docstring).
+FINAL_SIGNAL = signal.SIGUSR1
 #: How much the evaluator lowers its CPU priority (``os.nice``): on a host shared with training
 #: (``dips launch``) the scheduler favours the training.
 NICE = 10
@@ -77,6 +86,9 @@ class Evaluator:
         self.pending: EvalReport | None = None  # evaluated, not yet taken by the leader
         self.resumed = False
         self.counts = {"reported": 0, "refused": 0, "failed": 0}
+        #: Set (e.g. by :data:`FINAL_SIGNAL`): the run ended outside the leader; evaluate its
+        #: current version as the final one.
+        self.final = threading.Event()
         self.last: dict[str, Any] | None = None
         self._unreachable = Unreachable(f"evaluator: leader {leader}")
 
@@ -99,11 +111,15 @@ class Evaluator:
                 self.schedule.done(rec["version"])
                 log.info("the leader has held-out losses up to version %d: going on from there",
                          rec["version"])
+        if self.schedule.rolled_back(status.version):
+            log.info("the leader rolled back to version %d: evaluating again from version %d",
+                     status.version, self.schedule.last)
         if self.pending is not None:
             return self._report(now) if now >= self.schedule.not_before else \
                 self.schedule.not_before - now
         ready = len(status.followers) > 0 and status.followers_ready == len(status.followers)
-        version = self.schedule.target(status.version, bool(status.finished), ready, now)
+        finished = bool(status.finished) or self.final.is_set()
+        version = self.schedule.target(status.version, finished, ready, now)
         if version is None:
             return POLL_S
         return self._evaluate(status, version, now)
@@ -212,6 +228,11 @@ def run_evaluate(leader_addr: str, every: int, creds: Credentials, stop: threadi
     from dips.wire.services import leader_client
 
     torch.set_num_threads(1)  # one core at most, next to the training
+    final = threading.Event()
+    try:  # before the lock file names this process (see the module docstring)
+        signal.signal(FINAL_SIGNAL, lambda *_: final.set())
+    except ValueError:  # not the main thread (a test): no signal, the event only
+        pass
     if state is not None:
         StateDir(state).acquire()
     spec, _ = fetch_spec(leader_addr, creds, stop, timeout_s)
@@ -230,6 +251,7 @@ def run_evaluate(leader_addr: str, every: int, creds: Credentials, stop: threadi
     client = leader_client(leader_addr, creds, timeout_s=cfg.timeouts.rpc_s)
     evaluator = Evaluator(client, held, Schedule(every), cfg.timeouts.rpc_s, metrics,
                           state / "evaluate.json" if state is not None else None, leader_addr)
+    evaluator.final = final
     log.info("evaluating every %d versions of the run at %s (%d held-out tokens per evaluation)",
              every, leader_addr, held.eval_tokens)
     try:

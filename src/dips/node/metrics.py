@@ -42,6 +42,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from dips.algo.evaluation import perplexity
+from dips.algo.faultlog import REASONS, reason_class
+
+__all__ = ["LeaderMetrics", "MetricsServer", "REASONS", "reason_class", "serve_metrics"]
 
 log = logging.getLogger(__name__)
 
@@ -50,8 +53,6 @@ SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 
            300.0)
 #: The phases of a round (``dips.algo.round``) whose durations ``outer_steps.jsonl`` records.
 PHASES = ("window", "push", "update", "pull")
-#: Bounded values of the ``reason`` label of a rejected push (see :func:`reason_class`).
-REASONS = ("penalty", "not_delivered", "invalid", "round_failed", "other")
 
 
 class MetricsServer:
@@ -91,22 +92,6 @@ def serve_metrics(registry: CollectorRegistry, port: int, host: str = "0.0.0.0")
     return server
 
 
-def reason_class(reason: str) -> str:
-    """The ``reason`` label of a rejected push (one of :data:`REASONS`) from the free-text
-    reason of ``outer_steps.jsonl`` (``penalty``; ``push not delivered in time``; a follower's
-    refusal or a non-finite ‖Δ‖²; ``round failed: ...``)."""
-    text = str(reason)
-    if text == "penalty":
-        return "penalty"
-    if text.startswith("round failed"):
-        return "round_failed"
-    if "not delivered" in text:
-        return "not_delivered"
-    if text.startswith("follower ") or "‖Δ‖²" in text or "invalid" in text:
-        return "invalid"
-    return "other"
-
-
 def _set_per_cluster(gauge: Gauge, values: Any) -> None:
     for cluster, value in (values or {}).items():
         if isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -130,6 +115,13 @@ class LeaderMetrics:
                               "(accepted, rejected) and reason of a rejection (penalty, "
                               "not_delivered, invalid, round_failed, other; none if accepted)",
                               ["result", "reason"], registry=r)
+        self.cluster_pushes = Counter("dips_cluster_pushes", "Pushes of one cluster the leader "
+                                      "gave a verdict on, by result (accepted, rejected), over "
+                                      "every process it ran as", ["cluster", "result"],
+                                      registry=r)
+        self.cluster_tokens = Counter("dips_cluster_tokens_pushed", "T_j of one cluster's "
+                                      "pushes decided, the ledger's count (tokens)",
+                                      ["cluster"], registry=r)
         self.staleness = Gauge("dips_cluster_staleness", "Versions between a cluster's base "
                                "version and the global version at its last push (versions)",
                                ["cluster"], registry=r)
@@ -198,6 +190,13 @@ class LeaderMetrics:
         for why in rejected.values():
             reason = why.get("reason", "") if isinstance(why, dict) else why
             self.pushes.labels(result="rejected", reason=reason_class(reason)).inc()
+        for cluster in accepted:
+            self.cluster_pushes.labels(cluster=str(cluster), result="accepted").inc()
+        for cluster in rejected:
+            self.cluster_pushes.labels(cluster=str(cluster), result="rejected").inc()
+        for cluster, tokens in (rec.get("tokens") or {}).items():
+            if isinstance(tokens, (int, float)) and not isinstance(tokens, bool) and tokens >= 0:
+                self.cluster_tokens.labels(cluster=str(cluster)).inc(tokens)
         before = int(rec.get("version", 0)) - (1 if accepted else 0)
         _set_per_cluster(self.staleness, {c: max(0, before - int(b))
                                           for c, b in (rec.get("base_versions") or {}).items()})
@@ -312,3 +311,11 @@ class _LeaderState(Collector):
                          ledger["accepted_windows"])
             yield _gauge("dips_ledger_epoch", "Passes over the data started (0 = first)",
                          ledger["epoch"])
+            counts = ledger.get("counts") or {}
+            for key, doc in (("leased", "Data chunks handed to a cluster (a chunk taken from "
+                                        "an idle holder too), over the run"),
+                             ("accepted", "Data chunks whose every window was accepted, over "
+                                          "every epoch"),
+                             ("returned", "Data chunks returned to the pool: released by a "
+                                          "cluster that left or was removed, or rolled back")):
+                yield _counter(f"dips_ledger_chunks_{key}", doc, counts.get(key, 0))

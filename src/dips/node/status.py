@@ -2,14 +2,16 @@
 
 It calls the leader's ``GetStatus`` over the same channel as the roles (mutual TLS with a
 bundle from ``dips init``, normally the operator's ``pki/admin``, or ``--insecure``) and shows
-the members (clusters: inner step, tokens, last loss, last verdict, pulled version, staleness;
-followers), the global version, rounds, phase, counts, whether the run finished and the last
-held-out loss ``dips evaluate`` reported.
-``--watch`` redraws it in place; ``--json`` prints :func:`snapshot`'s object instead.
+the members (clusters: inner step, tokens, last loss, last verdict, pulled version, staleness,
+heartbeat age; followers: up, version, heartbeat age), the global version, rounds, phase,
+counts, whether the run finished, the last held-out loss ``dips evaluate`` reported, and the
+faults the leader recorded in the last hour (members removed, followers down or restarted,
+pushes rejected by reason, rollbacks, ...: :mod:`dips.algo.faultlog`), the newest listed and
+all counted. ``--watch`` redraws it in place; ``--json`` prints :func:`snapshot`'s object.
 
-``GetStatus`` carries no fault history and no heartbeat ages, so the faults shown are derived
-by :class:`Faults` from what successive answers show (see its docstring); the leader's own
-record of faults is its ``leader_events.jsonl`` and its metrics (README "Metrics").
+Besides the leader's record, :class:`Faults` derives *conditions* from what successive
+answers show (a follower not ready now, a cluster whose last push was rejected, one without a
+new inner step for a while; see its docstring).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ if TYPE_CHECKING:
 #: How long (seconds) a fault that no longer holds stays listed.
 FAULT_WINDOW_S = 3600.0
 #: A cluster whose inner step and tokens stay the same this long (seconds) is listed as
-#: ``no_progress`` (the leader's heartbeat ages are not in ``GetStatus``).
+#: ``no_progress`` (it may still heartbeat: a stuck training loop).
 QUIET_AFTER_S = 300.0
 
 _COUNTS = ("updates_pushed", "updates_accepted", "updates_rejected", "tokens_pushed",
@@ -44,21 +46,34 @@ def _follower_up(ready: int, total: int) -> bool | None:
     return False if ready <= 0 else None
 
 
+def _age(value: float, known: bool) -> float | None:
+    return round(value, 3) if known else None
+
+
 def snapshot(reply: pb.StatusReply, leader: str, now: float) -> dict[str, Any]:
     """The JSON object of ``dips status --json`` for ``reply`` from ``leader`` at ``now``
-    (epoch seconds). Its keys are stable (README "dips status"); ``faults`` is empty here
-    (:meth:`Faults.update` fills it)."""
+    (epoch seconds). Its keys are stable (README "dips status"); ``conditions`` is empty here
+    (:meth:`Faults.update` fills it). An older leader (no fault record, ``fault_window_s``
+    0) gives null heartbeat ages, follower versions and fault window, and no faults."""
     total, ready = len(reply.followers), reply.followers_ready
+    known = reply.fault_window_s > 0  # a leader that sends ages and faults
     clusters = [{"cluster_id": c.cluster_id, "inner_step": c.inner_step, "tokens": c.tokens,
                  "last_loss": c.last_loss if math.isfinite(c.last_loss) else None,
                  "last_push": c.last_push,
                  "pulled_version": c.pulled_version if c.pulled_version >= 0 else None,
-                 "staleness": staleness(reply.version, c.pulled_version)}
+                 "staleness": staleness(reply.version, c.pulled_version),
+                 "heartbeat_age_s": _age(c.heartbeat_age_s, known)}
                 for c in sorted(reply.clusters, key=lambda c: c.cluster_id)]
-    followers = [{"index": f.index, "up": _follower_up(ready, total), "version": None,
-                  "incarnation": f.incarnation, "control_endpoint": f.control_endpoint,
-                  "data_endpoint": f.data_endpoint, "layers": len(f.layers)}
-                 for f in sorted(reply.followers, key=lambda f: f.index)]
+    health = {h.index: h for h in reply.follower_health}
+    followers = []
+    for f in sorted(reply.followers, key=lambda f: f.index):
+        h = health.get(f.index)
+        followers.append({
+            "index": f.index, "up": _follower_up(ready, total) if h is None else h.up,
+            "version": None if h is None else h.version, "incarnation": f.incarnation,
+            "control_endpoint": f.control_endpoint, "data_endpoint": f.data_endpoint,
+            "layers": len(f.layers),
+            "heartbeat_age_s": None if h is None else _age(h.heartbeat_age_s, True)})
     return {"leader": leader, "time": round(now, 3), "version": reply.version,
             "outer_steps": reply.outer_steps, "rounds": reply.rounds, "phase": reply.phase,
             "finished": bool(reply.finished), "finished_reason": reply.finished,
@@ -66,7 +81,12 @@ def snapshot(reply: pb.StatusReply, leader: str, now: float) -> dict[str, Any]:
             "ledger": {"epoch": reply.ledger_epoch, "accepted_windows": reply.accepted_windows},
             "followers_ready": ready, "followers_total": total,
             "clusters": clusters, "followers": followers, "heldout": _heldout(reply),
-            "faults": []}
+            "fault_window_s": reply.fault_window_s if known else None,
+            "faults": [{"time": round(f.time, 3), "kind": f.kind, "member": f.member,
+                        "reason": f.reason, "detail": f.detail} for f in reply.faults],
+            "fault_counts": [{"kind": c.kind, "reason": c.reason, "count": c.count}
+                             for c in reply.fault_counts],
+            "conditions": []}
 
 
 def _heldout(reply: pb.StatusReply) -> dict[str, Any] | None:
@@ -79,7 +99,7 @@ def _heldout(reply: pb.StatusReply) -> dict[str, Any] | None:
 
 
 class Faults:
-    """Faults derived from successive snapshots (``GetStatus`` has no fault history).
+    """Conditions derived from successive snapshots, beside the faults the leader recorded.
 
     Each fault is ``{"kind", "member", "detail", "since", "last", "active"}``: ``since`` and
     ``last`` are the epoch seconds of the first and latest answer that showed it, ``active``
@@ -101,8 +121,8 @@ class Faults:
         self._moved: dict[str, tuple[tuple[int, int], float]] = {}  # cluster -> (progress, t)
 
     def update(self, doc: dict[str, Any]) -> list[dict[str, Any]]:
-        """Take one :func:`snapshot`; returns (and stores in ``doc["faults"]``) the faults
-        active now or seen within the window, newest first."""
+        """Take one :func:`snapshot`; returns (and stores in ``doc["conditions"]``) the
+        conditions active now or seen within the window, newest first."""
         now = doc["time"]
         seen: dict[tuple[str, str], str] = {}
         if doc["followers_ready"] < doc["followers_total"]:
@@ -133,10 +153,11 @@ class Faults:
                 if now - fault["last"] > self.window_s:
                     del self._faults[key]
         self._prev = doc
-        doc["faults"] = sorted(({k: f[k] for k in ("kind", "member", "detail", "since", "last",
-                                                   "active")} for f in self._faults.values()),
-                               key=lambda f: (-f["last"], f["kind"], f["member"]))
-        return doc["faults"]
+        doc["conditions"] = sorted(({k: f[k] for k in ("kind", "member", "detail", "since",
+                                                       "last", "active")}
+                                    for f in self._faults.values()),
+                                   key=lambda f: (-f["last"], f["kind"], f["member"]))
+        return doc["conditions"]
 
     def _changes(self, prev: dict[str, Any], doc: dict[str, Any]) -> dict[tuple[str, str], str]:
         """The faults that only a change between two answers shows."""

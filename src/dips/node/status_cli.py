@@ -39,6 +39,13 @@ def _num(v: Any, fmt: str = "{:,}") -> str:
     return "-" if v is None else fmt.format(v)
 
 
+def _hb(age: float | None) -> str:
+    """A heartbeat age (seconds) as shown: "-" unknown (an older leader)."""
+    if age is None:
+        return "-"
+    return f"{age:.1f} s" if age < 120 else f"{age / 60:.0f} min"
+
+
 def render(doc: dict[str, Any], error: str = "") -> Group:
     """One screen of ``doc`` (a :func:`dips.node.status.snapshot` with its faults); ``error``:
     why the latest look failed (the screen then shows the last answer under it)."""
@@ -55,22 +62,26 @@ def render(doc: dict[str, Any], error: str = "") -> Group:
         f"{n['outer_steps_lost']}  ledger epoch {doc['ledger']['epoch']}")
     clusters = Table(title=f"clusters ({len(doc['clusters'])})", show_edge=False, pad_edge=False)
     for col in ("cluster", "inner step", "tokens", "last loss", "last push", "pulled version",
-                "staleness"):
+                "staleness", "heartbeat"):
         clusters.add_column(col, justify="left" if col == "cluster" else "right")
     for c in doc["clusters"]:
         push = Text(c["last_push"], style=_PUSH_STYLE.get(c["last_push"], ""))
         clusters.add_row(c["cluster_id"], _num(c["inner_step"]), _num(c["tokens"]),
                          _num(c["last_loss"], "{:.3f}"), push, _num(c["pulled_version"], "{}"),
-                         _num(c["staleness"], "{}"))
+                         _num(c["staleness"], "{}"), _hb(c.get("heartbeat_age_s")))
     followers = Table(title=f"followers ({doc['followers_ready']} of {doc['followers_total']} "
                             "ready)", show_edge=False, pad_edge=False)
-    for col in ("follower", "up", "incarnation", "control", "data", "layers"):
-        followers.add_column(col, justify="right" if col in ("incarnation", "layers") else "left")
+    for col in ("follower", "up", "version", "heartbeat", "incarnation", "control", "data",
+                "layers"):
+        followers.add_column(col, justify="right" if col in (
+            "version", "heartbeat", "incarnation", "layers") else "left")
     up = {True: Text("yes", style="green"), False: Text("no", style="red"), None: Text("?")}
     for f in doc["followers"]:
-        followers.add_row(str(f["index"]), up[f["up"]], str(f["incarnation"]),
+        followers.add_row(str(f["index"]), up[f["up"]], _num(f["version"], "{}"),
+                          _hb(f.get("heartbeat_age_s")), str(f["incarnation"]),
                           f["control_endpoint"], f["data_endpoint"], str(f["layers"]))
-    parts: list[Any] = [head, counts, _heldout(doc), clusters, followers, _faults(doc)]
+    parts: list[Any] = [head, counts, _heldout(doc), clusters, followers, _faults(doc),
+                        _conditions(doc)]
     if error:
         parts.insert(0, Text(f"no answer: {error} (showing the answer of "
                              f"{_ago(time.time(), doc['time'])})", style="bold red"))
@@ -89,14 +100,51 @@ def _heldout(doc: dict[str, Any]) -> Text:
                          f"{_ago(doc['time'], h['time'])}")
 
 
-def _faults(doc: dict[str, Any]) -> Table | Text:
+#: Faults listed on the screen (the newest; ``--json`` has all the leader sent).
+FAULTS_SHOWN = 12
+
+
+def _fault_summary(doc: dict[str, Any]) -> str:
+    """``3 push_rejected (penalty 2, not_delivered 1), 1 rollback``: the leader's counts."""
+    kinds: dict[str, list[tuple[str, int]]] = {}
+    for c in doc.get("fault_counts") or []:
+        kinds.setdefault(c["kind"], []).append((c["reason"], c["count"]))
+    parts = []
+    for kind, reasons in kinds.items():
+        total = sum(n for _, n in reasons)
+        why = ", ".join(f"{r} {n}" for r, n in reasons if r)
+        parts.append(f"{total} {kind}" + (f" ({why})" if why else ""))
+    return ", ".join(parts)
+
+
+def _faults(doc: dict[str, Any]) -> Group | Text:
+    """The faults the leader recorded in the last hour: the counts, then the newest."""
+    if doc.get("fault_window_s") is None:
+        return Text("faults: this leader does not report them (an older version)", style="dim")
+    window = f"{doc['fault_window_s'] / 60:.0f} min"
     if not doc["faults"]:
-        return Text("faults in the last hour: none seen", style="dim")
-    table = Table(title="faults in the last hour (derived from the leader's status)",
+        return Text(f"faults in the last {window}: none recorded by the leader", style="dim")
+    head = Text.assemble((f"faults in the last {window}: ", "bold red"), _fault_summary(doc))
+    table = Table(show_edge=False, pad_edge=False)
+    for col in ("when", "kind", "member", "reason", "detail"):
+        table.add_column(col)
+    for f in doc["faults"][:FAULTS_SHOWN]:
+        table.add_row(_ago(doc["time"], f["time"]), Text(f["kind"], style="red"), f["member"],
+                      f["reason"] or "-", f["detail"])
+    more = len(doc["faults"]) - FAULTS_SHOWN
+    return Group(head, table, *([Text(f"... and {more} more (--json)", style="dim")]
+                                if more > 0 else []))
+
+
+def _conditions(doc: dict[str, Any]) -> Table | Text:
+    """What successive answers show now (:class:`dips.node.status.Faults`)."""
+    if not doc["conditions"]:
+        return Text("conditions: none seen", style="dim")
+    table = Table(title="conditions (derived from the leader's answers)",
                   show_edge=False, pad_edge=False)
     for col in ("kind", "member", "detail", "since", "now"):
         table.add_column(col)
-    for f in doc["faults"]:
+    for f in doc["conditions"]:
         now = (Text("yes", style="red") if f["active"]
                else Text(f"ended, seen {_ago(doc['time'], f['last'])}", style="dim"))
         table.add_row(f["kind"], f["member"], f["detail"], _ago(doc['time'], f["since"]), now)

@@ -402,9 +402,11 @@ class Leader(Membership, Records, Pushes, EvalReports):
     # ----- status ----------------------------------------------------------------------
     def ledger_summary(self) -> dict[str, Any] | None:
         """The data-chunk ledger's counts (:meth:`dips.algo.ledger.ChunkLedger.summary`:
-        epoch, accepted windows, finished/held/free chunks), or None without a ledger."""
+        epoch, accepted windows, finished/held/free chunks; ``counts``: chunks leased,
+        accepted and returned over the run), or None without a ledger."""
         with self._cond:
-            return self.ledger.summary() if self.ledger is not None else None
+            led = self.ledger
+            return None if led is None else {**led.summary(), "counts": dict(led.counts)}
 
     def status(self) -> LeaderStatus:
         """A consistent snapshot of the run (copies; safe to read without the lock)."""
@@ -414,4 +416,5 @@ class Leader(Membership, Records, Pushes, EvalReports):
                                 [replace(c) for c in self.clusters.values()],
                                 [replace(f) for f in self.followers.values()],
                                 sum(f.up for f in self.followers.values()),
-                                led["accepted_windows"], led["epoch"], self._state.finished)
+                                led["accepted_windows"], led["epoch"], self._state.finished,
+                                self._clock())

@@ -20,6 +20,12 @@ overflows, ``eval_tokens`` tokens evaluated). The record then goes to the leader
 ``GetStatus`` reply, ``dips status``). A refused report changes nothing. A restarted leader
 reads its last record back, so a repeated version stays refused across restarts; a line cut
 by a crash is dropped (the file is rewritten without it) before anything is appended.
+
+After a rollback (the ``rollback`` line of ``outer_steps.jsonl``: followers reconciled to an
+older version t) the versions above t are made again with other content: the leader forgets
+its records above t (:class:`dips.algo.evaluation.Lineage`, kept in ``leader.json``) and takes
+reports of them again, so the series does not stop until the version climbs past the last
+one reported.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from dips.algo.evaluation import EvalReport, admit_report, record, tokens_at
+from dips.algo.evaluation import EvalReport, Lineage, admit_report, record, tokens_at
 from dips.roles.durable import append_durable, write_atomic
 
 log = logging.getLogger(__name__)
@@ -69,6 +75,7 @@ class EvalReports:
     counts: dict[str, int]
     _version_stats: dict[int, tuple[int, int]]
     _observe: Callable[[str, dict[str, Any]], None]
+    checkpoint: Callable[[], None]
 
     def _init_evals(self) -> None:
         """Read the last record of ``eval.jsonl`` (if any) back: call once, in ``__init__``."""
@@ -76,6 +83,35 @@ class EvalReports:
         self._eval_suspect = False          # an append failed: repair the file first
         self._eval_last = (last_record(self._run_dir / EVAL_FILE)
                            if self._run_dir is not None else None)
+        self._lineage_lock = threading.Lock()  # held alone: a rollback may come on any thread
+        saved = getattr(self, "_eval_lineage_saved", None)  # from leader.json (_resume)
+        lineage = Lineage()
+        if saved is not None:
+            try:
+                lineage = Lineage.from_dict(saved)
+            except ValueError as exc:
+                log.warning("leader.json: %s; going on from the last record of %s", exc, EVAL_FILE)
+                saved = None
+        last = self._eval_last
+        if last is not None and (saved is None or lineage.time is None
+                                 or float(last.get("time", 0.0)) > lineage.time):
+            lineage.add(last["version"], float(last.get("time", 0.0)))  # not checkpointed yet
+        self._eval_lineage = lineage
+
+    def eval_lineage_state(self) -> dict[str, Any] | None:
+        """The lineage of the held-out records for ``leader.json`` (None before init)."""
+        lineage = getattr(self, "_eval_lineage", None)
+        if lineage is None:
+            return None
+        with self._lineage_lock:
+            return lineage.to_dict()
+
+    def eval_rolled_back(self, target: int) -> None:
+        """The followers were reconciled to version ``target``: forget the records above it."""
+        lineage = getattr(self, "_eval_lineage", None)
+        if lineage is not None:
+            with self._lineage_lock:
+                lineage.rolled_back(target)
 
     def last_eval(self) -> dict[str, Any] | None:
         """The last held-out record accepted (a copy; None: none yet)."""
@@ -96,12 +132,16 @@ class EvalReports:
             with self._cond:
                 version, tokens_now = self.version, self.counts.get("tokens_accepted", 0)
                 tokens = tokens_at(report.version, version, tokens_now, self._version_stats)
-            last = self._eval_last["version"] if self._eval_last is not None else None
+            with self._lineage_lock:
+                last = self._eval_lineage.last()
             admit_report(report, version, last)
             rec = record(report, tokens, time.time() if now is None else now)
             if self._run_dir is not None:
                 self._append(self._run_dir / EVAL_FILE, rec)
             self._eval_last = rec
+            with self._lineage_lock:
+                self._eval_lineage.add(rec["version"], rec["time"])
+        self.checkpoint()  # the lineage, so a restart knows which records still count
         log.info("held-out loss of version %d: %.4f nats/token (%d tokens accepted)",
                  rec["version"], rec["eval_loss"], -1 if tokens is None else tokens)
         self._observe("eval", rec)

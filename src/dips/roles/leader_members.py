@@ -66,7 +66,7 @@ class Membership:
             old = self.followers.get(entry.index)
             broken = entry.data_plane_error[:200]
             if old is not None and old.incarnation == entry.incarnation and (old.up or broken):
-                old.last_seen = self._clock()
+                old.last_seen, old.version = self._clock(), entry.version  # (dips status)
                 if not (old.up and broken):
                     return answer  # a heartbeat; or down already for it: one event, not one each
                 old.up = False
@@ -208,6 +208,7 @@ class Membership:
             known = self._drop_cluster(cluster_id)
         if known:
             self.event("cluster_left", cluster=cluster_id)
+            self.checkpoint()  # its chunks are back: a restart must not count them again
 
     def _drop_cluster(self, cluster_id: str, reason: str = "cluster left") -> bool:
         """Remove a cluster (lock held): for the round machine its queued request dropped, its
@@ -295,3 +296,5 @@ class Membership:
                 self._sync_ready(now)
             for kind, extra in events:
                 self.event(kind, **extra)
+            if events:
+                self.checkpoint()  # removals returned chunks: durable before a restart

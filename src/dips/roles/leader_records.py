@@ -19,17 +19,20 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable
 
 from dips.algo import grace as grace_rules
+from dips.algo.faultlog import Fault
 from dips.algo.ledger import ChunkLedger
 from dips.algo.limits import INT64_MAX, saturating_add
 from dips.algo.penalty import PenaltyState
 from dips.algo.round import Decided, RoundEnded, RoundState, Verdict, verdicts_of
 from dips.roles.leader_checkpoint import load_state, save_state
+from dips.roles.leader_faults import STREAMS, RecentFaults
 from dips.roles.leader_types import ClusterEntry
 from dips.roles.outer_step import UpdateReport
 
@@ -53,9 +56,34 @@ class Records:
     #: from here. It runs on the writing thread, sometimes under the lock: it must be quick.
     observer: Callable[[str, dict[str, Any]], None] | None = None
 
+    _recent: RecentFaults | None = None
+    _recent_lock = threading.Lock()
+
+    def _faults(self) -> RecentFaults:
+        """The faults of the last hour (made at the first record written, after reading the
+        previous process's last hour back: before anything new is appended)."""
+        if self._recent is None:
+            with self._recent_lock:
+                if self._recent is None:
+                    self._recent = RecentFaults(self._run_dir, time.time())
+        return self._recent
+
+    def recent_faults(self, now: float) -> tuple[list[Fault], dict[tuple[str, str], int],
+                                                  float]:
+        """The faults the leader recorded in the hour before ``now`` (epoch s): (newest
+        first, counts by (kind, reason), the window in seconds); ``GetStatus`` sends them."""
+        return self._faults().recent(now)
+
     def _observe(self, stream: str, record: dict[str, Any]) -> None:
-        """Hand ``record`` to :attr:`observer`; an observer that fails is logged, never
-        raised into the leader."""
+        """Hand ``record`` to the faults of the last hour and :attr:`observer` (one that
+        fails is logged, never raised into the leader); a ``rollback`` line also goes to the
+        held-out series' lineage (:mod:`dips.roles.leader_eval`)."""
+        if stream in STREAMS:
+            self._faults().note(stream, record)
+            if stream == "outer_steps" and record.get("event") == "rollback":
+                rolled_back = getattr(self, "eval_rolled_back", None)
+                if rolled_back is not None:
+                    rolled_back(int(record["version"]))
         if self.observer is None:
             return
         try:
@@ -169,13 +197,20 @@ class Records:
                      # Members' data-plane key ids (not the keys): they stay valid after a
                      # restart, and a removed member's stays refused.
                      "member_keys": dict(self._member_keys), "key_seq": self._key_seq,
+                     # Which held-out records still describe the model (rollbacks).
+                     "eval_lineage": self._lineage_state(),
                      "verdicts": [{**asdict(v), "holdings": self._holdings.get(v.push_id, [])}
                                   for v in recent]}
             save_state(self._run_dir / "leader.json", state)
 
+    def _lineage_state(self) -> dict[str, Any] | None:
+        state = getattr(self, "eval_lineage_state", None)
+        return state() if state is not None else None
+
     def event(self, kind: str, **extra: Any) -> None:
         """Append a timestamped event to ``leader_events.jsonl`` (and the log)."""
         log.info("%s %s", kind, extra)
+        self._faults()  # the last hour read back before this line is appended
         record = {"time": time.time(), "event": kind, **extra}
         if self._run_dir is not None:
             with open(self._run_dir / "leader_events.jsonl", "a") as f:
@@ -264,6 +299,7 @@ class Records:
         self.checkpoint()
 
     def _write(self, record: dict[str, Any], durable: bool = False) -> None:
+        self._faults()  # the last hour read back before this line is appended
         if self._run_dir is not None:
             with open(self._run_dir / "outer_steps.jsonl", "a") as f:
                 f.write(json.dumps(record) + "\n")

@@ -137,3 +137,4 @@ class LeaderStatus:
     accepted_windows: int
     ledger_epoch: int
     finished: str = ""
+    now: float | None = None  # the leader's clock at the snapshot (heartbeat ages: now - last_seen)

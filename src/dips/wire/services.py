@@ -21,6 +21,7 @@ cancels. Every exception of a call ends that call only (:func:`dips.wire.control
 from __future__ import annotations
 
 import math
+import time
 from typing import Any, Callable
 
 import grpc
@@ -33,6 +34,7 @@ from dips.wire.pb import control_pb2 as pb
 from dips.wire.pb import control_pb2_grpc as pbg
 from dips.wire.pki import Identity
 from dips.wire.security import Credentials, caller, require
+from dips.wire.status_msg import follower_info, status_reply
 
 TERM_KEY = "dips-term"
 
@@ -46,19 +48,6 @@ def _cancelled(context: grpc.ServicerContext) -> Callable[[], bool]:
     """Whether the caller gave up (cancelled, or its deadline passed): a waiting call then
     ends at once instead of holding its thread (and its member's place) to the deadline."""
     return lambda: not context.is_active()
-
-
-def _i64(v: int) -> int:
-    """``v`` saturated to int64: a status field never fails to encode (issue 13: an
-    overflowed count made ``GetStatus`` fail, and with it the launcher's liveness probe)."""
-    return max(min(int(v), fields.INT64_MAX), -fields.INT64_MAX - 1)
-
-
-def follower_info(f: Any) -> pb.FollowerInfo:
-    return pb.FollowerInfo(index=f.index, data_endpoint=f.data_endpoint,
-                           control_endpoint=f.control_endpoint, layers=list(f.layers),
-                           layer_bytes=[_i64(b) for b in f.layer_bytes],
-                           incarnation=_i64(f.incarnation))
 
 
 def _no_revocations() -> frozenset[str]:
@@ -200,23 +189,9 @@ class LeaderServicer(pbg.LeaderServicer):
         who = self._caller(context, "GetStatus")  # any member or the operator
         with self.gate.enter(who.name, "GetStatus"):
             s = self.leader.status()
-        clusters = [pb.ClusterStatus(cluster_id=c.cluster_id, inner_step=_i64(c.inner_step),
-                                     tokens=_i64(c.tokens), last_loss=c.last_loss,
-                                     last_push=c.last_push, pulled_version=_i64(c.pulled_version))
-                    for c in s.clusters]
-        n = {k: _i64(v) for k, v in s.counts.items()}
-        return pb.StatusReply(version=_i64(s.version), rounds=_i64(s.rounds),
-                              updates_pushed=n["updates_pushed"],
-                              updates_accepted=n["updates_accepted"],
-                              updates_rejected=n["updates_rejected"],
-                              tokens_pushed=n["tokens_pushed"], tokens_accepted=n["tokens_accepted"],
-                              outer_steps=n["outer_steps"], phase=s.phase, clusters=clusters,
-                              followers=[follower_info(f) for f in s.followers],
-                              followers_ready=s.followers_ready,
-                              accepted_windows=_i64(s.accepted_windows),
-                              ledger_epoch=_i64(s.ledger_epoch),
-                              outer_steps_lost=n["outer_steps_lost"], finished=s.finished,
-                              last_eval=heldout.encode(self.leader.last_eval()))
+        recent = getattr(self.leader, "recent_faults", None)  # (a stand-in may have none)
+        return status_reply(s, self.leader.last_eval(),
+                            recent(time.time()) if recent is not None else None)
 
     @grpc_errors
     def ReportEval(self, request: pb.EvalReport, context: Any) -> pb.EvalRecord:

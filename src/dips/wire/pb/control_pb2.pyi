@@ -309,23 +309,61 @@ class SpecReply(_message.Message):
     def __init__(self, run_spec: _Optional[str] = ..., fingerprint: _Optional[str] = ..., term: _Optional[int] = ...) -> None: ...
 
 class ClusterStatus(_message.Message):
-    __slots__ = ("cluster_id", "inner_step", "tokens", "last_loss", "last_push", "pulled_version")
+    __slots__ = ("cluster_id", "inner_step", "tokens", "last_loss", "last_push", "pulled_version", "heartbeat_age_s")
     CLUSTER_ID_FIELD_NUMBER: _ClassVar[int]
     INNER_STEP_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     LAST_LOSS_FIELD_NUMBER: _ClassVar[int]
     LAST_PUSH_FIELD_NUMBER: _ClassVar[int]
     PULLED_VERSION_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_AGE_S_FIELD_NUMBER: _ClassVar[int]
     cluster_id: str
     inner_step: int
     tokens: int
     last_loss: float
     last_push: str
     pulled_version: int
-    def __init__(self, cluster_id: _Optional[str] = ..., inner_step: _Optional[int] = ..., tokens: _Optional[int] = ..., last_loss: _Optional[float] = ..., last_push: _Optional[str] = ..., pulled_version: _Optional[int] = ...) -> None: ...
+    heartbeat_age_s: float
+    def __init__(self, cluster_id: _Optional[str] = ..., inner_step: _Optional[int] = ..., tokens: _Optional[int] = ..., last_loss: _Optional[float] = ..., last_push: _Optional[str] = ..., pulled_version: _Optional[int] = ..., heartbeat_age_s: _Optional[float] = ...) -> None: ...
+
+class FollowerHealth(_message.Message):
+    __slots__ = ("index", "up", "heartbeat_age_s", "version")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    UP_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_AGE_S_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    up: bool
+    heartbeat_age_s: float
+    version: int
+    def __init__(self, index: _Optional[int] = ..., up: _Optional[bool] = ..., heartbeat_age_s: _Optional[float] = ..., version: _Optional[int] = ...) -> None: ...
+
+class Fault(_message.Message):
+    __slots__ = ("time", "kind", "member", "reason", "detail")
+    TIME_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    time: float
+    kind: str
+    member: str
+    reason: str
+    detail: str
+    def __init__(self, time: _Optional[float] = ..., kind: _Optional[str] = ..., member: _Optional[str] = ..., reason: _Optional[str] = ..., detail: _Optional[str] = ...) -> None: ...
+
+class FaultCount(_message.Message):
+    __slots__ = ("kind", "reason", "count")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    reason: str
+    count: int
+    def __init__(self, kind: _Optional[str] = ..., reason: _Optional[str] = ..., count: _Optional[int] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("version", "rounds", "updates_pushed", "updates_accepted", "updates_rejected", "tokens_pushed", "tokens_accepted", "phase", "clusters", "followers", "outer_steps", "followers_ready", "accepted_windows", "ledger_epoch", "outer_steps_lost", "finished", "last_eval")
+    __slots__ = ("version", "rounds", "updates_pushed", "updates_accepted", "updates_rejected", "tokens_pushed", "tokens_accepted", "phase", "clusters", "followers", "outer_steps", "followers_ready", "accepted_windows", "ledger_epoch", "outer_steps_lost", "finished", "last_eval", "faults", "fault_counts", "fault_window_s", "follower_health")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
     UPDATES_PUSHED_FIELD_NUMBER: _ClassVar[int]
@@ -343,6 +381,10 @@ class StatusReply(_message.Message):
     OUTER_STEPS_LOST_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     LAST_EVAL_FIELD_NUMBER: _ClassVar[int]
+    FAULTS_FIELD_NUMBER: _ClassVar[int]
+    FAULT_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    FAULT_WINDOW_S_FIELD_NUMBER: _ClassVar[int]
+    FOLLOWER_HEALTH_FIELD_NUMBER: _ClassVar[int]
     version: int
     rounds: int
     updates_pushed: int
@@ -360,7 +402,11 @@ class StatusReply(_message.Message):
     outer_steps_lost: int
     finished: str
     last_eval: EvalRecord
-    def __init__(self, version: _Optional[int] = ..., rounds: _Optional[int] = ..., updates_pushed: _Optional[int] = ..., updates_accepted: _Optional[int] = ..., updates_rejected: _Optional[int] = ..., tokens_pushed: _Optional[int] = ..., tokens_accepted: _Optional[int] = ..., phase: _Optional[str] = ..., clusters: _Optional[_Iterable[_Union[ClusterStatus, _Mapping]]] = ..., followers: _Optional[_Iterable[_Union[FollowerInfo, _Mapping]]] = ..., outer_steps: _Optional[int] = ..., followers_ready: _Optional[int] = ..., accepted_windows: _Optional[int] = ..., ledger_epoch: _Optional[int] = ..., outer_steps_lost: _Optional[int] = ..., finished: _Optional[str] = ..., last_eval: _Optional[_Union[EvalRecord, _Mapping]] = ...) -> None: ...
+    faults: _containers.RepeatedCompositeFieldContainer[Fault]
+    fault_counts: _containers.RepeatedCompositeFieldContainer[FaultCount]
+    fault_window_s: float
+    follower_health: _containers.RepeatedCompositeFieldContainer[FollowerHealth]
+    def __init__(self, version: _Optional[int] = ..., rounds: _Optional[int] = ..., updates_pushed: _Optional[int] = ..., updates_accepted: _Optional[int] = ..., updates_rejected: _Optional[int] = ..., tokens_pushed: _Optional[int] = ..., tokens_accepted: _Optional[int] = ..., phase: _Optional[str] = ..., clusters: _Optional[_Iterable[_Union[ClusterStatus, _Mapping]]] = ..., followers: _Optional[_Iterable[_Union[FollowerInfo, _Mapping]]] = ..., outer_steps: _Optional[int] = ..., followers_ready: _Optional[int] = ..., accepted_windows: _Optional[int] = ..., ledger_epoch: _Optional[int] = ..., outer_steps_lost: _Optional[int] = ..., finished: _Optional[str] = ..., last_eval: _Optional[_Union[EvalRecord, _Mapping]] = ..., faults: _Optional[_Iterable[_Union[Fault, _Mapping]]] = ..., fault_counts: _Optional[_Iterable[_Union[FaultCount, _Mapping]]] = ..., fault_window_s: _Optional[float] = ..., follower_health: _Optional[_Iterable[_Union[FollowerHealth, _Mapping]]] = ...) -> None: ...
 
 class EvalReport(_message.Message):
     __slots__ = ("version", "eval_loss", "eval_tokens")
