@@ -66,14 +66,20 @@ def _decisions(tmp_path) -> list[dict]:
     return [r for r in map(json.loads, lines) if "base_versions" in r]
 
 
-def test_a_member_claiming_base_version_zero_is_counted_from_the_version_it_was_given(tmp_path):
+def _after_rounds(tmp_path, ids, rounds):
+    """A leader on a manual clock whose members ``ids`` completed ``rounds`` honest rounds."""
     clock = ManualClock()
     leader, _ = make_leader(tmp_path, clock=clock, window_s=5.0)
+    pos = {c: member(leader, c) for c in ids}
+    for k in range(1, rounds + 1):
+        _round(leader, clock, {c: (leader.version, {min(p): k}) for c, p in pos.items()})
+    assert leader.version == rounds
+    return leader, clock, pos
+
+
+def test_a_member_claiming_base_version_zero_is_counted_from_the_version_it_was_given(tmp_path):
+    leader, clock, pos = _after_rounds(tmp_path, ("a", "h"), 5)
     try:
-        pos = {c: member(leader, c) for c in ("a", "h")}
-        for k in range(1, 6):
-            _round(leader, clock, {c: (leader.version, {min(p): k}) for c, p in pos.items()})
-        assert leader.version == 5
         # h claims it trained from version 0; it was told to pull version 5 (and said it did).
         _round(leader, clock, {"a": (5, {min(pos["a"]): 6}), "h": (0, {min(pos["h"]): 6})})
         last = _decisions(tmp_path)[-1]
@@ -97,12 +103,8 @@ def test_a_member_claiming_base_version_zero_is_counted_from_the_version_it_was_
 
 
 def test_a_rejoined_member_starts_from_the_version_it_joined_at(tmp_path):
-    clock = ManualClock()
-    leader, _ = make_leader(tmp_path, clock=clock, window_s=5.0)
+    leader, _, _ = _after_rounds(tmp_path, ("a", "b"), 3)
     try:
-        pos = {c: member(leader, c) for c in ("a", "b")}
-        for k in range(1, 4):
-            _round(leader, clock, {c: (leader.version, {min(p): k}) for c, p in pos.items()})
         late = member(leader, "late")
         assert leader.clusters["late"].floor_version == 3
         grant = leader.request_push("late", 0, TPW, 5.0, {min(late): 1})

@@ -16,24 +16,24 @@ import time
 import pytest
 import torch
 
-from dips.algo import PenaltyConfig, partition_contiguous
+from dips.algo import PenaltyConfig
 from dips.algo.refusal import Refusal
 from dips.algo.round import slot_of
 from dips.roles.client import ClusterClient
 from dips.roles.cluster import fetch_global_model
-from dips.roles.follower import FollowerShard
-from dips.roles.leader import FollowerEntry, Leader, LeaderConfig
+from dips.roles.leader import Leader, LeaderConfig
 from dips.spec import GraceConfig, MembershipConfig, ModelConfig, OuterConfig, Timeouts
-from dips.train.model import build_model, layer_table
+from dips.train.model import build_model
 from dips.wire.admission import Ticket, admission_key, sign
-from dips.wire.control import make_server, refusal_of
-from dips.wire.dataplane import DataClient, DataPlaneError, DataServer
-from dips.wire.keys import Keyring, MemberKey, issue
+from dips.wire.control import refusal_of
+from dips.wire.dataplane import DataClient, DataPlaneError
+from dips.wire.keys import MemberKey, issue
 from dips.wire.pb import control_pb2 as pb
 from dips.wire.pb import control_pb2_grpc as pbg
 from dips.wire.pki import Identity
 from dips.wire.security import Credentials
-from dips.wire.services import LeaderServicer, leader_client
+from dips.wire.services import leader_client
+from tests.roles.inprocess import add_followers, serve_leader
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -88,10 +88,7 @@ class Run:
                  pull_barrier: bool = False, max_outer_steps: int | None = None,
                  outer: OuterConfig | None = None):
         self.model0 = build_model(CFG, seed=0)
-        table = layer_table(self.model0)
-        params = {n: p.detach().clone() for n, p in self.model0.named_parameters()}
-        parts = partition_contiguous([b for _, _, b in table], 2)
-        self.shards, self.servers, self.entries = [], [], []
+        self.shards, self.servers = [], []
         # No test here is about failure detection: heartbeats may be late on a loaded machine
         # without anybody being removed (30 missed intervals, not 3).
         cfg = LeaderConfig(grace=GraceConfig(window_s=grace_s, pull_barrier=pull_barrier),
@@ -113,28 +110,13 @@ class Run:
 
         self.leader.request_push = request_push
         self.secret = self.leader.issued.data_secret  # the leader's (random) data secret
-        for i, r in enumerate(parts):
-            layers = {table[j][0]: table[j][1] for j in r}
-            shard = FollowerShard(i, layers, params, log_dir=tmp_path / f"f{i}",
-                                  require_tickets=True)
-            shard.set_admission_key(admission_key(self.secret))  # as a registration does
-            server = DataServer(Keyring(self.secret), shard.handle,
-                                authorize=shard.authorize).start()
-            self.shards.append(shard)
-            self.servers.append(server)
-            self.entries.append(FollowerEntry(i, server.endpoint, "", list(layers),
-                                              [table[j][2] for j in r]))
-            answer = self.leader.register_follower(self.entries[-1])
-            assert answer.term == 1 and answer.data_secret == self.secret
+        self.entries = add_followers(self.leader, self.model0, tmp_path, 2, self.shards,
+                                     self.servers)
         # In-process followers heartbeat like follower processes do (else down after 3 s).
         self._beating = threading.Event()
         self._beat = threading.Thread(target=self._heartbeats, daemon=True)
         self._beat.start()
-        self.grpc = make_server(max_workers=16)
-        pbg.add_LeaderServicer_to_server(LeaderServicer(self.leader, None), self.grpc)
-        port = Credentials.insecure(Identity.leader()).add_port(self.grpc, "127.0.0.1:0")
-        self.addr = f"127.0.0.1:{port}"
-        self.grpc.start()
+        self.grpc, self.addr = serve_leader(self.leader)
         self.leader.start()
         _wait_until(lambda: self.leader.ready, "followers reconciled")
 

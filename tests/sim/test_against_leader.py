@@ -27,24 +27,18 @@ import threading
 import numpy as np
 import pytest
 
-from dips.algo import partition_contiguous
 from dips.algo.ledger import ChunkLedger
 from dips.roles.client import ClusterClient
 from dips.roles.follower import FollowerShard
-from dips.roles.leader import FollowerEntry, Leader, LeaderConfig
+from dips.roles.leader import Leader, LeaderConfig
 from dips.sim.engine import Simulation
 from dips.spec import GraceConfig, MembershipConfig, PenaltyConfig, Timeouts
 from dips.train.lease import LeaseSampler
-from dips.train.model import build_model, layer_table
-from dips.wire.admission import admission_key
-from dips.wire.control import make_server
-from dips.wire.dataplane import DataServer
-from dips.wire.keys import Keyring
-from dips.wire.pb import control_pb2_grpc as pbg
+from dips.train.model import build_model
 from dips.wire.pki import Identity
 from dips.wire.security import Credentials
-from dips.wire.services import LeaderServicer
 from tests.roles.test_protocol import CFG, _perturb
+from tests.roles.inprocess import add_followers, serve_leader
 from tests.sim import recording
 from tests.sim.helpers import small
 from tests.sim.leader_harness import ManualClock, advance, slots, wait_for
@@ -60,8 +54,6 @@ class RealRun:
 
     def __init__(self, tmp_path) -> None:
         model0 = build_model(CFG, seed=0)
-        table = layer_table(model0)
-        params = {n: p.detach().clone() for n, p in model0.named_parameters()}
         self.clock = ManualClock()
         self.ledger = ChunkLedger(CHUNKS, WPC)
         cfg = LeaderConfig(grace=GraceConfig(window_s=WINDOW_S), timeouts=Timeouts(**TIMEOUTS),
@@ -70,23 +62,9 @@ class RealRun:
         self.shards: list[FollowerShard] = []
         self.leader = Leader(cfg, connect=lambda e: self.shards[e.index], run_dir=tmp_path,
                              ledger=self.ledger, clock=self.clock, tokens_per_window=T)
-        secret = self.leader.issued.data_secret
         self.servers, self.clients, self.threads = [], [], []
-        for i, r in enumerate(partition_contiguous([b for _, _, b in table], 2)):
-            layers = {table[j][0]: table[j][1] for j in r}
-            shard = FollowerShard(i, layers, params, log_dir=tmp_path / f"f{i}",
-                                  require_tickets=True)
-            shard.set_admission_key(admission_key(secret))
-            server = DataServer(Keyring(secret), shard.handle, authorize=shard.authorize).start()
-            self.shards.append(shard)
-            self.servers.append(server)
-            self.leader.register_follower(FollowerEntry(i, server.endpoint, "", list(layers),
-                                                        [table[j][2] for j in r]))
-        self.grpc = make_server(max_workers=16)
-        pbg.add_LeaderServicer_to_server(LeaderServicer(self.leader, None), self.grpc)
-        port = Credentials.insecure(Identity.leader()).add_port(self.grpc, "127.0.0.1:0")
-        self.addr = f"127.0.0.1:{port}"
-        self.grpc.start()
+        add_followers(self.leader, model0, tmp_path, 2, self.shards, self.servers)
+        self.grpc, self.addr = serve_leader(self.leader)
         self.leader.start()
         wait_for(lambda: self.leader.ready, "followers reconciled")
 

@@ -13,7 +13,7 @@ One outer step goes through the phases ``idle → window → push → update →
 * **update**: the caller scores, decides, aggregates and applies the round
   (:class:`StartUpdate`); its :class:`UpdateFinished` carries the outcome, from which every
   admitted push gets its :class:`Verdict` and every member's push-time estimate is updated
-  (:func:`_scored`: only a push delivered complete counts as fast; review 14, F2).
+  (:func:`dips.algo.stalls.scored`: only a push delivered complete counts as fast; review 14, F2).
 * **pull**: the round's clusters pull the new version. Without the pull barrier the round
   ends at once and the next window may open while they pull (a slow link delays only its own
   cluster); with ``grace.pull_barrier`` (the seed's §6 round) it ends when every cluster
@@ -37,6 +37,7 @@ from typing import Any, Mapping
 
 from dips.algo import grace as grace_rules
 from dips.algo.refusal import Refusal, Refused
+from dips.algo.stalls import MAX_OWED, pull_stalls, scored
 from dips.algo.round_types import (
     Phase, RoundPolicy, Slot, Round, Verdict, UpdateOutcome, RoundState, PushRequested,
     PushWithdrawn, PushReported, UpdateFinished, PullDone, MemberGone, ReadyChanged, Tick,
@@ -49,16 +50,6 @@ __all__ = [
     "UpdateFinished", "PullDone", "MemberGone", "ReadyChanged", "Tick", "RunFinished", "Event",
     "RoundOpened", "Admitted", "Staged", "WindowClosed", "StartUpdate", "Decided", "RoundEnded",
     "Action"]
-
-
-#: A push admitted into a round that took more than ``push_floor_s / 2 + LATE_FACTOR ×`` its
-#: predicted time counts as not delivered in time, even complete (:func:`_scored`).
-LATE_FACTOR = 2.0
-
-#: The most complete pushes a member owes before its pushes join rounds again (:func:`_scored`):
-#: after 7 incomplete ones, a member that stalls every round it is admitted to holds one round
-#: in 64 of its pushes; an honest member with a flaky link only has its pushes sent ahead.
-MAX_OWED = 64
 
 
 # ----- queries ---------------------------------------------------------------------------
@@ -156,92 +147,6 @@ def _on_withdrawn(state: RoundState, ev: PushWithdrawn, policy: RoundPolicy,
     return replace(state, queue=tuple(s for s in state.queue if s.push_id != ev.push_id))
 
 
-def _scored(state: RoundState, rnd: Round, outcome: UpdateOutcome,
-            policy: RoundPolicy) -> RoundState:
-    """``state`` with what round ``rnd``'s decided pushes say of their members' links.
-
-    A push counts as fast only once it is known to have been delivered complete: reported
-    delivered and scored (not in ``outcome.invalid``). Its measured time (admission to report)
-    enters the member's moving average (never lowering it while the member owes), and counts
-    toward what the member owes (below). Any other push — timed out, reported failed, dropped
-    as its member left, reported delivered but found incomplete when scored, or admitted into
-    a round and reported later than ``push_floor_s / 2 +`` :data:`LATE_FACTOR` × the smaller
-    of its predicted time and the median push of the members that owe nothing, complete or not
-    (review 18, B: 0.59× honest throughput; review 19: 0.76× just under a threshold of its own
-    estimate) — counts as at least as slow
-    as it took: the estimate
-    never drops, and the member's pushes are sent ahead of their round until it has delivered
-    complete pushes again: 1 after its first such push, then twice as many after each further
-    one (at most :data:`MAX_OWED`), so a member that stalls every round it is admitted to holds
-    one round per 1, 2, 4, ... of its pushes (review 14, F2: a member that stalled a round, then
-    reported its pushes sent ahead as delivered with no data, was measured fast again and
-    stalled the next round; review 17, C: one that sent complete pushes ahead and stalled
-    every round it was then admitted to cut honest throughput to 0.61×).
-    A push that failed with its round (followers not ready, ``excused``) or whose round failed
-    as a whole (``outcome.error``) before it was scored says nothing of its member's link.
-    """
-    push_s, owed, stalls = dict(state.push_s), dict(state.send_ahead), dict(state.stalls)
-    a = policy.estimate_alpha
-    for c, s in rnd.slots.items():
-        if s.excused or s.admitted_at is None or s.reported_at is None:
-            continue
-        complete = s.ok and c not in outcome.invalid
-        if complete and outcome.error:
-            continue
-        took = max(s.reported_at - s.admitted_at, 0.0)
-        old = push_s.get(c)
-        mean = took if old is None else a * took + (1 - a) * old
-        # Held its round well past its prediction (review 18, B: complete pushes reported
-        # just before their deadline, estimates lowered by instant reports sent ahead).
-        # Judged against the others' median push too (review 19, B′: a member reporting just
-        # under a threshold of its own estimate raised that estimate round after round).
-        others = sorted(v for k, v in state.push_s.items() if k != c and k not in state.send_ahead)
-        typical = others[len(others) // 2] if others else None
-        pred = min(x for x in (s.expected_s, typical) if x is not None) \
-            if (s.expected_s, typical) != (None, None) else None
-        late = (not s.ahead and pred is not None
-                and took > policy.push_floor_s / 2 + LATE_FACTOR * pred)
-        if complete and not late:
-            # While it owes, its estimate never drops: instant reports of pushes sent ahead
-            # cannot make it look fast again before it has paid.
-            push_s[c] = mean if old is None or c not in owed else max(old, mean)
-            if owed.get(c, 0) > 1:
-                owed[c] -= 1
-            else:
-                owed.pop(c, None)
-        else:
-            push_s[c] = mean if old is None else max(old, mean)
-            _stalled(c, owed, stalls)
-    return replace(state, push_s=push_s, send_ahead=owed, stalls=stalls)
-
-
-def _stalled(cluster: str, owed: dict[str, int], stalls: dict[str, int]) -> None:
-    """``cluster`` held a round (a push, or a pull under the barrier): one more stall, and it
-    owes 1, 2, 4, ... (at most :data:`MAX_OWED`) complete pushes, sent ahead of their rounds."""
-    stalls[cluster] = stalls.get(cluster, 0) + 1
-    owed[cluster] = min(2 ** min(stalls[cluster] - 1, 30), MAX_OWED)
-
-
-def _pull_stalls(state: RoundState, policy: RoundPolicy) -> RoundState:
-    """``state`` with a stall counted for each member that held the pull barrier (§6, the
-    seed's round: ``grace.pull_barrier``) of the round ending now to its deadline: its push was
-    delivered, it never reported its pull, and it owed nothing (a member that owes is not
-    waited for, :func:`_pulls_over`). Review 20, B: a member that took its verdict and never
-    sent PullDone held every round it joined for ``pull_timeout_s`` (honest outer steps 0.074×);
-    now it holds one round per 1, 2, 4, ... of its pushes, as a stalled push does."""
-    rnd = state.current
-    if not policy.grace.pull_barrier or not state.ready:
-        return state  # no barrier, or the round ended because the followers stopped
-    late = [c for c, s in sorted(rnd.slots.items())
-            if s.ok and not s.pulled and c not in state.send_ahead]
-    if not late:
-        return state
-    owed, stalls = dict(state.send_ahead), dict(state.stalls)
-    for c in late:
-        _stalled(c, owed, stalls)
-    return replace(state, send_ahead=owed, stalls=stalls)
-
-
 def _on_reported(state: RoundState, ev: PushReported, policy: RoundPolicy,
                  actions: list[Action]) -> RoundState:
     ahead = state.staging.get(ev.cluster_id)
@@ -283,7 +188,7 @@ def _on_update_finished(state: RoundState, ev: UpdateFinished, policy: RoundPoli
         del kept[next(iter(kept))]
     rnd = replace(rnd, update_done=ev.now, pull_deadline=ev.now + policy.pull_timeout_s)
     actions.append(Decided(rnd.number, tuple(verdicts), rnd))
-    state = _scored(state, rnd, ev.outcome, policy)
+    state = scored(state, rnd, ev.outcome, policy)
     return replace(state, phase=Phase.PULL, current=rnd, verdicts=kept)
 
 
@@ -340,8 +245,8 @@ def _on_tick(state: RoundState, ev: Tick, policy: RoundPolicy,
         return replace(state, phase=Phase.PUSH, current=rnd)
     if state.phase is Phase.PUSH and ev.now >= rnd.push_deadline:
         # A push that never arrived counts as one that took this long, and its member's
-        # pushes are sent ahead of their round once it is decided (:func:`_scored`; issue 13:
-        # a stalling member holds one round).
+        # pushes are sent ahead of their round once it is decided
+        # (:func:`dips.algo.stalls.scored`; issue 13: a stalling member holds one round).
         late = {c: replace(s, done=True, ok=False, error="push not delivered in time",
                            reported_at=ev.now)
                 for c, s in rnd.slots.items() if not s.done}
@@ -453,7 +358,7 @@ def _end_round(state: RoundState, now: float, policy: RoundPolicy,
     update_s = rnd.update_done - rnd.update_started
     pull_s = now - rnd.update_done
     grace = grace_rules.observe_round(state.grace, max(update_s, 0.0), max(pull_s, 0.0))
-    state = _pull_stalls(state, policy)
+    state = pull_stalls(state, policy)
     actions.append(RoundEnded(rnd.number, rnd.closes_at - rnd.opened_at, push_s, update_s,
                               pull_s, grace_rules.stats(grace, policy.grace)))
     return replace(state, phase=Phase.IDLE, current=None, grace=grace)

@@ -156,7 +156,7 @@ class RoundState:
     complete pushes it still owes since a decided push of its was not delivered complete
     (timed out, failed, or reported delivered but found incomplete), or since it held a pull
     barrier to its deadline: each of its pushes is sent ahead of its round until it has
-    delivered them, and no pull barrier waits for it (:func:`dips.algo.round._scored`).
+    delivered them, and no pull barrier waits for it (:func:`dips.algo.stalls.scored`).
     ``stalls``: cluster -> how many of its decided pushes were not delivered complete (never
     decreases: what it owes doubles with each).
     ``staging``: cluster -> a push sent ahead of any round (a slow link or ``send_ahead``),
