@@ -14,13 +14,14 @@ import zmq
 import zmq.utils.monitor as zmon
 
 from dips.algo.refusal import Refusal
+from dips.roles.follower import FollowerShard
 from dips.wire.dataclient import STREAM_FRAME_BYTES
 from dips.wire.dataplane import DataClient, DataPlaneError, DataServer
 from dips.wire.frames import FrameError, decode
 from dips.wire.keys import Keyring, issue
 from dips.wire.pki import Identity
 from dips.wire.serving import MAX_OPEN_STREAMS
-from dips.wire.stream import ChunkPlan, StreamReader, StreamWriter, TensorSpec
+from dips.wire.stream import ChunkPlan, StreamReader, StreamWriter, TensorSpec, tensor_bytes
 from tests.fuzz.hostile import SECRET, served, shard
 
 KEY = issue(SECRET, Identity.cluster("a"), False)
@@ -379,4 +380,98 @@ def test_the_reviewers_flood_of_small_pulls_is_refused_busy():
             deaf.close(0)
         wait_for(lambda: server.pulls.held() == 0 and server.pulls.streams() == 0,
                  what="the closed connection's data released")
+        assert server.healthy()
+
+
+
+def _step(s: FollowerShard, v: int) -> None:
+    """One outer step of single-tensor shard ``s``: θ changes, version ``v`` → ``v + 1``."""
+    local = (s.params["w"] + 0.01).to(torch.bfloat16)
+    sink = s.open_push({"op": "push", "cluster": "x", "round": v + 1, "layer": "w",
+                        "tokens": 10}, [TensorSpec.of("w", local)])
+    sink.write(0, 0, tensor_bytes(local))
+    sink.commit()
+    s.score(v + 1, ["x"])
+    s.aggregate(v + 1, ["x"], [1.0])
+    s.apply(v + 1, 1.0, v + 1, ["x"], [1.0])
+    s.commit(v + 1)
+
+
+def _big() -> FollowerShard:
+    """8 MiB a BF16 pull: more than the kernel's socket buffers take."""
+    g = torch.Generator().manual_seed(0)
+    return FollowerShard(0, {"w": ["w"]}, {"w": torch.randn(2048, 2048, generator=g)},
+                         wire_dtype="bf16")
+
+
+def test_a_slow_pullers_bytes_are_not_recycled_before_they_are_written():
+    """A pull stream wholly handed to libzmq (zero-copy views of its version's BF16 snapshot)
+    but not yet written to a slow peer: two newer versions pulled meanwhile must not recycle
+    that snapshot under it. The slow peer then reads exactly version 0's bytes."""
+    import os
+
+    from dips.wire.dataclient import PULL
+    from dips.wire.frames import encode
+    from dips.wire.stream import CHUNK, END
+    from tests.fuzz.hostile import deaf_socket, key_of, wait_for
+
+    s = _big()
+    want = tensor_bytes(s.params["w"].to(torch.bfloat16)).tobytes()
+    h = key_of("h")
+    with served(s) as server:
+        slow = deaf_socket(server.endpoint)
+        try:
+            head = {"op": "pull", "version": 0, "layers": ["w"], "chunk": 1 << 20,
+                    "xfer": os.urandom(16).hex()}
+            slow.send_multipart([PULL, h.key_id.encode(), *encode(h.key, head)])
+            wait_for(lambda: server.pull_stats()["bytes_sent"] >= len(want),
+                     what="the stream handed to libzmq")
+            with DataClient(key_of("b"), server.endpoint, timeout_s=30) as b:
+                for v in (0, 1):
+                    _step(s, v)
+                    out = [("w", torch.empty(2048, 2048, dtype=torch.bfloat16))]
+                    assert b.pull({"op": "pull", "version": v + 1, "layers": ["w"]},
+                                  out)["version"] == v + 1
+            got, kind = {}, None
+            while kind != END:
+                msg = slow.recv_multipart()
+                kind = msg[0]
+                if kind == CHUNK:
+                    got[len(got)] = msg[3]
+            assert b"".join(got[i] for i in range(len(got))) == want
+        finally:
+            slow.close(0)
+
+
+def test_a_member_pins_no_snapshot_of_a_version_it_pulled_again_later():
+    """Review 20, P: a member opened a streamed pull of each new version and read none; every
+    stream pinned its version's whole-shard BF16 snapshot (follower RSS +207 → +271 MB on a
+    16 MiB shard). Now a member's pull of a newer version ends its streams of older ones
+    (answered VERSION_GONE), so their snapshots are recycled: two sets, not one per version."""
+    import os
+
+    from dips.wire.dataclient import PULL
+    from dips.wire.frames import encode
+    from tests.fuzz.hostile import deaf_socket, key_of, wait_for
+
+    s = _big()
+    h, member = key_of("h"), Identity.cluster("h").name
+    with served(s) as server:
+        deaf = deaf_socket(server.endpoint)
+        try:
+            for v in range(4):
+                asked = server.pulls.admitted + server.pulls.refused
+                head = {"op": "pull", "version": v, "layers": ["w"],
+                        "xfer": os.urandom(16).hex(), "chunk": 1 << 20}
+                deaf.send_multipart([PULL, h.key_id.encode(), *encode(h.key, head)])
+                wait_for(lambda: server.pulls.admitted + server.pulls.refused > asked,
+                         what=f"the pull of version {v} answered")
+                assert server.pulls.streams(member) >= 1
+                _step(s, v)
+            assert all(s._pools[1].peek(v) is None or s._pools[1].peek(v).readers == 0
+                       for v in range(3))
+            assert s._pools[1].allocated == 2  # was 4: one set per version pulled
+        finally:
+            deaf.close(0)
+        wait_for(lambda: server.pulls.streams() == 0, what="the connection's streams released")
         assert server.healthy()

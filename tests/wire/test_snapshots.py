@@ -60,12 +60,14 @@ def test_a_pull_that_spans_a_commit_gets_its_whole_version():
     assert shard.version == 1
     rest = [src.tensor(i).clone() for i in range(1, len(src.specs))]
     src.finish()
+    src.close()  # the data plane closes it once its messages are written
     got = dict(zip([s.name for s in src.specs], [first, *rest]))
     for n in SHAPES:
         assert torch.equal(got[n], want[n]), n
     late = shard.open_pull(_pull_header(0))  # a later puller of version 0 is still served
     assert torch.equal(late.tensor(2), want["c"])
     late.finish()
+    late.close()
     for rnd in (2, 3):  # versions 2 and 3 are pulled: keep = 2 snapshots, 0's is recycled
         _step(shard, rnd)
         shard.open_pull(_pull_header(rnd)).finish()

@@ -235,16 +235,17 @@ class SnapshotSource:
             return self._snap.fill(name, self._theta(name))
 
     def finish(self) -> None:
-        try:
-            with self._lock:
-                self._valid()
-        finally:
-            self.close()
+        """Raise ValueError if the version sent is gone (see the class docstring). The stream
+        still reads its snapshot until :meth:`close`: the data plane hands libzmq views of
+        it, and closes the source once they are written."""
+        with self._lock:
+            self._valid()
 
     def close(self) -> None:
-        """Stop reading the snapshot (the stream ended, or was dropped before its end)."""
+        """Stop reading the snapshot (the stream's messages were written, or it was dropped
+        or failed before its end)."""
         if self._release is not None:
-            self._release()  # runs once, here, in finish or when the stream is dropped
+            self._release()  # runs once: here, or when the stream is dropped
         self._snap = None
 
 

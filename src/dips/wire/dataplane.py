@@ -428,6 +428,7 @@ class DataServer:
                     try:
                         first = self._pullq.get(timeout=self._poll_s)
                     except queue.Empty:
+                        pulls.release_written()
                         continue
                 self._intake(out, pulls, first)
                 try:

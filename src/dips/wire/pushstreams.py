@@ -204,6 +204,7 @@ class _Pull:
         self.moved = now
         self.ended = False  # its END was handed over
         self.closed = False  # it sends nothing more (see PullStreams._end)
+        self.tail: Any = None  # the tracker of its last message, once it ended complete
 
 
 class PullStreams:
@@ -233,6 +234,9 @@ class PullStreams:
         self._incident, self._ledger, self._stall_s = incident, ledger, stall_s
         self._window_bytes, self._window_messages = window_bytes, window_messages
         self._active: list[_Pull] = []
+        # Ended streams whose last messages libzmq still holds: zero-copy views of their
+        # source's snapshot, so the source stays open (a reader) until they are written.
+        self._pinned: list[_Pull] = []
         self._reaped = 0.0
         self.ring = SealRing()
         self.dropped = 0
@@ -261,6 +265,7 @@ class PullStreams:
             self._authorize(mk.identity, msg.header)
             if self._streams is None:
                 raise ValueError("this data server does not serve streams")
+            self._supersede(out, member, msg.header.get("version"))
             self._ledger.admit(member, stream=True)
             admitted = True
             src = self._streams.open_pull(msg.header)
@@ -285,6 +290,7 @@ class PullStreams:
         now = time.monotonic()
         if now - self._reaped > 0.05:
             self._ledger.reap()
+            self.release_written()
             self._reaped = now
         moved = False
         for p in list(self._active):
@@ -308,6 +314,37 @@ class PullStreams:
         """Stop every stream (the server stops)."""
         for p in list(self._active):
             self._end(p)
+        self._unpin(lambda p: True)
+
+    def release_written(self) -> None:
+        """Release the sources of the ended streams whose last message libzmq released."""
+        self._unpin(lambda p: p.tail is None or p.tail.done)
+
+    def _unpin(self, done: Callable[[_Pull], bool]) -> None:
+        """Close the sources of the ended streams for which ``done(stream)`` holds."""
+        for p in [p for p in self._pinned if done(p)]:
+            self._pinned.remove(p)
+            src, p.src = p.src, None
+            _close_source(src, self._incident)
+
+    def _supersede(self, out: zmq.Socket, member: str, version: Any) -> None:
+        """End ``member``'s streams of versions older than ``version`` (its new pull's): a
+        stage worker pulls one version at a time, so a stream of an older version is one its
+        peer gave up. Each stream still being produced is answered VERSION_GONE; the snapshot
+        of each, produced or not, is released (what libzmq still holds of it may then change
+        under it: its peer gave it up). Review 20, P: a member that opened a pull per version
+        and read none pinned a whole-shard BF16 snapshot set per stream. Only ``member``'s own
+        streams are touched, whatever ``version`` is."""
+        if not isinstance(version, int) or isinstance(version, bool):
+            return  # the pull itself is refused by name (INVALID_ARGUMENT)
+        self._unpin(lambda p: p.member == member and _older(p, version))
+        for p in [p for p in self._active if p.member == member and _older(p, version)]:
+            old = p.src.header.get("version")
+            self._end(p)
+            self._refuse(out, p.ident, p.key, Refused(
+                Refusal.VERSION_GONE, f"pull stream of version {old} ended: a pull of "
+                                      f"version {version} by the same member followed it"),
+                p.writer.xfer, quiet=True)
 
     # ----- one stream ---------------------------------------------------------------------
     def _pump(self, out: zmq.Socket, p: _Pull, now: float) -> bool:
@@ -319,7 +356,7 @@ class PullStreams:
                 self._send(out, p, self._next(p))
                 moved = True
             if p.ended:
-                self._end(p)
+                self._end(p, written_first=True)
             elif now - p.moved > self._stall_s:
                 self.dropped += 1
                 log.warning("data-plane pull stream of %r dropped: its peer read nothing for "
@@ -371,16 +408,25 @@ class PullStreams:
         p.moved = time.monotonic()
         self._ledger.handed(p.member, nbytes)
 
-    def _end(self, p: _Pull) -> None:
-        """``p`` sends nothing more: its source is released, what libzmq holds of it stays
-        counted against its member until released. Idempotent."""
+    def _end(self, p: _Pull, written_first: bool = False) -> None:
+        """``p`` sends nothing more; what libzmq holds of it stays counted against its member
+        until released. Its source is released now, or with ``written_first`` (it ended
+        complete) once libzmq released its last message: its chunks are views of the
+        source's snapshot, which a newer version would otherwise recycle under a slow peer
+        (found by ``test_a_slow_pullers_bytes_are_not_recycled_before_they_are_written``).
+        Idempotent."""
         if p.closed:
             return
         p.closed = True
         if p in self._active:
             self._active.remove(p)
-        src, p.src, p.chunks = p.src, None, iter(())
-        _close_source(src, self._incident)
+        p.chunks = iter(())
+        if written_first and p.window:
+            p.tail = p.window[-1][0]  # released last: the connection writes in order
+            self._pinned.append(p)
+        else:
+            src, p.src = p.src, None
+            _close_source(src, self._incident)
         self._ledger.finish(p.member, p.window, stream=True)
         p.window = deque()
         p.queued = 0
@@ -394,6 +440,11 @@ class PullStreams:
         else:
             self._incident("pull", exc)
         out.send_multipart(error_reply(key, ident, exc, xfer), copy=False)
+
+
+def _older(p: _Pull, version: int) -> bool:
+    old = p.src.header.get("version") if p.src is not None else None
+    return isinstance(old, int) and old < version
 
 
 def _close_source(src: Any, incident: Incidents) -> None:

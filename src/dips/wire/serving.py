@@ -57,8 +57,9 @@ class PushSink(Protocol):
 class PullSource(Protocol):
     """What one pull stream sends: ``header``, ``specs``, then ``tensor(i)`` for each spec;
     ``finish()`` raises ValueError if what was sent is no longer valid (then no END is sent).
-    A source may also have ``close()``: the stream was dropped before its end (its peer did
-    not read), so whatever the source holds for it is released."""
+    A source may also have ``close()``, called once when the stream's messages (zero-copy
+    views of the source's tensors) were written, or when it was dropped or failed: whatever
+    the source holds for it is released then, not before."""
 
     header: dict[str, Any]
     specs: list[TensorSpec]
