@@ -152,6 +152,35 @@ def test_pull_barrier_ends_at_timeout_or_when_followers_stop_being_ready():
     assert kinds(acts) == ["RoundOpened", "Admitted"]
 
 
+def test_the_pull_barrier_waits_for_the_measured_pulls_not_the_timeout():
+    """Review 20: the barrier waited the fixed pull timeout whatever the pulls took. Once
+    pulls are measured it waits push_floor_s + push_slack × the slowest predicted pull of the
+    members whose push was delivered (a member never measured counts as the median), at most
+    the timeout; with nothing measured, the timeout."""
+    pol = RoundPolicy(GraceConfig(window_s=0.0, pull_barrier=True), push_timeout_s=60.0,
+                      pull_timeout_s=60.0, push_floor_s=2.0, push_slack=4.0)
+
+    def round_of(s, t, members, pulls):
+        s, _ = run([req(t, c, base=s.rounds) for c in members] + [Tick(t)], pol, s)
+        s, _ = run([PushReported(t + 1, c, s.current.slots[c].push_id, True) for c in members]
+                   + [UpdateFinished(t + 2, s.current.number,
+                                     UpdateOutcome(s.rounds, tuple(members)))], pol, s)
+        deadline = next_deadline(s, pol)
+        s, _ = run([PullDone(t + 2 + d, c) for c, d in pulls.items()], pol, s)
+        return s, deadline - (t + 2)
+
+    s, wait = round_of(RoundState(), 0.0, ["a", "b"], {"a": 1.0, "b": 3.0})
+    assert wait == 60.0  # nothing measured yet
+    assert s.pull_s == {"a": 1.0, "b": 3.0} and s.phase is Phase.IDLE
+    s, wait = round_of(s, 100.0, ["a", "b"], {"a": 1.0, "b": 3.0})
+    assert wait == 2.0 + 4.0 * 3.0  # b's pull predicts the round's
+    s, wait = round_of(s, 200.0, ["a", "c"], {"a": 1.0, "c": 1.0})
+    assert wait == 2.0 + 4.0 * 3.0  # c unmeasured: the upper median (b's 3 s)
+    slow = replace(s, pull_s={**s.pull_s, "b": 100.0})
+    _, wait = round_of(slow, 300.0, ["b"], {"b": 1.0})
+    assert wait == 60.0  # never beyond the timeout
+
+
 def test_a_member_that_never_reports_its_pull_holds_one_barrier_per_1_2_4_pushes():
     """Review 20, B: under the pull barrier a member that took its verdict and never sent
     PullDone held every round it joined until the pull timeout (honest outer steps 0.074×).

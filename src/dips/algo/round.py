@@ -41,10 +41,12 @@ from dips.algo.stalls import MAX_OWED, pull_stalls, scored
 from dips.algo.round_types import (
     Phase, RoundPolicy, Slot, Round, Verdict, UpdateOutcome, RoundState, PushRequested,
     PushWithdrawn, PushReported, UpdateFinished, PullDone, MemberGone, ReadyChanged, Tick,
-    RunFinished, Event, RoundOpened, Admitted, Staged, WindowClosed, StartUpdate, Decided, RoundEnded, Action)
+    RunFinished, Event, RoundOpened, Admitted, Staged, WindowClosed, StartUpdate, Decided,
+    RoundEnded, Action)
 
 __all__ = [
-    "step", "next_deadline", "slot_of", "push_deadline", "verdicts_of", "hopeless", "MAX_OWED",
+    "step", "next_deadline", "slot_of", "push_deadline", "pull_deadline", "verdicts_of",
+    "hopeless", "MAX_OWED",
     "Phase", "RoundPolicy", "Slot", "Round", "Verdict",
     "UpdateOutcome", "RoundState", "PushRequested", "PushWithdrawn", "PushReported",
     "UpdateFinished", "PullDone", "MemberGone", "ReadyChanged", "Tick", "RunFinished", "Event",
@@ -94,8 +96,9 @@ def step(state: RoundState, event: Event, policy: RoundPolicy) -> tuple[RoundSta
 
     Raises:
         Refused: RUN_FINISHED (a request after :class:`RunFinished`), PUSH_IN_FLIGHT (a
-            second request while one is queued or not yet pulled), INVALID_ARGUMENT (tokens <= 0, negative base version), UNKNOWN_PUSH (a report
-            for a push that is not in the current round); the state is then unchanged.
+            second request while one is queued or not yet pulled), INVALID_ARGUMENT (tokens
+            <= 0, negative base version), UNKNOWN_PUSH (a report for a push that is not in the
+            current round); the state is then unchanged.
         ValueError: an :class:`UpdateFinished` for a round that is not being updated.
         TypeError: an unknown event.
     """
@@ -123,7 +126,8 @@ def _on_request(state: RoundState, ev: PushRequested, policy: RoundPolicy,
         raise Refused(Refusal.PUSH_IN_FLIGHT, f"cluster {ev.cluster_id!r} already has a push "
                                               f"in flight (push id {mine.push_id})")
     arrivals = state.grace
-    if not arrivals.arrivals or ev.now >= arrivals.arrivals[-1]:  # λ of §7; a clock step back is ignored
+    # λ of §7; a clock step back is ignored
+    if not arrivals.arrivals or ev.now >= arrivals.arrivals[-1]:
         arrivals = grace_rules.observe_request(arrivals, ev.now)
     # The longer of the leader's measurement and the member's own prediction: claiming less
     # cannot shorten the wait below what was measured, claiming more only sends its own push
@@ -186,7 +190,8 @@ def _on_update_finished(state: RoundState, ev: UpdateFinished, policy: RoundPoli
         kept[v.push_id] = v
     while len(kept) > policy.verdicts_kept:
         del kept[next(iter(kept))]
-    rnd = replace(rnd, update_done=ev.now, pull_deadline=ev.now + policy.pull_timeout_s)
+    rnd = replace(rnd, update_done=ev.now,
+                  pull_deadline=pull_deadline(rnd, ev.now, policy, state.pull_s))
     actions.append(Decided(rnd.number, tuple(verdicts), rnd))
     state = scored(state, rnd, ev.outcome, policy)
     return replace(state, phase=Phase.PULL, current=rnd, verdicts=kept)
@@ -197,6 +202,13 @@ def _on_pull_done(state: RoundState, ev: PullDone, policy: RoundPolicy,
     slot = state.current.slots.get(ev.cluster_id) if state.current else None
     if slot is None or slot.pulled or state.phase is not Phase.PULL:
         return state  # only a pull of the decided version counts
+    rnd = state.current
+    if policy.grace.pull_barrier and rnd.update_done is not None:
+        took = max(ev.now - rnd.update_done, 0.0)
+        old = state.pull_s.get(ev.cluster_id)
+        a = policy.estimate_alpha
+        state = replace(state, pull_s={**state.pull_s, ev.cluster_id:
+                                       took if old is None else a * took + (1 - a) * old})
     return _with_slot(state, replace(slot, pulled=True))
 
 
@@ -291,6 +303,30 @@ def push_deadline(rnd: Round, closed_at: float, policy: RoundPolicy,
         if expected is None or s.admitted_at is None:
             return bound
         due = max(due, s.admitted_at + policy.push_floor_s + policy.push_slack * expected)
+    return min(bound, due)
+
+
+def pull_deadline(rnd: Round, update_done: float, policy: RoundPolicy,
+                  measured: Mapping[str, float]) -> float:
+    """When the pull barrier (``grace.pull_barrier``) of round ``rnd``, decided at
+    ``update_done``, stops waiting (seconds): ``push_floor_s + push_slack ×`` the slowest
+    measured pull (``measured``: cluster -> seconds) of its members whose push was delivered,
+    at most ``pull_timeout_s`` after ``update_done``. A member never measured counts as the
+    median measured pull (the upper median), as for pushes (:func:`push_deadline`); with none
+    measured, the barrier waits the timeout. Review 20: the barrier waited the fixed
+    ``pull_timeout_s`` (60 s) whatever the pulls took."""
+    bound = update_done + policy.pull_timeout_s
+    if policy.push_slack == float("inf"):
+        return bound
+    typical = sorted(measured.values())[len(measured) // 2] if measured else None
+    due = update_done
+    for c, s in rnd.slots.items():
+        if not s.ok:
+            continue  # nobody waits for its pull
+        expected = measured.get(c, typical)
+        if expected is None:
+            return bound
+        due = max(due, update_done + policy.push_floor_s + policy.push_slack * expected)
     return min(bound, due)
 
 

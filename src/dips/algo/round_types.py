@@ -158,7 +158,9 @@ class RoundState:
     barrier to its deadline: each of its pushes is sent ahead of its round until it has
     delivered them, and no pull barrier waits for it (:func:`dips.algo.stalls.scored`).
     ``stalls``: cluster -> how many of its decided pushes were not delivered complete (never
-    decreases: what it owes doubles with each).
+    decreases: what it owes doubles with each). ``pull_s``: cluster -> moving average of its
+    measured pull seconds under the pull barrier (the round's update done to its PullDone),
+    from which the barrier's deadline is set (:func:`dips.algo.round.pull_deadline`).
     ``staging``: cluster -> a push sent ahead of any round (a slow link or ``send_ahead``),
     until it has arrived. ``finished``: why the run ended (:class:`RunFinished`; "" while it
     runs): no request is queued and no round opens again.
@@ -172,6 +174,7 @@ class RoundState:
     grace: GraceState = GraceState()
     verdicts: Mapping[str, Verdict] = field(default_factory=dict)
     push_s: Mapping[str, float] = field(default_factory=dict)
+    pull_s: Mapping[str, float] = field(default_factory=dict)
     send_ahead: Mapping[str, int] = field(default_factory=dict)
     stalls: Mapping[str, int] = field(default_factory=dict)
     staging: Mapping[str, Slot] = field(default_factory=dict)

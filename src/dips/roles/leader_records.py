@@ -119,6 +119,7 @@ class Records:
         # Measured push times survive a restart: a slow link's next push still goes ahead of
         # its round instead of holding the others' (found by a review: it did not).
         push_s = {str(c): float(x) for c, x in state.get("push_s", {}).items()}
+        pull_s = {str(c): float(x) for c, x in state.get("pull_s", {}).items()}
         # So do the members sent ahead until they deliver complete pushes (review 14, F2;
         # review 17, C); an older leader.json lists them, each owing one.
         kept = state.get("send_ahead", {})
@@ -132,7 +133,8 @@ class Records:
         self.rounds_reserved = rounds
         self._state = RoundState(rounds=rounds, ready=False, verdicts=verdicts,
                                  grace=grace_rules.from_dict(state.get("grace", {})),
-                                 push_s=push_s, send_ahead=send_ahead, stalls=stalls,
+                                 push_s=push_s, pull_s=pull_s, send_ahead=send_ahead,
+                                 stalls=stalls,
                                  finished=str(state.get("finished", "")))
         started = state.get("training_started_at")
         self.training_started_at = float(started) if started is not None else None
@@ -188,6 +190,7 @@ class Records:
                      "version_stats": {str(v): list(x) for v, x in self._version_stats.items()},
                      "grace": grace_rules.to_dict(self._state.grace),
                      "push_s": dict(self._state.push_s),
+                     "pull_s": dict(self._state.pull_s),
                      "send_ahead": dict(sorted(self._state.send_ahead.items())),
                      "stalls": dict(sorted(self._state.stalls.items())),
                      # Where the followers are: a restarted leader takes their leases first.
