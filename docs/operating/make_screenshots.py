@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shutil
 import signal
 import subprocess
@@ -76,6 +77,12 @@ def wait_for_screen(run_dir: Path, launcher: subprocess.Popen, deadline_s: float
     return doc
 
 
+def offline_svg(text: str) -> str:
+    """``text`` (rich's SVG export) without its ``@font-face`` rules, which fetch Fira Code
+    from a CDN when the SVG is viewed: the page falls back to a local monospace font."""
+    return re.sub(r"\s*@font-face\s*\{[^}]*\}", "", text)
+
+
 def save_screen(doc: dict, out: Path) -> Path:
     """``status.svg`` (and ``status.png`` when ImageMagick is there) of ``doc``."""
     from rich.console import Console
@@ -86,7 +93,7 @@ def save_screen(doc: dict, out: Path) -> Path:
                       file=open("/dev/null", "w"))
     console.print(render(doc))
     svg = out / "status.svg"
-    console.save_svg(str(svg), title="dips status --leader … --tls pki/admin")
+    svg.write_text(offline_svg(console.export_svg(title="dips status --leader … --tls pki/admin")))
     png = out / "status.png"
     png.unlink(missing_ok=True)
     convert = shutil.which("magick") or shutil.which("convert")
