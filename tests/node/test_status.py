@@ -8,6 +8,7 @@ import json
 import math
 import socket
 import threading
+import time
 
 import pytest
 from rich.console import Console
@@ -242,5 +243,73 @@ def test_status_over_mutual_tls_with_the_operators_bundle(tmp_path):
                                            "--tls", str(tmp_path / "nowhere")])
         assert missing.exit_code == 2 and "--tls" in missing.stderr
     finally:
+        server.stop(0).wait(5)
+        leader.stop()
+
+
+class _SlowLink:
+    """A TCP proxy on 127.0.0.1 that holds every chunk ``delay_s`` before passing it on (a
+    WAN's round trip: each direction's chunks are delayed, so a handshake takes several ×)."""
+
+    def __init__(self, target_port: int, delay_s: float) -> None:
+        self.delay_s, self.target = delay_s, ("127.0.0.1", target_port)
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.sock.settimeout(0.2)
+        self.port = self.sock.getsockname()[1]
+        self.stop = threading.Event()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self.stop.is_set():
+            try:
+                a, _ = self.sock.accept()
+            except OSError:
+                continue
+            b = socket.create_connection(self.target, timeout=10)
+            for src, dst in ((a, b), (b, a)):
+                threading.Thread(target=self._pipe, args=(src, dst), daemon=True).start()
+
+    def _pipe(self, src: socket.socket, dst: socket.socket) -> None:
+        src.settimeout(0.2)
+        try:
+            while not self.stop.is_set():
+                try:
+                    data = src.recv(65536)
+                except TimeoutError:
+                    continue
+                if not data:
+                    break
+                time.sleep(self.delay_s)  # the link's latency, not a wait for an event
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            dst.close()
+
+    def close(self) -> None:
+        self.stop.set()
+        self.sock.close()
+
+
+def test_status_connects_over_a_link_with_a_long_round_trip(tmp_path):
+    """Review 15, F1: gRPC took the client's 100-ms minimum reconnect backoff as its connect
+    timeout too, so TCP + TLS + HTTP/2 had to finish in 100 ms: `dips status` and `dips
+    export` failed at once over any link slower than about 50 ms a way."""
+    pki = tmp_path / "pki"
+    init_pki(pki, 1, ["a"])
+    (tmp_path / "leader").mkdir()
+    leader, _ = make_leader(tmp_path / "leader")
+    server = make_server(max_workers=4)
+    pbg.add_LeaderServicer_to_server(LeaderServicer(leader, None), server)
+    port = Credentials.tls(pki / "leader").add_port(server, "127.0.0.1:0")
+    server.start()
+    link = _SlowLink(port, delay_s=0.15)
+    try:
+        out = CliRunner().invoke(app, ["status", "--leader", f"127.0.0.1:{link.port}",
+                                       "--json", "--tls", str(pki / "admin"), "--timeout", "30"])
+        assert out.exit_code == 0, out.output
+        assert "clusters" in json.loads(out.stdout)
+    finally:
+        link.close()
         server.stop(0).wait(5)
         leader.stop()
