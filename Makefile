@@ -106,3 +106,11 @@ simulate: install
 .PHONY: simulate-scale
 simulate-scale: install
 	$(VENV)/bin/python -m dips.sim.scale --days 1 --out runs/simulate/scale
+
+# dips simulate against a real run (issue 16, SCALE.md): the demo's config for 150 s of training
+# (about 4 minutes on 2 cores), its measured costs and figures written to the fixture of
+# tests/sim/test_calibration_real.py, and the ratios simulated / real printed.
+.PHONY: calibrate-real
+calibrate-real: install
+	timeout 900 $(PY) benchmarks/simulate/calibrate_real.py --run-dir runs/calibrate-real \
+		--out tests/sim/data/real_demo.json

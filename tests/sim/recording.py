@@ -3,10 +3,10 @@ simulator alike, and the comparable views of what they recorded.
 
 :func:`install` wraps (with ``monkeypatch``) every name under which the real leader
 (:mod:`dips.roles.leader`, :mod:`dips.roles.leader_push`, :mod:`dips.roles.leader_members`)
-and the simulator (:mod:`dips.sim.engine`, :mod:`dips.sim.rounds`) reach them: the round
-machine ``step`` (and its query ``next_deadline``), ``run_update`` and the §8 ``decide``, the
-ledger's transitions, the §10 schedule, ``lease_allowed``, ``stop_reason`` and
-``reconcile_target``. Each call appends one tuple to the trace; the wrapped function runs
+and the simulator (:mod:`dips.sim.engine`, :mod:`dips.sim.rounds`, :mod:`dips.sim.faults`)
+reach them: the round machine ``step`` (and its query ``next_deadline``), ``run_update``
+and the §8 ``decide``, the ledger's transitions, the §10 schedule, ``lease_allowed``,
+``stop_reason`` and ``reconcile_target``. Each call appends one tuple to the trace; the wrapped function runs
 unchanged.
 """
 
@@ -22,6 +22,7 @@ import dips.roles.leader_members as members_mod
 import dips.roles.leader_push as push_mod
 import dips.roles.outer_step as outer_step
 import dips.sim.engine as engine
+import dips.sim.faults as faults_mod
 from dips.algo.ledger import ChunkLedger
 from dips.algo.schedule import ScheduleBook
 
@@ -92,7 +93,7 @@ def install(monkeypatch: Any, trace: Trace) -> None:
     _method(monkeypatch, trace, ScheduleBook, "schedule")
     for mod, name in ((members_mod, "lease_allowed"), (engine, "lease_allowed"),
                       (leader_mod, "stop_reason"), (engine, "stop_reason"),
-                      (leader_mod, "reconcile_target")):
+                      (leader_mod, "reconcile_target"), (faults_mod, "reconcile_target")):
         _function(monkeypatch, trace, mod, name)
 
 

@@ -8,7 +8,9 @@ The decisions are the real leader's (:mod:`dips.sim.engine`); costs are modelled
 
 Modules: ``costs`` (model size, compute time, ‖Δ‖² draws, memory), ``network`` (fluid flows
 over stage links and follower NICs), ``followers`` (the followers as ``run_update`` calls them;
-their load), ``member`` (one cluster's state), ``engine`` (the event loop), ``report``,
+their load), ``member`` (one cluster's state), ``engine`` (the event loop), ``rounds`` (its
+update phase and verdicts), ``faults`` (follower and leader faults), ``calibrate`` and
+``realrun`` (calibration against the virtual-time engine and a real run), ``report``,
 ``plots``, ``cli``. Heavy imports happen inside :func:`simulate`, so ``dips --help`` stays fast.
 """
 

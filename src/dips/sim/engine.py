@@ -18,7 +18,9 @@ step (seconds per parameter), ‖Δ‖² (a documented stochastic model), faults
 per cluster, and scheduled faults at a cluster's n-th push in one phase, :mod:`dips.sim.rounds`;
 a failed cluster is removed after ``missed_heartbeats`` intervals as the real leader removes
 it, rejoins after its recovery, pulls the whole model and trains on; the work since its last
-pull is lost) and the control messages the leader handles. The ledger is settled where the
+pull is lost), follower and leader faults scheduled in a round's phase (:mod:`dips.sim.faults`:
+readiness, reconciliation, rollback, the leader's resume) and the control messages the leader
+handles. The ledger is settled where the
 leader settles it: a push's progress reported once the machine took its request, a decided
 step's verdicts at the decision (inside ``run_update``), a join releasing what the cluster held.
 
@@ -42,10 +44,11 @@ from dips.algo.refusal import Refused
 from dips.algo import round as round_machine
 from dips.algo.round import (Admitted, Decided, MemberGone, PushReported,
                              PushRequested, RoundEnded, RoundOpened, RoundPolicy, RoundState,
-                             Staged, StartUpdate, Tick, UpdateFinished)
+                             Staged, StartUpdate, Tick, UpdateFinished, WindowClosed)
 from dips.algo.schedule import ScheduleBook
 from dips.sim import costs
 from dips.sim.events import FastQueue
+from dips.sim.faults import ServerFaults
 from dips.sim.followers import FollowerLoad, ModelledFollower, NormBoard
 from dips.sim.member import Member
 from dips.sim.network import Job, Network
@@ -59,7 +62,7 @@ __all__ = ["FOLLOWER_CALLS", "Simulation"]
 FOLLOWER_CALLS = ("Score", "Aggregate", "Discard", "Apply", "Commit")
 
 
-class Simulation(RoundActions):
+class Simulation(RoundActions, ServerFaults):
     """One simulated run of ``scenario``; :meth:`run` plays it to the end (the horizon, the
     token budget, or nothing left to do). Deterministic: same scenario, same result."""
 
@@ -115,6 +118,7 @@ class Simulation(RoundActions):
         self._gained: dict[str, int] = {}
         self.planned_faults = {(cid, f.push): f.phase for c in sc.clusters
                                for cid in c.ids() for f in c.faults}
+        self._init_server_faults()
 
     # ----- the loop -------------------------------------------------------------------------
     def run(self) -> "Simulation":
@@ -161,6 +165,10 @@ class Simulation(RoundActions):
         for a in actions:
             if isinstance(a, RoundOpened):
                 self.counts["rounds"] += 1
+                self._reserve(a.number)
+                self._phase_entered(a.number, "window", now)
+            elif isinstance(a, WindowClosed):
+                self._phase_entered(a.number, "push", now)
             elif isinstance(a, Admitted) and not a.slot.done:
                 self._push(self.members[a.slot.cluster_id], a.slot.round, now)
             elif isinstance(a, Staged):
@@ -170,6 +178,7 @@ class Simulation(RoundActions):
                 self._update(a, now)
             elif isinstance(a, Decided):
                 self._decided(a, now)
+                self._phase_entered(a.number, "pull", now)
             elif isinstance(a, RoundEnded):
                 self._ended(a, now)
         deadline = round_machine.next_deadline(self.state, self.policy)
@@ -184,7 +193,8 @@ class Simulation(RoundActions):
 
     def _on_tick(self, t: float, deadline: float) -> None:
         self._ticks.discard(deadline)
-        self._feed(Tick(t))
+        if not self.leader_down:
+            self._feed(Tick(t))
 
     def _on_relink(self, t: float, _: Any) -> None:
         self.net.relink(t)
@@ -207,6 +217,9 @@ class Simulation(RoundActions):
     def _on_join(self, t: float, payload: tuple[str, int]) -> None:
         m = self.members[payload[0]]
         if payload[1] != m.epoch:
+            return
+        if self.leader_down:  # the client retries until the leader is back
+            self._parked.append(m)
             return
         self._message(t, "JoinCluster")
         self.ledger.release(m.cid)  # as the leader's join: a (re-)joining cluster starts afresh
@@ -237,9 +250,18 @@ class Simulation(RoundActions):
         m = self.members[payload[0]]
         if payload[1] != m.epoch:
             return
-        progress = m.train(self.ledger, lambda: self._lease(m, t))
+        m.progress = m.train(self.ledger, lambda: self._lease(m, t))
+        self._request(m, t)
+
+    def _request(self, m: Member, t: float) -> None:
+        """``m`` asks to push what it trained (``m.progress``); while the leader is down the
+        request waits for it (the client retries)."""
+        if self.leader_down:
+            m.set_state("admit", t)
+            self._parked.append(m)
+            return
         per_push = self.max_push_tokens // self.sc.data.tokens_per_window
-        progress = self.ledger.credit(m.cid, progress, per_push)
+        progress = self.ledger.credit(m.cid, m.progress, per_push)
         windows = self.ledger.windows_in(m.cid, progress)
         if windows == 0:  # nothing left to train on (every free chunk is held elsewhere)
             self.counts["no_data"] += 1
@@ -278,21 +300,34 @@ class Simulation(RoundActions):
         m = self.members[payload[0]]
         if payload[1] != m.epoch:
             return
+        if self.leader_down:  # the restarted leader's monitor, after its extra intervals
+            hb = self.sc.leader.membership
+            self.q.push(self._leader_back_at + 2 * hb.missed_heartbeats * hb.heartbeat_interval_s,
+                        "gone", payload)
+            return
         self._feed(MemberGone(t, m.cid, "heartbeat timeout"))  # the leader's reason
         self.ledger.release(m.cid)
         m.positions = {}
+        self._persist()
 
-    def _on_updated(self, t: float, payload: tuple[int, Any]) -> None:
-        self._feed(UpdateFinished(t, payload[0], payload[1]))
+    def _on_updated(self, t: float, payload: tuple[int, Any, int]) -> None:
+        number, report, life = payload
+        if self.leader_down or life != self.counts["leader_restarts"]:
+            return  # the leader that ran this update died
+        self._update_ended(report, t)
+        self._feed(UpdateFinished(t, number, report.outcome))
         reason = stop_reason(tokens_accepted=self.tokens_accepted, outer_steps=self.version,
                              training_s=t, token_budget=self.sc.token_budget)
         if reason is not None:
             self.finished = reason
+        self._maybe_reconcile(t)
 
     # ----- what the actions start -----------------------------------------------------------
     def _lease(self, m: Member, t: float) -> None:
         """The cluster tops its chunks up to ``lease_ahead`` (a Lease call, as the client does)."""
         d = self.sc.data
+        if self.leader_down:
+            return
         held = self.ledger.holdings(m.cid)
         unfinished = [c for c, _ in held if c not in m.positions or
                       m.positions[c] < d.windows_per_chunk]
@@ -326,6 +361,8 @@ class Simulation(RoundActions):
         m.push_s.append(m.last_push_s)
         m.job = None
         m.set_state("verdict", t)
+        if self.leader_down:
+            return  # the client asks again once the leader is back
         self._message(t, "PushDone")
         self._feed(PushReported(t, m.cid, m.push_id, True))
         self._fault_due(m, "update", t)  # lost after its push, before the verdict

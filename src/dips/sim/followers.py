@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from dips.sim.costs import mean_sq_norm
 
-__all__ = ["FollowerLoad", "ModelledFollower", "NormBoard"]
+__all__ = ["CHECKPOINTS_KEPT", "FollowerDown", "FollowerLoad", "ModelledFollower", "NormBoard"]
 
 
 @dataclass
@@ -28,21 +28,48 @@ class NormBoard:
     sq_norms: dict[str, float] = field(default_factory=dict)
 
 
+class FollowerDown(TimeoutError):
+    """A call to a follower that is stopped, dead or not yet restarted, as the leader sees it
+    (a call past its deadline; :func:`dips.roles.outer_step.run_update` then fails the round
+    or lists the commit as failed, the reconciliation is tried again later)."""
+
+
+#: Complete checkpoints a follower keeps (:class:`dips.roles.checkpoint.CheckpointWriter`'s keep).
+CHECKPOINTS_KEPT = 3
+
+
 class ModelledFollower:
-    """One follower as :func:`dips.roles.outer_step.run_update` sees it; ``share``: its
-    fraction of the model's parameters (its part of every squared norm)."""
+    """One follower as :func:`dips.roles.outer_step.run_update` and the leader's
+    reconciliation see it; ``share``: its fraction of the model's parameters (its part of
+    every squared norm).
+
+    Its versions are modelled as the real follower's (:mod:`dips.roles.follower`): ``apply``
+    prepares a version, ``commit`` makes it current and checkpoints it (the newest
+    :data:`CHECKPOINTS_KEPT` are kept), ``abort`` drops the prepared one, ``restore`` commits a
+    prepared version or loads a checkpoint, ``report`` gives (committed, prepared or -1,
+    checkpoints). ``alive`` False: every call raises :class:`FollowerDown`; ``commits_lost``
+    True: commit calls never arrive (the leader died before sending them)."""
 
     def __init__(self, index: int, share: float, board: NormBoard) -> None:
         self.index, self.share, self.board = index, share, board
-        self.version = 0
+        self.version, self.prepared = 0, -1
+        self.checkpoints = [0]
+        self.alive = True
+        self.commits_lost = False
+
+    def _up(self) -> None:
+        if not self.alive:
+            raise FollowerDown(f"follower {self.index} unavailable")
 
     def score(self, rnd: int, clusters: list[str],
               push_ids: list[str] | None = None) -> list[tuple[str, bool, float, str]]:
         """(cluster, valid, its share of G_j, error) per cluster."""
+        self._up()
         return [(c, True, self.share * self.board.sq_norms[c], "") for c in clusters]
 
     def aggregate(self, rnd: int, clusters: list[str], weights: list[float]) -> float:
         """This shard's share of ‖δ‖² for δ = Σ w_j Δ_j (units of Δ²)."""
+        self._up()
         return self.share * mean_sq_norm(self.board.sq_norms, dict(zip(clusters, weights)),
                                          self.board.rho)
 
@@ -50,29 +77,56 @@ class ModelledFollower:
               weights: list[float]) -> tuple[int, str]:
         """Prepare ``new_version`` (nothing to compute: the simulator times it); returns
         (version, a checksum naming follower and version)."""
+        self._up()
+        self.prepared = new_version
         return new_version, f"sim-{self.index}-{new_version}"
 
     def commit(self, new_version: int) -> tuple[int, str]:
-        """Make ``new_version`` current; returns (version, checksum)."""
-        self.version = new_version
+        """Make the prepared ``new_version`` current and checkpoint it; returns (version,
+        checksum). Raises ValueError if another version is prepared."""
+        self._up()
+        if self.commits_lost:
+            raise FollowerDown(f"commit of version {new_version} never sent")
+        if new_version != self.version:
+            if self.prepared != new_version:
+                raise ValueError(f"commit field 'new_version' = {new_version}, prepared "
+                                 f"{self.prepared}")
+            self.version, self.prepared = new_version, -1
+            self.checkpoints = [*self.checkpoints, new_version][-CHECKPOINTS_KEPT:]
         return new_version, f"sim-{self.index}-{new_version}"
 
     def abort(self, rnd: int | None) -> None:
-        """Drop a prepared step (nothing is held)."""
-        return None
+        """Drop a prepared step."""
+        self._up()
+        self.prepared = -1
 
     def restore(self, version: int) -> tuple[int, str]:
-        """Bring the shard to ``version``; returns (version, checksum)."""
-        self.version = version
+        """Bring the shard to ``version`` (commit it if prepared, else load its checkpoint);
+        returns (version, checksum). Raises FileNotFoundError without such a checkpoint."""
+        self._up()
+        if version == self.prepared:
+            return self.commit(version)
+        if version != self.version and version not in self.checkpoints:
+            raise FileNotFoundError(f"follower {self.index}: no checkpoint of version {version}")
+        self.version, self.prepared = version, -1
+        self.checkpoints = [v for v in self.checkpoints if v <= version]
         return version, f"sim-{self.index}-{version}"
+
+    def restarted(self, lag: int) -> None:
+        """A new process from the newest complete checkpoint, ``lag`` versions behind the
+        committed one (the prepared step and anything newer are lost)."""
+        durable = [v for v in self.checkpoints if v <= self.version - lag]
+        self.checkpoints = durable or [min(self.checkpoints)]
+        self.version, self.prepared = self.checkpoints[-1], -1
 
     def discard(self, rnd: int) -> None:
         """Drop round ``rnd``'s staged pushes (nothing is held)."""
-        return None
+        self._up()
 
     def report(self) -> tuple[int, int, list[int]]:
-        """(version, newest durable version, versions kept on disk): all the current one."""
-        return self.version, self.version, [self.version]
+        """(committed version, prepared version or -1, complete checkpoint versions)."""
+        self._up()
+        return self.version, self.prepared, list(self.checkpoints)
 
 
 @dataclass

@@ -46,6 +46,7 @@ class Member:
         self.job = None
         self.base_version = 0
         self.positions: dict[int, int] = {}
+        self.progress: dict[int, int] = {}  # chunk -> position reached by its last H steps
         self.push_no = 0
         self.push_id = ""
         self.requested_at = self.admitted_at = self.pull_started = 0.0

@@ -89,6 +89,7 @@ class Network:
             (f, d): {} for f in range(len(loads)) for d in ("in", "out")}
         self.last: dict[tuple[int, str], float] = {k: 0.0 for k in self.groups}
         self.gen: dict[tuple[int, str], int] = {k: 0 for k in self.groups}
+        self.down: set[int] = set()
         self._next_id = 0
 
     def launch(self, t: float, job: "Job", stage: int, follower: int, direction: str,
@@ -156,6 +157,17 @@ class Network:
             if hit:
                 self._allocate(key, t)
 
+    def set_down(self, t: float, follower: int, down: bool) -> None:
+        """Follower ``follower`` stops (``down``) or resumes serving at ``t``: its flows stall
+        at rate 0 (their bits so far kept) until it resumes."""
+        if (follower in self.down) == down:
+            return
+        for d in ("in", "out"):
+            self._progress((follower, d), t)
+        self.down.symmetric_difference_update({follower})
+        for d in ("in", "out"):
+            self._allocate((follower, d), t)
+
     def relink(self, t: float) -> None:
         """Re-share every NIC at ``t`` (a link's rate changed)."""
         for key, group in self.groups.items():
@@ -175,7 +187,7 @@ class Network:
         """Water-filling of the follower NIC ``key`` among its rate classes (module docstring)."""
         classes = sorted((c.link.rate_at(t) if c.link.schedule else c.link.bps, c.order, c)
                          for c in self.groups[key].values() if c.count)
-        left, total = self.nic_bps, 0.0
+        left, total = (0.0 if key[0] in self.down else self.nic_bps), 0.0
         n = sum(c.count for _, _, c in classes)
         first: tuple[float, int] | None = None
         for link_bps, _, c in classes:
@@ -183,6 +195,8 @@ class Network:
             left -= c.rate * c.count
             n -= c.count
             total += c.rate * c.count
+            if c.rate <= 0:
+                continue  # a follower that is down: nothing moves, nothing ends
             end = t + max(0.0, c.heap[0][0] - c.served) / c.rate
             if first is None or (end, c.heap[0][1]) < first:
                 first = (end, c.heap[0][1])

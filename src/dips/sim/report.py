@@ -15,6 +15,9 @@
   member alive. Heartbeats are counted, not simulated: members beat at evenly spread phases,
   so a 1-s bin holds at most ⌈members / interval⌉ of them; the peak is the busiest 1-s bin of
   the other messages plus that bound. ``cpu_frac``: messages × ``rpc_cpu_s`` / run seconds.
+* ``server_faults``: follower and leader faults (:mod:`dips.sim.faults`): outer steps rolled
+  back, leader restarts, clusters that re-joined for a push the restarted leader did not know,
+  and the first 100 events (seconds, what, details).
 * ``rounds``, ``staleness`` (versions applied between a push's base and its update),
   ``pushes`` (verdicts, rejections by reason), ``tokens``, ``model``, and ``reference``: each
   figure of the scenario's reference next to the simulated one, their ratio and whether it is
@@ -166,5 +169,9 @@ def summarize(sim: Simulation) -> dict[str, Any]:
                    "windows_short": sum(m.windows_short for m in sim.members.values()),
                    "ledger": sim.ledger.summary()},
     }
+    doc["server_faults"] = {
+        "outer_steps_lost": sim.counts["outer_steps_lost"],
+        "leader_restarts": sim.counts["leader_restarts"], "rejoins": sim.counts["rejoins"],
+        "events": [[_r(t), kind, detail] for t, kind, detail in sim.fault_log[:100]]}
     doc["reference"] = _reference(sim, doc)
     return doc

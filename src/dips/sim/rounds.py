@@ -51,6 +51,8 @@ class RoundActions:
         """The update phase: the real :func:`run_update` on modelled followers, timed by the
         followers' cost per parameter."""
         sc, M = self.sc, self.sc.followers.count
+        self._update_faults(start.number, t)
+        self._updating = True
         self.board.sq_norms = {}
         for s in start.slots:
             lag = max(0, self.version - s.base_version)
@@ -62,12 +64,13 @@ class RoundActions:
         rnd = self.state.current
         report = outer_step.run_update(self.followers, start.number, start.slots, self.version,
                                        self.penalty, sc.penalty, sc.outer,
-                                       on_decided=lambda r: self._account(
-                                           round_machine.verdicts_of(rnd, r.outcome),
-                                           r.outcome.version),
+                                       on_decided=lambda r: self._decide(rnd, r, t),
                                        weight_cap=self.push_tokens_weighed,
                                        members=len(self.members))
-        self.version, self.penalty = report.outcome.version, report.penalty
+        if self.leader_down:
+            return  # died after its decision: the restarted leader takes over from there
+        if not report.failed:
+            self.version, self.penalty = report.outcome.version, report.penalty
         k = len(report.outcome.accepted)
         self.round_sizes[len(start.slots)] += 1
         self._message(t, "Score", M)
@@ -88,7 +91,20 @@ class RoundActions:
         if k:
             self._message(t, "Apply", M)
             self._message(t + phase, "Commit", M)
-        self.q.push(t + phase, "updated", (start.number, report.outcome), priority=2)
+        self.q.push(t + phase, "updated", (start.number, report, self.counts["leader_restarts"]),
+                    priority=2)
+
+    def _decide(self, rnd: Any, report: Any, t: float) -> None:
+        """A step decided (every follower prepared it): recorded before any commit, as the
+        leader's ``_decide`` (version, penalty, the ledger's verdicts, then ``leader.json``)."""
+        out = report.outcome
+        self.version, self.penalty = out.version, report.penalty
+        verdicts = round_machine.verdicts_of(rnd, out)
+        self._account(verdicts, out.version)
+        self._version_tokens[out.version] = self.sc.data.tokens_per_window * sum(
+            self._gained.get(v.push_id, 0) for v in verdicts)
+        self._recorded = {v.push_id: v for v in verdicts}
+        self._decided_now(rnd.number, t)
 
     def _account(self, verdicts: Any, version: int | None) -> None:
         """Settle the ledger for a round's ``verdicts`` once (the leader's ``_account``;
@@ -102,36 +118,47 @@ class RoundActions:
     # ----- verdicts and pulls ---------------------------------------------------------------
     def _decided(self, decided: Decided, t: float) -> None:
         self._account(decided.verdicts, None)  # a round not decided (nothing accepted, failed)
-        gained_by = self._gained
+        self._recorded = {}
         for v in decided.verdicts:
-            gained = gained_by.pop(v.push_id, 0)
-            self.tokens_accepted += gained * self.sc.data.tokens_per_window
-            self.counts["pushes"] += 1
-            self.counts["accepted" if v.accepted else "rejected"] += 1
-            if not v.accepted:
-                self.reasons["penalty" if v.reason.startswith("penalty") else "failed"] += 1
-            m = self.members[v.cluster_id]
-            m.verdict(v.accepted, gained * self.sc.data.tokens_per_window)
-            if m.down or m.push_id != v.push_id:  # failed since: its new life pulls on joining
-                continue
-            if self._fault_due(m, "pull", t):
-                continue
-            m.positions = {c: p for c, p in self.ledger.holdings(m.cid)}
-            m.set_state("pull", t)
-            m.pull_started = t
-            version = v.version
-            m.job = self._pull_job(m, lambda t2, m=m, version=version: self._pulled(m, version, t2))
-            m.job.begin(t)
+            self._verdict(v, t)
+
+    def _verdict(self, v: Any, t: float) -> None:
+        """Verdict ``v`` is out at ``t`` (or re-served by a restarted leader): counted, and its
+        cluster, unless it failed since, pulls the version it names."""
+        gained = self._gained.pop(v.push_id, 0)
+        self.tokens_accepted += gained * self.sc.data.tokens_per_window
+        self.counts["pushes"] += 1
+        self.counts["accepted" if v.accepted else "rejected"] += 1
+        if not v.accepted:
+            self.reasons["penalty" if v.reason.startswith("penalty") else "failed"] += 1
+        m = self.members[v.cluster_id]
+        m.verdict(v.accepted, gained * self.sc.data.tokens_per_window)
+        if m.down or m.push_id != v.push_id:  # failed since: its new life pulls on joining
+            return
+        if self._fault_due(m, "pull", t):
+            return
+        if m.job is not None:  # its push failed (a follower down): transfers aborted
+            self.net.cancel(t, m.job)
+        m.positions = {c: p for c, p in self.ledger.holdings(m.cid)}
+        m.set_state("pull", t)
+        m.pull_started = t
+        version = v.version
+        m.job = self._pull_job(m, lambda t2, m=m, version=version: self._pulled(m, version, t2))
+        m.job.begin(t)
 
     def _pulled(self, m: Any, version: int, t: float) -> None:
         m.base_version = version
         m.pull_s.append(t - m.pull_started)
+        if self.leader_down:
+            self._compute(m, t)
+            return
         self._message(t, "PullDone")
         self._feed(round_machine.PullDone(t, m.cid))
         self._compute(m, t)
 
     def _ended(self, ended: RoundEnded, t: float) -> None:
         self.counts["rounds_ended"] += 1
+        self._persist()
         if t < self.sc.timeline_s:
             self.rounds.append({"round": ended.number, "end_s": round(t, 3),
                                 "window_s": round(ended.window_s, 3),

@@ -29,8 +29,9 @@ from dips.spec.cluster import LinkConfig, Transient
 from dips.spec.protocol import GraceConfig, MembershipConfig, Timeouts
 from dips.spec.training import ModelConfig, OuterConfig, PenaltyConfig
 
-__all__ = ["NormModel", "SimCluster", "SimData", "SimFollowers", "SimLeader", "SimMemory",
-           "SimReference", "SimScenario", "load_sim_scenario"]
+__all__ = ["NormModel", "SimCluster", "SimData", "SimFault", "SimFollowerFault", "SimFollowers",
+           "SimLeader", "SimLeaderFault", "SimMemory", "SimReference", "SimScenario",
+           "load_sim_scenario"]
 
 _ID = r"^[A-Za-z0-9_.-]+$"
 
@@ -46,6 +47,49 @@ class SimFault(Strict):
     push: int = Field(ge=1, description="the cluster's n-th push request (1: its first)")
     phase: Literal["window", "push", "update", "pull"] = Field(
         description="where the cluster is lost: window, push, update or pull")
+
+
+#: The leader's phases a follower or leader fault can be scheduled in (:class:`dips.algo.round.Phase`).
+_PHASE = Literal["window", "push", "update", "pull"]
+
+
+class SimFollowerFault(Strict):
+    """One follower's fault in the leader's ``round``-th round, as ``dips launch --faults``
+    stops or kills a follower process (§12; :mod:`dips.sim.faults`). ``phase``: where the
+    round is when it hits: ``window`` as it opens, ``push`` as its window closes (transfers to
+    the follower stall), ``update`` inside the follower's Apply (the step is not prepared
+    everywhere: the round fails), ``pull`` once its verdicts are out (pulls stall).
+
+    ``stop``: the process is frozen for ``down_s`` seconds (SIGSTOP): the leader marks it down
+    after its missed heartbeats (not at all if it resumes sooner) and reconciles once it beats
+    again. ``kill``: the process dies and the launcher's restart registers after ``down_s``
+    seconds as a new incarnation, from its newest complete checkpoint, ``checkpoint_lag``
+    versions behind its committed one (0: the asynchronous checkpoint was durable)."""
+
+    follower: int = Field(ge=0, description="follower index")
+    round: int = Field(ge=1, description="the leader's round number (1: its first; a restarted "
+                                         "leader numbers from 65, above its reserved block)")
+    phase: _PHASE = Field(description="the round's phase: window, push, update or pull")
+    action: Literal["stop", "kill"] = Field(description="stop (frozen) or kill (restarted)")
+    down_s: float = Field(gt=0, allow_inf_nan=False,
+                          description="seconds until it beats (stop) or registers (kill) again")
+    checkpoint_lag: int = Field(0, ge=0, description="kill: versions its newest checkpoint "
+                                                     "lags its committed version")
+
+
+class SimLeaderFault(Strict):
+    """The leader killed in its ``round``-th round and restarted ``restart_s`` seconds later
+    from its persisted state (``leader.json``: version, verdicts, ledger, penalty, grace and
+    push-time estimates; :mod:`dips.sim.faults`). ``phase``: as the round opens (``window``),
+    as its window closes (``push``), after the step was decided and recorded but before any
+    follower committed it (``update``, the failpoint of
+    :func:`dips.roles.outer_step.run_update`), or once its verdicts are out (``pull``)."""
+
+    round: int = Field(ge=1, description="the leader's round number (1: its first; a restarted "
+                                         "leader numbers from 65, above its reserved block)")
+    phase: _PHASE = Field(description="the round's phase: window, push, update or pull")
+    restart_s: float = Field(gt=0, allow_inf_nan=False,
+                             description="seconds until the restarted leader serves again")
 
 
 class SimCluster(Strict):
@@ -133,6 +177,8 @@ class SimFollowers(Strict):
         "parallel", description="parallel: followers update at once (the paper); sequential: "
                                 "one after another, as the leader calls them in turn")
     memory: SimMemory = Field(default_factory=SimMemory, description="memory per parameter")
+    faults: list[SimFollowerFault] = Field(default_factory=list,
+                                           description="scheduled follower faults")
 
 
 class SimLeader(Strict):
@@ -148,6 +194,8 @@ class SimLeader(Strict):
     rpc_latency_s: float = Field(1e-3, ge=0, allow_inf_nan=False,
                                  description="seconds of one leader -> follower call in the "
                                              "update phase (round trip)")
+    faults: list[SimLeaderFault] = Field(default_factory=list,
+                                         description="scheduled leader restarts")
 
 
 class NormModel(Strict):
@@ -236,6 +284,10 @@ class SimScenario(Strict):
         if self.followers.count > layers:
             raise ValueError(f"followers.count = {self.followers.count} exceeds the {layers} "
                              "layers to shard")
+        for f in self.followers.faults:
+            if f.follower >= self.followers.count:
+                raise ValueError(f"followers.faults: follower = {f.follower} is not below "
+                                 f"followers.count = {self.followers.count}")
         for c in self.clusters:
             if c.stages > layers:
                 raise ValueError(f"cluster {c.id}: stages = {c.stages} exceeds the {layers} layers")
