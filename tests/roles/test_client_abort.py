@@ -71,7 +71,8 @@ def test_a_follower_restarted_mid_push_aborts_the_transfer(tmp_path):
         # out the transfer deadline.
         assert seen and any(why in seen[0] for why in (
             "a follower went down or restarted", "round 1 closed while layer",
-            "round 1 is closed on this follower")), seen
+            "round 1 is closed on this follower",
+            "the push's round closed while this layer")), seen
         assert not out["result"].accepted, out["result"]
         c.close()
     finally:
