@@ -6,8 +6,10 @@ The same options as ``dips cluster`` (:func:`dips.node.cli.cluster`)::
         --cluster-id ID --state-dir DIR (--tls DIR | --insecure)
 
 With ``WORLD_SIZE > 1`` (torchrun) each rank is a DDP replica (or an FSDP2 shard, ``parallel:
-fsdp2``) and a stage worker (:mod:`dips.node.cluster_ddp`); only rank 0 talks to the leader, so only rank 0 reads the TLS
-bundle (``--tls`` need not exist on the other nodes). Without torchrun it is ``dips cluster``.
+fsdp2``, or pipeline stage r, ``parallel: pipeline``) and a stage worker (:mod:`dips.node.cluster_ddp`); only rank 0 talks to the leader, so only rank 0 reads the TLS
+bundle (``--tls`` need not exist on the other nodes). ``--device`` (cpu, cuda; default the
+cluster config's, else cuda when available) places the model: each rank on ``cuda:LOCAL_RANK``.
+Without torchrun it is ``dips cluster``.
 Exit codes as ``dips cluster``: 0 stopped or the run finished, 2 could not start, other
 non-zero a failure (a rank lost: the cluster is restarted by torchrun or the operator).
 """
@@ -21,6 +23,7 @@ from typing import Annotated, Optional
 import typer
 
 from dips.node.cli import (
+    DeviceOpt,
     Insecure,
     LeaderAddr,
     LogFormat,
@@ -42,10 +45,11 @@ def cluster(leader_addr: LeaderAddr,
                 "--stages", min=1, help="stage workers of a one-process cluster (default: the "
                                         "run config's; under torchrun: one per rank)")] = None,
             metrics_port: MetricsPort = None, metrics_host: MetricsHost = "0.0.0.0",
-            log_format: LogFormat = "text",
+            log_format: LogFormat = "text", device: DeviceOpt = None,
             ) -> None:
     """A cluster's training loop (§3): H inner AdamW steps, push, verdict, pull; under
-    torchrun, DDP replicas or FSDP2 shards whose ranks are the stage workers."""
+    torchrun, DDP replicas, FSDP2 shards or pipeline stages whose ranks are the stage
+    workers."""
     from dips.algo.refusal import Refused
     from dips.node.cluster import run_cluster
     from dips.node.common import RoleError, credentials
@@ -60,7 +64,7 @@ def cluster(leader_addr: LeaderAddr,
         leader_addr, cluster_id, state_dir.resolve(),
         credentials(tls, insecure, Identity.cluster(cluster_id)) if rank == 0 else None, stop,
         cache_dir=cache_dir, stages=stages, metrics_port=metrics_port,
-        metrics_host=metrics_host),
+        metrics_host=metrics_host, device=device),
         (RoleError, OSError, ValueError, RuntimeError, Refused))
 
 

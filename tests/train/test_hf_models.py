@@ -15,6 +15,9 @@ from tests.emu.vt_helpers import ROOT, tiny
 pytestmark = pytest.mark.timeout(120)
 
 ARCHS = {
+    "llama": ({"model_type": "llama", "hidden_size": 32, "num_hidden_layers": 2,
+               "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 64,
+               "max_position_embeddings": 64}, "model.layers"),
     "gpt2": ({"model_type": "gpt2", "n_embd": 32, "n_layer": 2, "n_head": 4, "n_positions": 64},
              "transformer.h"),
     "gpt_neox": ({"model_type": "gpt_neox", "hidden_size": 32, "num_hidden_layers": 3,

@@ -179,7 +179,7 @@ def launch_baseline(spec: WorkerSpec, run_dir: Path, shaping: Shaping = "auto",
         TimeoutError: the processes were not ready within ``spec.startup_s``.
     """
     from dips.baselines.real_results import collect
-    from dips.train.corpus import load_tokens
+    from dips.train.datasource import load_data
 
     run_dir = Path(run_dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -188,8 +188,7 @@ def launch_baseline(spec: WorkerSpec, run_dir: Path, shaping: Shaping = "auto",
     for sub in ("ready", "clusters", "snapshots", "logs"):
         shutil.rmtree(run_dir / sub, ignore_errors=True)
     mode, why = resolve_shaping(shaping, spec.shaped)
-    d = spec.data
-    load_tokens(d.cache_dir, d.vocab_size, d.val_fraction, d.max_train_tokens)  # warm the cache once
+    load_data(spec.data)  # warm the cache once
     (run_dir / "secret").unlink(missing_ok=True)
     fd = os.open(run_dir / "secret", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # never world-readable
     with os.fdopen(fd, "w") as f:

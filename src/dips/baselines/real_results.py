@@ -37,11 +37,11 @@ class _Evaluator:
     def __init__(self, spec: WorkerSpec) -> None:
         import torch
 
-        from dips.train.corpus import load_tokens
+        from dips.train.datasource import load_data
         from dips.train.model import build_model
 
         d = spec.data
-        self.val = load_tokens(d.cache_dir, d.vocab_size, d.val_fraction, d.max_train_tokens).val
+        self.val = load_data(d).val
         self.model = build_model(spec.model, spec.seed)
         self.spec = spec
         torch.set_num_threads(2)

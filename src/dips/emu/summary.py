@@ -138,13 +138,12 @@ class HeldOut:
     def __init__(self, cfg: RunConfig, cache: Path) -> None:
         from transformers.utils import logging as hf_logging
 
-        from dips.train.corpus import load_tokens
+        from dips.train.datasource import load_data
         from dips.train.model import build_model
 
         hf_logging.disable_progress_bar()
         self.cfg, self.cache = cfg, cache
-        data = load_tokens(cache, cfg.data.vocab_size, cfg.data.val_fraction,
-                           cfg.data.max_train_tokens)
+        data = load_data(cfg.data, cache)
         self.val = data.val
         self.model = build_model(cfg.model, cfg.seed)
 
@@ -195,14 +194,14 @@ def export_model(cfg: RunConfig, cache: Path, source: Callable[[], tuple[list[An
     loss, None)``, or ``(None, error)`` when every try failed (nothing is written then). The
     tokenizer and data come from ``cache`` (built from the bundled corpora there if missing),
     before the first pull."""
-    from dips.train.corpus import load_tokenizer, to_hf_tokenizer
+    from dips.train.datasource import save_tokenizer
 
     held = HeldOut(cfg, cache)
     loss, _, error = held.pull_and_evaluate(source, key, attempts)
     if loss is None:
         return None, error
     held.model.save_pretrained(out_dir, safe_serialization=True)
-    to_hf_tokenizer(load_tokenizer(cache, cfg.data.vocab_size)).save_pretrained(out_dir)
+    save_tokenizer(cfg.data, cache, out_dir)
     return loss, None
 
 

@@ -25,7 +25,7 @@ import torch
 from dips.emu.result import CurvePoint, MethodResult
 from dips.emu.vclock import step_duration
 from dips.spec import ClusterConfig, Scenario
-from dips.train.corpus import load_tokens
+from dips.train.datasource import load_data
 from dips.train.loop import eval_loss
 from dips.train.model import build_model, check_built, param_count
 from dips.train.sampler import BatchSampler
@@ -125,8 +125,7 @@ class World:
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self._log = open(self.out_dir / "events.jsonl", "w")
-        data = load_tokens(s.data.cache_dir, s.data.vocab_size, s.data.val_fraction,
-                           s.data.max_train_tokens)
+        data = load_data(s.data)
         self.val = data.val
         ids = [c.id for c in s.clusters]
         self.clusters: list[VCluster] = []

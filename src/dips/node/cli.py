@@ -31,6 +31,10 @@ MetricsPort = Annotated[Optional[int], typer.Option(
     help="serve Prometheus metrics on this port (0: a free port, logged; default: none)")]
 MetricsHost = Annotated[str, typer.Option("--metrics-host",
                                           help="address the metrics endpoint binds")]
+DeviceOpt = Annotated[Optional[str], typer.Option(
+    "--device", help="cpu, cuda or cuda:N for the model and inner steps (under torchrun: "
+                     "cuda:LOCAL_RANK); default: the cluster config's device, else cuda when "
+                     "available")]
 LogFormat = Annotated[str, typer.Option(
     "--log-format", help="text, or json: one JSON object per line (time, level, logger, "
                          "message, extra fields)")]
@@ -140,7 +144,7 @@ def cluster(leader_addr: LeaderAddr,
             stages: Annotated[Optional[int], typer.Option(
                 "--stages", min=1, help="stage workers (default: the run config's)")] = None,
             metrics_port: MetricsPort = None, metrics_host: MetricsHost = "0.0.0.0",
-            log_format: LogFormat = "text",
+            log_format: LogFormat = "text", device: DeviceOpt = None,
             ) -> None:
     """A cluster's built-in training loop (§3): H inner AdamW steps, push, verdict, pull."""
     from dips.node.cluster import run_cluster
@@ -152,7 +156,7 @@ def cluster(leader_addr: LeaderAddr,
     _run("cluster", lambda: run_cluster(
         leader_addr, cluster_id, state_dir.resolve(),
         credentials(tls, insecure, Identity.cluster(cluster_id)), stop, cache_dir=cache_dir,
-        stages=stages, metrics_port=metrics_port, metrics_host=metrics_host),
+        stages=stages, metrics_port=metrics_port, metrics_host=metrics_host, device=device),
         (RoleError, OSError, ValueError, RuntimeError, Refused))  # refused for good
 
 

@@ -4,8 +4,12 @@ It asks the leader for the run spec, builds the model and its data from it (the 
 and token stream from the bundled corpora, cached in ``--cache-dir``), joins with its model's
 fingerprint (a model that differs from the run's is refused at join, naming the fields), and
 trains: inner AdamW steps, a push every H steps, the verdict, the pull, until the leader says
-the run finished (its token budget, outer-step or time limit; exit 0). Its state directory
-holds ``train.jsonl`` (a ``join`` record, then one line per inner step). A user's own
+the run finished (its token budget, outer-step or time limit; exit 0). The model and the
+inner step run on the cluster's device (``--device`` or ``ClusterConfig.device``; default
+cuda when available). Its state directory holds ``train.jsonl`` (a ``join`` record, a
+``resume`` record when it resumed a saved inner state, then one line per inner step) and
+``inner/``: the inner AdamW state and data position after the last pull
+(:mod:`dips.roles.cluster_state`; ``inner_checkpoint: false`` turns it off). A user's own
 training loop uses :class:`dips.roles.client.ClusterClient` with the same arguments.
 """
 
@@ -29,36 +33,41 @@ log = logging.getLogger(__name__)
 def run_cluster(leader_addr: str, cluster_id: str, state: Path, creds: Credentials | None,
                 stop: threading.Event, *, cache_dir: Path | None = None,
                 stages: int | None = None, metrics_port: int | None = None,
-                metrics_host: str = "0.0.0.0") -> int:
+                metrics_host: str = "0.0.0.0", device: str | None = None) -> int:
     """Train cluster ``cluster_id`` until ``stop``; returns the exit code. ``metrics_port``:
     serve Prometheus metrics there (:mod:`dips.node.metrics_members`; 0: a free port, logged;
-    None: none). Raises RoleError if it cannot start.
+    None: none). ``device``: cpu, cuda or cuda:N (None: the cluster config's). Raises
+    RoleError if it cannot start, ValueError for a device that is not available, and
+    InnerStateError (a ValueError) for a saved inner state it must not resume.
 
     Under torchrun with ``WORLD_SIZE > 1`` this process is one rank of a DDP cluster
     (:func:`dips.node.cluster_ddp.run_cluster_ranks`; its ranks are the stage workers, so
     ``stages`` is ignored; ``creds`` may be None on ranks other than 0)."""
     from dips.node.cluster_ddp import run_cluster_ranks, world_size
+    from dips.train.trainer import resolve_device
 
+    if device is not None:  # a device that cannot be used: refused before the leader is asked
+        resolve_device(device, int(os.environ.get("LOCAL_RANK", "0")) if world_size() > 1
+                       else None)
     if world_size() > 1:
         if stages is not None:
             log.info("cluster %s: --stages ignored: each rank is a stage worker", cluster_id)
         return run_cluster_ranks(leader_addr, cluster_id, state, creds, stop,
                                  cache_dir=cache_dir, metrics_port=metrics_port,
-                                 metrics_host=metrics_host)
+                                 metrics_host=metrics_host, device=device)
     if creds is None:
         raise RoleError("a cluster of one process needs its credentials")
     import torch
 
     from dips.roles.client import ClusterClient
     from dips.spec import ClusterConfig
-    from dips.train.corpus import load_tokenizer
+    from dips.train.datasource import load_vocab
     from dips.train.model import fingerprint_of, layer_namer
     from dips.train.trainer import build_trainer
 
     if creds.identity != Identity.cluster(cluster_id):
         raise RoleError(f"--cluster-id {cluster_id!r}, but the certificate is "
                         f"{creds.identity.name!r}")
-    torch.set_num_threads(1)
     StateDir(state).acquire()
     spec, _ = fetch_spec(leader_addr, creds, stop, 180.0)
     cfg = spec.config
@@ -66,9 +75,20 @@ def run_cluster(leader_addr: str, cluster_id: str, state: Path, creds: Credentia
     me = listed[0] if listed else ClusterConfig(id=cluster_id)  # added later (dips init --add-cluster)
     if stages is not None:
         me = me.model_copy(update={"stages": stages})
+    where = resolve_device(device or me.device)
+    if where.type == "cpu":
+        torch.set_num_threads(1)  # many emulated clusters share one host's cores
+    else:
+        torch.cuda.set_device(where)
     cache = (cache_dir or cfg.data.cache_dir).resolve()
-    trainer = build_trainer(cluster_id, cfg.model, cfg.data, cfg.inner, cfg.seed, cache_dir=cache)
-    fingerprint = fingerprint_of(trainer.model, load_tokenizer(cache, cfg.data.vocab_size).get_vocab())
+    trainer = build_trainer(cluster_id, cfg.model, cfg.data, cfg.inner, cfg.seed, cache_dir=cache,
+                            device=where)
+    log.info("cluster %s: model and inner steps on %s", cluster_id, where)
+    if len(trainer.batches.tokens) != spec.train_tokens:  # this host's copy of the data differs
+        raise RoleError(f"cluster {cluster_id}: its data ({cfg.data.format}, data.path "
+                        f"{cfg.data.path!r}) has {len(trainer.batches.tokens)} train tokens, "
+                        f"the run's {spec.train_tokens}")
+    fingerprint = fingerprint_of(trainer.model, load_vocab(cfg.data, cache))
     bucket = None
     # Application-level link shaping on loopback (emulation); in network namespaces the
     # kernel's tbf shapes the link, so no second limit here.
@@ -110,10 +130,14 @@ def _train(cluster_id: str, cfg: Any, me: Any, trainer: Any, client: Any, bucket
     """Join, train until the run ends or ``stop`` (``train.jsonl`` fed to ``observed``, the
     ClusterMetrics or None), close the client; returns the exit code."""
     from dips.emu.pacing import Pacer
-    from dips.train.dips_sync import DiPSSync
+    from dips.roles.cluster_state import InnerStateStore
+    from dips.train.dips_sync import DiPSSync, InnerStateSync
     from dips.train.run import TrainLog, run_loop
 
-    sync = DiPSSync(client)
+    sync: Any = DiPSSync(client)
+    if me.inner_checkpoint:
+        sync = InnerStateSync(sync, InnerStateStore(state / "inner", cluster_id, trainer.model,
+                                                    trainer.optimizer), trainer)
     # The leader may be restarting or waiting for followers: the join is retried.
     try:
         sync.join(stop, cfg.timeouts.startup_s)
@@ -128,6 +152,9 @@ def _train(cluster_id: str, cfg: Any, me: Any, trainer: Any, client: Any, bucket
             client.close()
             return 0
         raise
+    except ValueError:  # a saved inner state refused: nothing was asked of the leader
+        client.close(leave=False)
+        raise
     # Injected delay per inner step (§13 emulation): transient slowdowns are timed from the
     # launcher's training start when it publishes one (DIPS_TRAIN_START, one machine only).
     pacer = Pacer(me.slowdown, cfg.step_s, me.transient_tuples())
@@ -141,6 +168,8 @@ def _train(cluster_id: str, cfg: Any, me: Any, trainer: Any, client: Any, bucket
     out = TrainLog(state / "train.jsonl", stamp=time.time, delay=False,
                    observer=observed.observe if observed is not None else None)
     out.write({"event": "join", "version": client.version, "stages": client.stage_layers})
+    if getattr(sync, "resumed", None) is not None:
+        out.write(sync.resumed)
     try:
         run_loop(trainer, sync, stop, pacer, out, clock=lambda: time.time() - t_start)
     except BaseException:

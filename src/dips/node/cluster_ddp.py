@@ -1,16 +1,21 @@
-"""One rank of a cluster launched as a torchrun job: DDP replicas or FSDP2 shards (issue 14; §3, §5, §12).
+"""One rank of a cluster launched as a torchrun job: DDP replicas, FSDP2 shards or pipeline
+stages (issue 14; §3, §5, §12).
 
 ``torchrun --nproc-per-node N -m dips.cluster --leader HOST:PORT --cluster-id ID ...`` (or
 ``dips cluster`` under torchrun) runs this on every rank when ``WORLD_SIZE > 1``:
 
-1. ``init_process_group`` (torchrun's ``env://`` rendezvous; NCCL and ``cuda:LOCAL_RANK`` when
-   CUDA is available, else gloo on CPU), bounded by ``BOOT_TIMEOUT_S``;
+1. ``init_process_group`` (torchrun's ``env://`` rendezvous; ``cpu:gloo,cuda:nccl`` when CUDA
+   is available, else gloo), bounded by ``BOOT_TIMEOUT_S``; the rank's device is
+   ``cuda:LOCAL_RANK`` or ``cpu`` (``--device``, else the cluster config's ``device``, else
+   cuda when available);
 2. rank 0 checks its certificate, locks ``--state-dir``, fetches the run spec from the leader
    and broadcasts it (JSON); every rank builds the same model and its token data (local
    rank 0 first: it fills the node's cache);
 3. the ranks split the layers into blocks balanced by bytes (:func:`dips.roles.cluster_ranks.
    rank_blocks`), wrap their replica in DDP (``parallel: ddp``) or shard it with
    ``fully_shard`` per decoder block (``parallel: fsdp2``) and train (:mod:`dips.train.ddp`);
+   or (``parallel: pipeline``) rank r runs pipeline stage r and owns its layers
+   (:mod:`dips.train.pipeline`);
    rank 0 joins, heartbeats and syncs for the cluster, every rank pushes and pulls its own
    block;
 4. when the run finishes (or on SIGTERM/SIGINT on any rank) every rank leaves the loop at the
@@ -48,7 +53,8 @@ def world_size() -> int:
 
 def run_cluster_ranks(leader_addr: str, cluster_id: str, state: Path, creds: Credentials | None,
                       stop: threading.Event, *, cache_dir: Path | None = None,
-                      metrics_port: int | None = None, metrics_host: str = "0.0.0.0") -> int:
+                      metrics_port: int | None = None, metrics_host: str = "0.0.0.0",
+                      device: str | None = None) -> int:
     """Run this rank of cluster ``cluster_id`` (module docstring); returns the exit code.
 
     ``creds``: rank 0's credentials (other ranks never talk to the leader; may be None).
@@ -61,11 +67,12 @@ def run_cluster_ranks(leader_addr: str, cluster_id: str, state: Path, creds: Cre
     rank, world = int(os.environ["RANK"]), world_size()
     local = int(os.environ.get("LOCAL_RANK", "0"))
     cuda = torch.cuda.is_available()
-    device = torch.device(f"cuda:{local}" if cuda else "cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    torch.set_num_threads(1)
-    dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=BOOT_TIMEOUT_S))
+    if cuda and local < torch.cuda.device_count():  # issue 14 (device): the rank's GPU; the
+        torch.cuda.set_device(local)  # device itself (cuda or cpu) is chosen after the spec
+    # NCCL for CUDA tensors, gloo for host ones: the cluster's device (--device, else the
+    # cluster config's) is known only once the spec is fetched.
+    dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo",
+                            timeout=timedelta(seconds=BOOT_TIMEOUT_S))
     try:
         return _run(rank, world, local, device, leader_addr, cluster_id, state, creds, stop,
                     cache_dir, metrics_port, metrics_host)
@@ -95,9 +102,10 @@ def _no_buffer_sync(ddp: Any) -> dict[str, bool]:
     return {"broadcast_buffers": False}
 
 
-def _spec(ranks: Any, leader_addr: str, cluster_id: str, state: Path,
+def _spec(ranks: Any, leader_addr: str, cluster_id: str, state: Path | None,
           creds: Credentials | None, stop: threading.Event) -> Any:
-    """Rank 0 fetches the run spec and broadcasts it (or why it cannot start)."""
+    """Rank 0 locks ``state`` (unless None), fetches the run spec and broadcasts it (or why
+    it cannot start)."""
     from dips.spec import RunSpec
 
     if not ranks.lead:
@@ -111,7 +119,8 @@ def _spec(ranks: Any, leader_addr: str, cluster_id: str, state: Path,
         if creds is None or creds.identity != Identity.cluster(cluster_id):
             raise RoleError(f"--cluster-id {cluster_id!r}, but the certificate is "
                             f"{creds.identity.name if creds else None!r}")
-        StateDir(state).acquire()
+        if state is not None:
+            StateDir(state).acquire()
         spec, _ = fetch_spec(leader_addr, creds, stop, 180.0)
     except Stopped as exc:
         ranks.broadcast({"stopped": str(exc)})
@@ -123,9 +132,10 @@ def _spec(ranks: Any, leader_addr: str, cluster_id: str, state: Path,
     return spec
 
 
-def _run(rank: int, world: int, local: int, device: Any, leader_addr: str, cluster_id: str,
+def _run(rank: int, world: int, local: int, wanted: str | None, leader_addr: str, cluster_id: str,
          state: Path, creds: Credentials | None, stop: threading.Event,
          cache_dir: Path | None, metrics_port: int | None, metrics_host: str) -> int:
+    import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
@@ -136,12 +146,15 @@ def _run(rank: int, world: int, local: int, device: Any, leader_addr: str, clust
     from dips.train.ddp import RankSampler, RankTrainer
     from dips.train.loop import make_inner_optimizer
     from dips.train.model import layer_namer
-    from dips.train.trainer import build_trainer
+    from dips.train.trainer import build_trainer, resolve_device
 
-    boot = Ranks.control_group(rank, world, BOOT_TIMEOUT_S, device)
+    boot = Ranks.control_group(rank, world, BOOT_TIMEOUT_S, torch.device("cpu"))
     cfg = _spec(boot, leader_addr, cluster_id, state, creds, stop).config
     listed = [c for c in cfg.clusters if c.id == cluster_id]
     me = listed[0] if listed else ClusterConfig(id=cluster_id)
+    device = resolve_device(wanted or me.device, local)  # issue 14 (device)
+    if device.type == "cpu":
+        torch.set_num_threads(1)
     cache = (cache_dir or cfg.data.cache_dir).resolve()
     if local != 0:
         dist.barrier(group=boot.control)  # local rank 0 fills this node's cache first
@@ -150,11 +163,10 @@ def _run(rank: int, world: int, local: int, device: Any, leader_addr: str, clust
         dist.barrier(group=boot.control)
     fingerprint = ""
     if rank == 0:
-        from dips.train.corpus import load_tokenizer
+        from dips.train.datasource import load_vocab
         from dips.train.model import fingerprint_of
 
-        fingerprint = fingerprint_of(base.model, load_tokenizer(
-            cache, cfg.data.vocab_size).get_vocab()).to_json()
+        fingerprint = fingerprint_of(base.model, load_vocab(cfg.data, cache)).to_json()
     timeout_s = collective_timeout(me.collective_timeout_s, cfg.timeouts)
     ranks = Ranks.control_group(rank, world, timeout_s, device)
     model = base.model.to(device)
@@ -164,17 +176,27 @@ def _run(rank: int, world: int, local: int, device: Any, leader_addr: str, clust
 
         from dips.roles.layers import blocks_prefix
 
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(device.type, (world,))  # the cluster's device, not the default
         for block in model.get_submodule(blocks_prefix(model)):
-            fully_shard(block)
-        ddp = fully_shard(model)  # parameters become DTensors sharded over the ranks
-    else:
+            fully_shard(block, mesh=mesh)
+        ddp = fully_shard(model, mesh=mesh)  # parameters become DTensors sharded over the ranks
+    elif me.parallel == "ddp":
         ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda"
                                       else None, **_no_buffer_sync(DistributedDataParallel))
     layers = group_layers(model, layer_of)
-    blocks = rank_blocks([sum(p.numel() * 4 for _, p in ps) for _, ps in layers], world)
-    sampler = RankSampler(base.batches, rank, world)  # type: ignore[arg-type]
-    trainer = RankTrainer(cluster_id, model, ddp, make_inner_optimizer(
-        model, cfg.inner.lr, cfg.inner.weight_decay), sampler, cfg.inner.grad_clip, ranks)
+    if me.parallel == "pipeline":  # rank r is stage r and the stage worker of its layers
+        from dips.train.pipeline import pipeline_trainer
+
+        trainer, blocks = pipeline_trainer(cluster_id, model, layers, base.batches, cfg.inner,
+                                           ranks, me.microbatches)
+        sampler = trainer.batches
+    else:
+        blocks = rank_blocks([sum(p.numel() * 4 for _, p in ps) for _, ps in layers], world)
+        sampler = RankSampler(base.batches, rank, world)  # type: ignore[arg-type]
+        trainer = RankTrainer(cluster_id, model, ddp, make_inner_optimizer(
+            model, cfg.inner.lr, cfg.inner.weight_decay), sampler, cfg.inner.grad_clip, ranks)
     bucket = None
     if me.link is not None and cfg.network == "loopback":
         from dips.emu.link_schedule import ScheduledBucket
@@ -221,7 +243,17 @@ def _train(cfg: Any, me: Any, trainer: Any, ranks: Any, worker: Any, sampler: An
             observed = ClusterMetrics(CollectorRegistry())
             observed.attach(client)
             metrics = serve_metrics(observed.registry, metrics_port, metrics_host)
-    sync = RankSync(ranks, worker, sampler, DiPSSync(client) if client is not None else None)
+    sync: Any = RankSync(ranks, worker, sampler, DiPSSync(client) if client is not None else None)
+    if me.inner_checkpoint and me.parallel == "pipeline":
+        log.info("cluster %s: inner_checkpoint is not supported with parallel: pipeline yet; "
+                 "a restarted pipeline cluster starts its inner AdamW afresh", cluster_id)
+    elif me.inner_checkpoint:  # issue 14: the inner AdamW state across restarts (every rank)
+        from dips.roles.cluster_state import InnerStateStore
+        from dips.train.dips_sync import InnerStateSync
+
+        sync = InnerStateSync(sync, InnerStateStore(
+            state / "inner", cluster_id, trainer.model, trainer.optimizer, me.parallel,
+            ranks), trainer)
     try:
         if not sync.join(stop, cfg.timeouts.startup_s):
             log.info("cluster %s: nothing to do (the run finished or stopping)", cluster_id)
@@ -243,6 +275,8 @@ def _train(cfg: Any, me: Any, trainer: Any, ranks: Any, worker: Any, sampler: An
             out.write({"event": "join", "version": client.version, "ranks": ranks.world,
                        "stages": client.stage_layers,
                        "replicas": {"version": client.version, "checksums": worker.checksums}})
+            if getattr(sync, "resumed", None) is not None:
+                out.write(sync.resumed)  # issue 14: the inner state resumed
         try:
             run_loop(trainer, sync, stop, pacer, out, clock=lambda: time.time() - t_start)
         finally:

@@ -127,6 +127,7 @@ def run_follower(leader_addr: str, index: int, listen: str, advertise: str, data
     except zmq.ZMQError as exc:
         shard.close()  # its checkpoint writer thread must not outlive the failed start
         raise RoleError(f"--data-listen {data_listen}: cannot bind ({exc})") from None
+    shard.push_connections = data.push_connections  # recorded in applied.jsonl
     if data_ipc is not None:  # a local reader outside the servers' network namespace
         data.bind(f"ipc://{data_ipc}")
     data.start()

@@ -2,7 +2,11 @@
 
 A :class:`StageWorker` owns a contiguous block of layers and one ZeroMQ connection per
 follower; it pushes its layers as BF16 (or FP32) in the order of the leader's §10 schedule and pulls
-them back, checking that every tensor carries the requested version. The cluster's control
+them back, checking that every tensor carries the requested version. Parameters may live
+on a GPU: a push narrows each one to the wire dtype on its device and copies it, without
+blocking, into pinned host buffers (:func:`host_buffer`); a pull lands in those buffers and
+each tensor goes back to its parameter's device before it is widened there
+(:class:`DeviceLanding`). The cluster's control
 logic (join, sync, heartbeats, backoff, data leases) is :class:`dips.roles.client.ClusterClient`;
 :func:`fetch_global_model` reads the global model for evaluation and export.
 """
@@ -11,6 +15,7 @@ from __future__ import annotations
 
 import threading
 from collections import defaultdict, deque
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -24,6 +29,39 @@ from dips.wire.pb import control_pb2 as pb
 from dips.wire.frames import DTYPES
 from dips.wire.seal import TAG_BYTES
 from dips.wire.stream import DEFAULT_CHUNK_BYTES
+
+
+def host_buffer(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised host tensor of ``shape`` and ``dtype``: page-locked (pinned) when CUDA
+    is available, so device copies into and out of it run as DMA without blocking the host
+    (the torch ``pin_memory`` allocator); plain host memory otherwise."""
+    return torch.empty(shape, dtype=dtype, pin_memory=torch.cuda.is_available())
+
+
+class DeviceLanding(Mapping):
+    """A pull's tensors (name -> host tensor in the wire dtype) as each parameter's device
+    sees them: reading ``landing[name]`` copies that tensor to ``devices[name]`` (still in the
+    wire dtype, one tensor at a time, so at most one extra tensor lives on the device) and
+    ``param.copy_(landing[name])`` then widens it on the device; a host parameter gets the
+    host tensor itself. The host tensors stay valid until the stage worker's next push or
+    pull (its reused buffers)."""
+
+    def __init__(self, host: dict[str, torch.Tensor], devices: dict[str, torch.device]) -> None:
+        self.host, self.devices = host, devices
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        t = self.host[name]
+        device = self.devices.get(name)
+        if device is None or device.type == "cpu":
+            return t
+        # Blocking: the host buffer is rewritten by the next pull from the socket.
+        return t.to(device)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.host)
+
+    def __len__(self) -> int:
+        return len(self.host)
 
 
 @dataclass
@@ -135,13 +173,33 @@ class StageWorker:
     def _buffer(self, name: str, p: torch.Tensor) -> torch.Tensor:
         buf = self._wire.get(name)
         if buf is None:  # touched once, then reused by every push and pull
-            buf = self._wire[name] = torch.empty(p.shape, dtype=DTYPES[self.dtype])
+            buf = self._wire[name] = host_buffer(tuple(p.shape), DTYPES[self.dtype])
         return buf
 
     def _image(self, layer: str) -> list[tuple[str, torch.Tensor]]:
-        """This layer's parameters in the wire dtype, in the worker's reused buffers."""
+        """This layer's parameters in the wire dtype, in the worker's reused host buffers.
+
+        A device parameter is narrowed on its device, copied into its pinned buffer without
+        blocking, and the device's stream is waited for once per layer, before the buffers
+        are handed to the socket."""
+        out, devices = [], set()
         with torch.no_grad():
-            return [(n, self._buffer(n, p).copy_(p.detach())) for n, p in self.layers[layer]]
+            for n, p in self.layers[layer]:
+                src, buf = p.detach(), self._buffer(n, p)
+                if src.device.type == "cpu":
+                    buf.copy_(src)
+                else:
+                    buf.copy_(src.to(buf.dtype), non_blocking=True)
+                    devices.add(src.device)
+                out.append((n, buf))
+        for device in devices:
+            torch.cuda.current_stream(device).synchronize()
+        return out
+
+    def _devices(self, names: Any) -> dict[str, torch.device]:
+        """Where each parameter of ``names`` lives (a pull lands there)."""
+        wanted = set(names)
+        return {n: p.device for ps in self.layers.values() for n, p in ps if n in wanted}
 
     def push(self, cluster_id: str, rnd: int, push_id: str, transfers: list[tuple],
              tokens: int | None = None, stage: bool = False,
@@ -171,7 +229,8 @@ class StageWorker:
         self.acked_bytes = 0
         if self.mode == "single":
             for layer, follower, *_ in transfers:
-                tensors = [(n, p.detach().to(DTYPES[self.dtype])) for n, p in self.layers[layer]]
+                tensors = [(n, p.detach().to(DTYPES[self.dtype]).cpu())
+                           for n, p in self.layers[layer]]
                 self._clients[follower].request({**head, "layer": layer}, tensors)
             return
         flight: deque[tuple[int, Any, int]] = deque()
@@ -211,10 +270,12 @@ class StageWorker:
                 _LINKS.release(push_id, f)
             raise
 
-    def pull(self, version: int, owner: dict[str, int], dtype: str | None = None) -> dict[str, torch.Tensor]:
-        """Fetch this stage's layers at ``version``; returns name -> tensor (all or raise).
+    def pull(self, version: int, owner: dict[str, int],
+             dtype: str | None = None) -> Mapping[str, torch.Tensor]:
+        """Fetch this stage's layers at ``version``; returns name -> tensor (all or raise),
+        a :class:`DeviceLanding`: each tensor read from it is on its parameter's device.
 
-        ``dtype`` is the wire dtype: None, the worker's own (the returned tensors are its
+        ``dtype`` is the wire dtype: None, the worker's own (the host tensors are its
         reused buffers, valid until its next push or pull), or "fp32" (exact export).
         """
         dtype = dtype or self.dtype
@@ -232,7 +293,7 @@ class StageWorker:
                 if dtype == self.dtype:
                     tensors = {n: self._buffer(n, p) for n, p in params}
                 else:
-                    tensors = {n: torch.empty(p.shape, dtype=torch.float32) for n, p in params}
+                    tensors = {n: host_buffer(tuple(p.shape), torch.float32) for n, p in params}
                 got = self._clients[f].pull(head, list(tensors.items()), self.chunk_bytes).get("version")
             if got != version:
                 raise ValueError(f"follower {f} sent version {got}, expected {version}")
@@ -241,7 +302,7 @@ class StageWorker:
             for n, p in params:
                 if n not in out or tuple(out[n].shape) != tuple(p.shape):
                     raise ValueError(f"pull of version {version}: tensor {n!r} missing or mis-shaped")
-        return out
+        return DeviceLanding(out, self._devices(out))
 
     def close(self) -> None:
         for c in self._clients.values():

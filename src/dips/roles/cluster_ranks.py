@@ -3,6 +3,9 @@
 A cluster launched by torchrun as ``world`` DDP replicas splits its layers among its ranks as
 it splits them among stage workers in one process: contiguous blocks balanced by bytes
 (:func:`rank_blocks`; at most one block per layer, so ranks ``>= len(blocks)`` own none).
+As pipeline stages (``parallel: pipeline``) rank r owns the layers of its stage instead
+(:func:`dips.train.pipeline.stage_blocks`: the first stage has the embedding, the last the
+final norm and head); everything below is the same.
 Rank 0 runs the cluster's :class:`dips.roles.client.ClusterClient` logic
 (:class:`RankLeadClient`: join, heartbeats, leases, push requests, verdicts); wherever that
 logic would move tensors it broadcasts a command on the control group and every rank executes
@@ -79,7 +82,8 @@ class RankWorker:
     Args:
         ranks: this rank's :class:`~dips.roles.rank_comm.Ranks`.
         layers: the replica's layers in model order (:func:`dips.roles.layers.group_layers`).
-        blocks: :func:`rank_blocks` of those layers (the same on every rank).
+        blocks: :func:`rank_blocks` of those layers, or the pipeline's stages
+            (:func:`dips.train.pipeline.stage_blocks`); the same on every rank.
         limiter: called with each data-plane message's bytes (link shaping) or None.
         wire_dtype: "bf16" or "fp32". stop: this process's stop request (gives a transfer up).
         verify: compare the replicas' checksums after every pull.
@@ -89,6 +93,7 @@ class RankWorker:
                  limiter: Callable[[int], Any] | None = None, wire_dtype: str = "bf16",
                  stop: threading.Event | None = None, verify: bool = True) -> None:
         self.ranks = ranks
+        self.ranges = list(blocks)
         self.blocks = [[layers[i] for i in r] for r in blocks]
         own = dict(self.blocks[ranks.rank]) if ranks.rank < len(blocks) else {}
         #: FSDP2: the parameters are DTensors sharded over the ranks; the owner of a block
@@ -295,6 +300,7 @@ class RankLeadClient(ClusterClient):
         self.worker = worker
         self.last_ranks: list[dict] = []
         super().__init__(model, leader, cluster_id, creds, **kwargs)
+        self._stage_ranges = list(worker.ranges)  # the ranks' blocks (pipeline: its stages)
 
     def _limit(self, kind: str, cap_s: float) -> float:
         """A transfer's deadline (seconds): the measured one, never within MARGIN_S of the

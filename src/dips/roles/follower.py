@@ -162,6 +162,9 @@ class FollowerShard(DataPlaneSide):
         self._spare.refresh(version, self.params, self.momenta)
         self._lock = threading.RLock()
         self._log = (log_dir / "applied.jsonl") if log_dir else None
+        #: ``(cluster, round) -> connections that pushed`` (the data server's
+        #: ``push_connections``); when set, each applied record carries ``connections``.
+        self.push_connections: Callable[[str, int], int] | None = None
         # A restarted follower keeps refusing pushes of the rounds it applied before.
         self._admission = Admission(require_tickets, closed=last_round(self._log),
                                     state_dir=log_dir)
@@ -323,9 +326,13 @@ class FollowerShard(DataPlaneSide):
             self.version, self.checksum = new_version, prep.checksum
             self._prepared = None
             self._drop(prep.round)
-            self._record({"version": self.version, "round": prep.round,
-                          "accepted": prep.accepted, "weights": prep.weights,
-                          "clip_factor": prep.clip_factor, "checksum": prep.checksum})
+            rec = {"version": self.version, "round": prep.round, "accepted": prep.accepted,
+                   "weights": prep.weights, "clip_factor": prep.clip_factor,
+                   "checksum": prep.checksum}
+            if self.push_connections is not None:  # per accepted cluster (§5: its stages)
+                rec["connections"] = {c: self.push_connections(c, prep.round)
+                                      for c in prep.accepted}
+            self._record(rec)
             if self._writer is not None:
                 # No copy: the committed tensors are not modified until they are recycled as
                 # spare buffers, which the next commit does only once this write is durable.

@@ -87,7 +87,8 @@ class LinkConfig(Strict):
 
 
 class ClusterConfig(Strict):
-    """One cluster: identity, compute slowdown, stage workers, transients, link."""
+    """One cluster: identity, compute slowdown, stage workers, transients, link, in-cluster
+    parallelism, device, and whether its inner optimizer state is checkpointed."""
 
     id: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$",
                     description="cluster name (letters, digits, _ . -)")
@@ -100,18 +101,33 @@ class ClusterConfig(Strict):
                                                    "with slowdown")
     link: LinkConfig | None = Field(None, description="the cross-cluster link; None: unshaped "
                                                       "(real time)")
-    parallel: Literal["ddp", "fsdp2"] = Field(
+    parallel: Literal["ddp", "fsdp2", "pipeline"] = Field(
         "ddp", description="how the ranks of a multi-rank cluster (launched by torchrun, "
                            "WORLD_SIZE > 1) train, each rank a stage worker: ddp = one "
                            "replica per rank, gradients all-reduced each inner step; fsdp2 = "
                            "parameters sharded over the ranks (fully_shard per decoder block), "
-                           "a block's owner materialises it to push and after a pull (issue "
-                           "14; one process when WORLD_SIZE is 1 or unset)")
+                           "a block's owner materialises it to push and after a pull; "
+                           "pipeline = rank r is pipeline stage r (torch.distributed."
+                           "pipelining, GPipe over `microbatches`) and pushes and pulls its "
+                           "own layers (issue 14; one process when WORLD_SIZE is 1 or unset)")
+    microbatches: int | None = Field(
+        None, ge=1, description="parallel: pipeline: GPipe microbatches per inner step (at "
+                                "most inner.batch_size); None: one per stage (WORLD_SIZE)")
     collective_timeout_s: float = Field(
         1800.0, gt=0, allow_inf_nan=False,
         description="longest wait of one in-cluster collective (torch.distributed), seconds: "
                     "ranks wait this long for rank 0's talk with the leader (raised to at "
                     "least timeouts.startup_s + 60 and 2 × timeouts.push_s + 60 at start)")
+
+    device: str | None = Field(
+        None, pattern=r"^(cpu|cuda(:[0-9]+)?)$",
+        description="where the model and the inner step run: cpu, cuda or cuda:N (under "
+                    "torchrun every cuda rank uses cuda:LOCAL_RANK); None: cuda when "
+                    "available, else cpu. `--device` of the cluster command overrides it")
+    inner_checkpoint: bool = Field(
+        True, description="after every pull, save the inner AdamW state and the data "
+                          "position in the cluster's --state-dir (inner/), and resume them "
+                          "when the cluster restarts (issue 14)")
 
     def slowdown_at(self, t: float) -> float:
         """Compute slowdown (>= 1) at ``t`` seconds: ``slowdown`` × every active transient."""

@@ -29,7 +29,9 @@ __all__ = ["DataConfig", "InnerConfig", "ModelConfig", "OuterConfig", "PenaltyCo
 
 
 class ModelConfig(Strict):
-    """Size of a decoder-only LM (§13 architectures, scaled down); validated, extra keys forbidden.
+    """Size of a decoder-only LM (§13 architectures, scaled down), an HF config of another
+    architecture, or a user's pretrained model directory (issue 14); validated, extra keys
+    forbidden.
 
     Defaults give 1,250,432 parameters (LLaMA) / 1,250,688 (Qwen3) at vocab 4096.
     Raises ``pydantic.ValidationError`` (a ValueError) naming the field and value on bad input,
@@ -41,7 +43,15 @@ class ModelConfig(Strict):
     arch: Literal["llama", "qwen3", "hf"] = Field(
         "llama", description="llama: HF LlamaForCausalLM; qwen3: Qwen3ForCausalLM (adds per-head "
                              "q/k RMSNorm), both from the sizes below; hf: any "
-                             "AutoModelForCausalLM from hf_config (issue 14)")
+                             "AutoModelForCausalLM from hf_config or pretrained (issue 14; "
+                             "the default when pretrained is given)")
+    pretrained: Path | None = Field(
+        None, description="arch hf: a local directory of an AutoModelForCausalLM "
+                          "(save_pretrained: config.json + *.safetensors), loaded offline with "
+                          "from_pretrained as version 0 of the global model; every host that "
+                          "builds the model (preparing leader, followers without --init, "
+                          "clusters) needs it at this path; vocab_size below must equal its "
+                          "config's")
     hf_config: dict[str, Any] | None = Field(
         None, description="arch hf: the transformers config as a mapping with its "
                           "'model_type' (e.g. {model_type: gpt2, n_embd: 64, n_layer: 2, "
@@ -65,9 +75,24 @@ class ModelConfig(Strict):
     tie_embeddings: bool = Field(True, description="share the input embedding and the LM head")
     rope_theta: float = Field(10000.0, gt=0, description="RoPE base (dimensionless)")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _pretrained_is_hf(cls, data: Any) -> Any:
+        # ``model: {pretrained: PATH}`` alone means arch hf: the directory holds the config.
+        if isinstance(data, dict) and data.get("pretrained") is not None and "arch" not in data:
+            data = {**data, "arch": "hf"}
+        return data
+
     @model_validator(mode="after")
     def _check_heads(self) -> "ModelConfig":
-        if self.arch == "hf":
+        if self.pretrained is not None:
+            if self.arch != "hf":
+                raise ValueError(f"model.pretrained = {str(self.pretrained)!r} is for arch hf, "
+                                 f"not arch {self.arch!r}")
+            if self.hf_config is not None:
+                raise ValueError("model.pretrained and model.hf_config exclude each other (the "
+                                 f"directory {str(self.pretrained)!r} holds the config)")
+        elif self.arch == "hf":
             kind = (self.hf_config or {}).get("model_type")
             if not isinstance(kind, str) or not kind:
                 raise ValueError(f"model.hf_config must name its model_type (arch hf), got "
@@ -103,17 +128,56 @@ class ModelConfig(Strict):
 
 
 class DataConfig(Strict):
-    """Tokenizer, token stream and data chunks (§12: many more chunks than clusters)."""
+    """Tokenizer, token stream and data chunks (§12: many more chunks than clusters).
 
-    vocab_size: int = Field(4096, ge=256, le=65535,
-                            description="BPE vocabulary of the tokenizer (token ids)")
+    ``format`` names where the tokens come from (issue 14: bring your own data):
+
+    * ``bundled`` (default, the demo): the two bundled corpora and a byte-level BPE of
+      ``vocab_size`` trained on them (:mod:`dips.train.corpus`);
+    * ``text`` / ``json`` / ``parquet``: local files read by HF ``datasets`` (text: documents
+      split as ``sample_by`` says; json: JSON lines; the ``text_field`` column of each record),
+      tokenised once with ``AutoTokenizer.from_pretrained(tokenizer)`` into a ``numpy.memmap``
+      cache (:mod:`dips.train.tokenize_files`);
+    * ``tokens``: pre-tokenised ids, the nanoGPT layout: ``path``/train.bin and
+      ``path``/val.bin, flat arrays of ``token_dtype`` (:mod:`dips.train.datasource`).
+
+    Raises ``pydantic.ValidationError`` (a ValueError) naming the field and value.
+    """
+
+    format: Literal["bundled", "text", "json", "parquet", "tokens"] = Field(
+        "bundled", description="bundled: the demo corpora; text|json|parquet: local files "
+                               "through HF datasets and a tokenizer directory; tokens: "
+                               "pre-tokenised train.bin/val.bin (numpy.memmap)")
+    path: str | None = Field(
+        None, description="text|json|parquet: a local file, a directory (its files of that "
+                          "format, sorted) or a glob pattern; tokens: the directory holding "
+                          "train.bin and val.bin. Every host that trains (or prepares) reads "
+                          "it at this path")
+    tokenizer: Path | None = Field(
+        None, description="a local directory for transformers.AutoTokenizer.from_pretrained "
+                          "(required for text|json|parquet; for tokens optional: its "
+                          "vocabulary then goes into the model fingerprint and the export)")
+    text_field: str = Field("text", min_length=1,
+                            description="json|parquet: the column holding each document's text")
+    sample_by: Literal["paragraph", "line", "document"] = Field(
+        "paragraph", description="text: what one document is (datasets' text builder); "
+                                 "document reads a whole file at once")
+    token_dtype: Literal["uint16", "uint32"] = Field(
+        "uint16", description="tokens: the dtype of train.bin/val.bin (uint16 holds ids < 65536)")
+    vocab_size: int = Field(4096, ge=256, le=2**31 - 1,
+                            description="token ids (tokens): bundled: the BPE's vocabulary; "
+                                        "otherwise the model's embedding rows, which every id "
+                                        "of the data (and the tokenizer) must be below")
     num_chunks: int = Field(64, ge=1, description="chunks the training stream is cut into; "
                                                   "each is leased to one cluster at a time")
     val_fraction: float = Field(0.02, gt=0, lt=0.5,
-                                description="held-out fraction of every document (validation)")
+                                description="held-out fraction of every document (validation); "
+                                            "tokens: val.bin is the held-out split")
     max_train_tokens: int | None = Field(None, ge=1024, description="cap on training tokens "
                                                                     "(tokens); None: all")
-    cache_dir: Path = Field(Path(".cache/dips"), description="tokenizer and encoded-corpus cache")
+    cache_dir: Path = Field(Path(".cache/dips"), description="tokenizer and encoded-corpus cache "
+                                                             "(text|json|parquet: the memmap "
+                                                             "of their tokens)")
     lease_ahead: int = Field(2, ge=1, description="unfinished chunks a cluster holds at a time "
                                                   "(the leader's data ledger, dips launch)")
     lease_timeout_s: float | None = Field(
@@ -123,6 +187,24 @@ class DataConfig(Strict):
                     "lease without progress must not keep the epoch from ending); a floor: a "
                     "member also keeps them for 3 of its own intervals between accepted pushes; "
                     "None: never reassigned")
+
+    @model_validator(mode="after")
+    def _check_source(self) -> "DataConfig":
+        if self.format == "bundled":
+            for name in ("path", "tokenizer"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"data.{name} = {str(getattr(self, name))!r} needs a data."
+                                     "format other than bundled (text, json, parquet, tokens)")
+            return self
+        if self.path is None:
+            raise ValueError(f"data.format = {self.format!r} needs data.path")
+        if self.format != "tokens" and self.tokenizer is None:
+            raise ValueError(f"data.format = {self.format!r} needs data.tokenizer (a local "
+                             "directory for AutoTokenizer.from_pretrained)")
+        if self.format == "tokens" and self.token_dtype == "uint16" and self.vocab_size > 65536:
+            raise ValueError(f"data.vocab_size = {self.vocab_size} does not fit data.token_dtype "
+                             "= 'uint16' (ids < 65536): use uint32")
+        return self
 
 
 class InnerConfig(Strict):

@@ -15,7 +15,9 @@ Caches are plain files (no pickle): ``tokenizer-v{V}.json`` (HF ``tokenizers`` J
 unique temporary file in the same folder followed by ``os.replace``, so concurrent processes never
 see a half-written cache; BPE training is deterministic, so racing writers write identical files.
 
-Chunking and batch sampling live in :mod:`dips.train.sampler` and are re-exported here.
+Chunking and batch sampling live in :mod:`dips.train.sampler` and are re-exported here.  A
+user's own data (issue 14: local files with their tokenizer, or pre-tokenised ids) is served by
+:mod:`dips.train.datasource`, which falls back to this module for ``data.format: bundled``.
 """
 
 from __future__ import annotations
@@ -205,9 +207,11 @@ class TokenData:
 
     Attributes:
         train: 1-D token ids (uint16 when vocab_size < 65536, else uint32), documents'
-            heads, each followed by the end-of-text id.
+            heads, each followed by the end-of-text id; for a user's data
+            (:mod:`dips.train.datasource`) a read-only ``numpy.memmap``, read lazily.
         val: 1-D token ids, same dtype: documents' tails, each followed by end-of-text.
-        vocab_size: number of token ids of the tokenizer (tokens).
+        vocab_size: number of token ids of the tokenizer (tokens); for a user's data the
+            run's ``data.vocab_size`` (the model's vocabulary).
     """
 
     train: np.ndarray

@@ -7,6 +7,10 @@ pulls once H inner steps have passed since the last sync (and any retry backoff 
 outcome goes into that step's ``train.jsonl`` record as ``push``.  When the leased chunks are
 used up it leases more (:meth:`~dips.roles.client.ClusterClient.maintain`); faults stay local:
 training goes on with the local model while the leader or a follower is unreachable.
+
+:class:`InnerStateSync` wraps a cluster's sync (this one, or a torchrun cluster's
+:class:`dips.train.ddp.RankSync`) to checkpoint its inner AdamW state and data position
+after every pull and resume them before the join (issue 14; :mod:`dips.roles.cluster_state`).
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from dips.wire.control import describe, refusal_of
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DiPSSync", "push_record"]
+__all__ = ["DiPSSync", "InnerStateSync", "data_position", "push_record"]
 
 
 def push_record(res: SyncResult) -> dict[str, Any]:
@@ -105,3 +109,82 @@ class DiPSSync:
             if batches.available() == 0:  # type: ignore[attr-defined]
                 stop.wait(0.5)
         return {} if res is None else {"push": push_record(res)}
+
+
+def data_position(batches: Any) -> dict[str, Any]:
+    """A ledger-aware batch source's position (JSON): ``held`` [[chunk, window position]]
+    and ``drain``."""
+    return {"held": sorted([int(c), int(p)] for c, p in batches.positions().items()),
+            "drain": bool(getattr(batches, "drain", False))}
+
+
+class InnerStateSync:
+    """A sync (:class:`DiPSSync`, or a multi-rank cluster's
+    :class:`dips.train.ddp.RankSync`) whose cluster checkpoints its inner optimizer
+    (:class:`dips.roles.cluster_state.InnerStateStore`, issue 14):
+
+    * :meth:`join` first loads the saved state (refusing a corrupt or foreign one before
+      anything is asked of the leader: InnerStateError), then joins; the join takes the
+      data position from the leader's ledger, and :attr:`resumed` compares it with the
+      saved hint (``kept``: chunks leased again at the saved position; ``refused``: chunks
+      the ledger gave elsewhere or at another position — the ledger wins);
+    * after every step whose sync pulled (``push.ok``: the local model is then one global
+      version and the data position the ledger's accepted one) it saves the state, the
+      position and the trainer's counters for that version. A save that fails is logged
+      and reported in the step's record (``inner_state``); training goes on.
+
+    Every rank of a multi-rank cluster calls it alike (the store's collectives).
+    """
+
+    def __init__(self, inner: Any, store: Any, trainer: ClusterTrainer) -> None:
+        self.inner, self.store, self.trainer = inner, store, trainer
+        self.grad_hook = inner.grad_hook
+        #: The ``resume`` record after a join that loaded a saved state (else None).
+        self.resumed: dict[str, Any] | None = None
+
+    def join(self, stop: threading.Event, timeout_s: float) -> Any:
+        meta = self.store.load()
+        digests = self.store.digests() if meta is not None else None
+        if meta is not None:
+            counters = meta.get("counters") or {}
+            self.trainer.steps = int(counters.get("steps", self.trainer.steps))
+            self.trainer.tokens = int(counters.get("tokens", self.trainer.tokens))
+        joined = self.inner.join(stop, timeout_s)
+        if meta is not None and joined is not False:
+            hint = {int(c): int(p) for c, p in (meta.get("data") or {}).get("held", [])}
+            leased = self.trainer.batches.positions()
+            self.resumed = {
+                "event": "resume", "version": meta["version"], "saved_step": meta["step"],
+                "steps": self.trainer.steps, "digest": digests[0], "ranks": digests,
+                "data": {"hint": sorted([c, p] for c, p in hint.items()),
+                         "leased": sorted([int(c), int(p)] for c, p in leased.items()),
+                         "kept": sorted(c for c in hint if leased.get(c) == hint[c]),
+                         "refused": sorted(c for c in hint if leased.get(c) != hint[c])}}
+            log.info("cluster: inner AdamW state of version %s resumed (step %s); data: "
+                     "chunks %s kept, %s given elsewhere by the ledger", meta["version"],
+                     meta["step"], self.resumed["data"]["kept"], self.resumed["data"]["refused"])
+        return joined
+
+    def before_step(self, trainer: ClusterTrainer, stop: threading.Event) -> bool:
+        return self.inner.before_step(trainer, stop)
+
+    def after_step(self, trainer: ClusterTrainer, result: StepResult,
+                   stop: threading.Event) -> dict[str, Any]:
+        return self._saved(trainer, self.inner.after_step(trainer, result, stop))
+
+    def starved(self, trainer: ClusterTrainer, stop: threading.Event) -> dict[str, Any]:
+        return self._saved(trainer, self.inner.starved(trainer, stop))
+
+    def _saved(self, trainer: ClusterTrainer, fields: dict[str, Any] | None) -> dict[str, Any]:
+        push = (fields or {}).get("push")
+        if not push or not push.get("ok"):
+            return fields or {}
+        try:
+            path = self.store.save(int(push["version"]), data_position(trainer.batches),
+                                   {"steps": trainer.steps, "tokens": trainer.tokens})
+            if path is not None:
+                fields["inner_state"] = {"version": int(push["version"]), "path": path.name}
+        except (OSError, RuntimeError, ValueError) as exc:
+            log.warning("cluster: inner state of version %s not saved: %s", push["version"], exc)
+            fields["inner_state"] = {"version": int(push["version"]), "error": str(exc)}
+        return fields

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 __all__ = ["backward_loss", "check_grad_clip", "eval_loss", "eval_windows", "inner_step",
-           "make_inner_optimizer", "optimizer_step"]
+           "make_inner_optimizer", "model_device", "optimizer_step"]
 
 
 def make_inner_optimizer(
@@ -27,8 +27,9 @@ def make_inner_optimizer(
     """AdamW over ``model``'s parameters for inner steps (§13: inner optimizer is AdamW).
 
     Two parameter groups: matrices (``dim >= 2``, embeddings included) get ``weight_decay``;
-    vectors (RMSNorm gains, biases) get none.  Uses ``fused=True`` (PyTorch's fused CPU kernel);
-    falls back to ``foreach=True`` if the fused kernel is rejected for this device/dtype.
+    vectors (RMSNorm gains, biases) get none.  Uses ``fused=True`` (PyTorch's fused kernel, on
+    CPU and CUDA alike: build the optimizer after the model moved to its device); falls back
+    to ``foreach=True`` if the fused kernel is rejected for this device/dtype.
 
     Args:
         model: the module to optimize (FP32 parameters).
@@ -79,9 +80,18 @@ def _check_tokens(model: torch.nn.Module, batch: torch.Tensor, name: str) -> Non
         raise ValueError(f"{name} holds token ids in [{lo}, {hi}], outside [0, {cfg.vocab_size})")
 
 
+def model_device(model: torch.nn.Module) -> torch.device:
+    """The device of ``model``'s first parameter (a DTensor's local device under FSDP2);
+    ``cpu`` for a model without parameters."""
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
 def _next_token_loss(model: torch.nn.Module, batch: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
-    """Cross-entropy (nats) of predicting ``batch[:, 1:]`` from ``batch[:, :-1]``."""
-    batch = batch.to(torch.long)
+    """Cross-entropy (nats) of predicting ``batch[:, 1:]`` from ``batch[:, :-1]``; the batch
+    (host or device, any integer dtype) moves to the model's device as int64 first."""
+    batch = batch.to(device=model_device(model), dtype=torch.long, non_blocking=True)
     logits = model(input_ids=batch[:, :-1], use_cache=False).logits
     return F.cross_entropy(
         logits.reshape(-1, logits.shape[-1]).float(), batch[:, 1:].reshape(-1), reduction=reduction
@@ -98,7 +108,8 @@ def backward_loss(model: torch.nn.Module, batch: torch.Tensor, divide_by: int = 
 
     Args:
         model: a model from :func:`dips.train.model.build_model`.
-        batch: integer tensor (B, T+1) of token ids, T <= max_seq_len, ids in [0, vocab_size).
+        batch: integer tensor (B, T+1) of token ids, T <= max_seq_len, ids in [0, vocab_size);
+            checked where it is (a host batch on the host), then moved to the model's device.
         divide_by: the loss is divided by this before backward (1: not divided at all).
 
     Returns:

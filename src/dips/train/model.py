@@ -4,10 +4,14 @@ Source: §13 of the seed (Real and Emu-S train LLaMA3.2-1B, Emu-L trains Qwen3-1
 HF ``transformers`` architectures (``LlamaForCausalLM``, ``Qwen3ForCausalLM``) are built from
 small configs (≈ 1.3 M parameters by default) so that a CPU can run several clusters.  The
 per-layer table (:mod:`dips.roles.layers`) is the unit that stage workers own and that the PS
-shards across followers (§5, §10).  No weights are ever downloaded: models are built from a config and a seed.
+shards across followers (§5, §10).  No weights are ever downloaded: models are built from a
+config and a seed, or (issue 14, ``model: {pretrained: PATH}``) loaded from a local directory
+with ``from_pretrained(PATH, local_files_only=True)``.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import torch
 
@@ -55,6 +59,10 @@ def build_model(cfg: ModelConfig, seed: int):
     or with ``arch: hf`` any ``AutoModelForCausalLM`` of ``cfg.hf_config`` (issue 14: GPT-2,
     GPT-NeoX, ...; its vocabulary set to ``cfg.vocab_size``).
 
+    With ``cfg.pretrained`` (a local directory written by ``save_pretrained``) the model is
+    ``AutoModelForCausalLM.from_pretrained`` of it, offline, in FP32: its weights, not ``seed``,
+    are version 0 of the global model, so every process that builds it gets the same θ.
+
     Initialisation is the library's own (normal std 0.02 for matrices, ones for RMSNorm) under
     ``torch.manual_seed(seed)`` inside ``torch.random.fork_rng``, so every process gets
     bit-identical weights for the same ``(cfg, seed)`` and the caller's global RNG state is
@@ -70,7 +78,9 @@ def build_model(cfg: ModelConfig, seed: int):
 
     Raises:
         ValueError: ``cfg`` invalid (pydantic.ValidationError), an ``hf_config`` transformers
-            refuses, or ``seed`` not a non-negative int.
+            refuses, ``seed`` not a non-negative int, a ``pretrained`` directory that cannot be
+            loaded, or whose vocabulary (embedding rows) differs from ``cfg.vocab_size``
+            (naming both).
     """
     if not isinstance(cfg, ModelConfig):
         cfg = ModelConfig.model_validate(cfg)
@@ -78,6 +88,8 @@ def build_model(cfg: ModelConfig, seed: int):
         raise ValueError(f"seed must be an int in [0, 2**63), got {seed!r}")
     from transformers import AutoConfig, AutoModelForCausalLM, LlamaForCausalLM, Qwen3ForCausalLM
 
+    if cfg.pretrained is not None:
+        return _load_pretrained(cfg)
     if cfg.arch == "hf":
         options = dict(cfg.hf_config or {})
         kind = options.pop("model_type")
@@ -96,6 +108,41 @@ def build_model(cfg: ModelConfig, seed: int):
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = build()
+    model = model.to(dtype=torch.float32)
+    model.train()
+    return model
+
+
+def _load_pretrained(cfg: ModelConfig):
+    """``AutoModelForCausalLM.from_pretrained(cfg.pretrained)``, offline, FP32, SDPA, train
+    mode, KV cache off; its vocabulary checked against ``cfg.vocab_size``."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # role logs: one line per event, no progress bars
+    path = Path(cfg.pretrained).expanduser()
+    if not (path / "config.json").is_file():
+        raise ValueError(f"model.pretrained = {str(cfg.pretrained)!r}: no config.json there "
+                         "(a directory written by save_pretrained, present on this host)")
+    try:
+        hf_cfg = AutoConfig.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError, KeyError) as exc:
+        raise ValueError(f"model.pretrained = {str(cfg.pretrained)!r}: {exc}") from None
+    vocab = getattr(hf_cfg, "vocab_size", None)
+    if vocab != cfg.vocab_size:
+        raise ValueError(f"model.vocab_size = {cfg.vocab_size} differs from the pretrained "
+                         f"model's vocab_size = {vocab} ({path / 'config.json'})")
+    hf_cfg.use_cache = False
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            path, config=hf_cfg, dtype=torch.float32, attn_implementation="sdpa",
+            local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"model.pretrained = {str(cfg.pretrained)!r}: {exc}") from None
+    rows = model.get_input_embeddings().weight.shape[0]
+    if rows != cfg.vocab_size:
+        raise ValueError(f"model.vocab_size = {cfg.vocab_size} differs from the pretrained "
+                         f"model's {rows} embedding rows ({path})")
     model = model.to(dtype=torch.float32)
     model.train()
     return model

@@ -3,7 +3,10 @@ stream and its data chunks, version 0 of the model, the layer ownership, the fin
 
 Written into a directory (the leader's state directory): ``run.json`` (a :class:`RunSpec`)
 and ``init/model.safetensors`` (version 0 of θ, for a follower started with ``--init`` on the
-same host; followers elsewhere build the same θ from the config's seed).
+same host; followers elsewhere build the same θ from the config's seed, or load it from
+``model.pretrained`` on their own host).  A user's text / JSON / Parquet data is tokenised here,
+once, into the memmap cache (:mod:`dips.train.tokenize_files`); every id of the data is
+checked against the model's vocabulary here (:func:`dips.train.datasource.load_data`).
 """
 
 from __future__ import annotations
@@ -19,19 +22,31 @@ def prepare(cfg: RunConfig, out: Path, cache_dir: Path | None = None) -> RunSpec
     """Build the run spec of ``cfg`` into ``out`` (see the module docstring); returns it.
 
     ``cache_dir``: tokenizer/corpus cache (default ``cfg.data.cache_dir``, relative to the
-    working directory). Takes seconds (tokenizer training is cached).
+    working directory). Takes seconds (tokenizer training is cached); a user's dataset takes
+    one streaming pass to tokenise and one to check its ids.
+
+    Raises:
+        ValueError: the data and the model disagree (vocabulary, a chunk shorter than one
+            window), or what :func:`dips.train.datasource.load_data` and
+            :func:`dips.train.model.build_model` raise; FileNotFoundError: data missing.
     """
     import torch
     from safetensors.torch import save_file
 
-    from dips.train.corpus import load_tokenizer, load_tokens
+    from dips.train.datasource import load_data, load_vocab
     from dips.train.loop import eval_loss
     from dips.train.model import build_model, check_built, fingerprint_of
     from dips.train.sampler import make_chunks
 
     cache = (cache_dir or cfg.data.cache_dir).resolve()
-    tok = load_tokenizer(cache, cfg.data.vocab_size)
-    data = load_tokens(cache, cfg.data.vocab_size, cfg.data.val_fraction, cfg.data.max_train_tokens)
+    vocab = load_vocab(cfg.data, cache)
+    data = load_data(cfg.data, cache, validate=True)
+    chunks = make_chunks(len(data.train), cfg.data.num_chunks)
+    windows = min(e - s for s, e in chunks) // (cfg.inner.seq_len + 1)
+    if windows < 1:
+        raise ValueError(f"data.num_chunks = {cfg.data.num_chunks} cuts {len(data.train)} train "
+                         f"tokens into chunks shorter than one window of inner.seq_len + 1 = "
+                         f"{cfg.inner.seq_len + 1} tokens")
     model = build_model(cfg.model, cfg.seed)
     table = check_built(model, cfg.inner.seq_len, cfg.followers, cfg.model.layer_pattern)
     parts = partition_contiguous([nbytes for _, _, nbytes in table], cfg.followers)
@@ -52,8 +67,6 @@ def prepare(cfg: RunConfig, out: Path, cache_dir: Path | None = None) -> RunSpec
         init="init/model.safetensors", eval_loss_initial=initial,
         train_tokens=int(len(data.train)), val_tokens=int(len(data.val)),
         params=int(sum(p.numel() for p in model.parameters())),
-        windows_per_chunk=min(e - s for s, e in make_chunks(len(data.train), cfg.data.num_chunks))
-        // (cfg.inner.seq_len + 1),
-        fingerprint=fingerprint_of(model, tok.get_vocab()))
+        windows_per_chunk=windows, fingerprint=fingerprint_of(model, vocab))
     spec.write(out / "run.json")
     return spec

@@ -21,6 +21,7 @@ Batch sources (§12):
 
 from __future__ import annotations
 
+import re
 import time
 import zlib
 from collections.abc import Callable, Sequence
@@ -37,7 +38,7 @@ if TYPE_CHECKING:
     from dips.train.corpus import TokenData
 
 __all__ = ["BatchSource", "ClusterTrainer", "GradHook", "StepResult", "build_trainer",
-           "sampler_seed"]
+           "resolve_device", "sampler_seed"]
 
 GradHook = Callable[[Sequence[torch.nn.Parameter]], None]
 """Called between backward and the optimizer step with the model's parameters (``p.grad``
@@ -78,6 +79,36 @@ def sampler_seed(seed: int, cluster_id: str) -> int:
     return seed * 7919 + zlib.crc32(cluster_id.encode())
 
 
+def resolve_device(wanted: str | None, local_rank: int | None = None) -> torch.device:
+    """The device a cluster's model and inner step run on (``ClusterConfig.device`` or
+    ``--device``): ``cpu``; ``cuda`` (``cuda:local_rank`` under torchrun, else the current
+    CUDA device); ``cuda:N`` (under torchrun the rank's ``cuda:local_rank`` instead: one GPU
+    per rank); None: ``cuda`` when ``torch.cuda.is_available()``, else ``cpu``.
+
+    Raises ValueError naming the value when CUDA is asked for but not available, or the
+    index is not a visible device.
+    """
+    if wanted is None:
+        wanted = "cuda" if torch.cuda.is_available() else "cpu"
+    if wanted == "cpu":
+        return torch.device("cpu")
+    if re.fullmatch(r"cuda(:[0-9]+)?", wanted) is None:
+        raise ValueError(f"device = {wanted!r}: expected cpu, cuda or cuda:N")
+    if not torch.cuda.is_available():
+        raise ValueError(f"device = {wanted!r}, but CUDA is not available here "
+                         f"(torch {torch.__version__}); use device: cpu")
+    if local_rank is not None:
+        index = local_rank
+    elif wanted == "cuda":
+        index = torch.cuda.current_device()
+    else:
+        index = int(wanted[5:])
+    if not 0 <= index < torch.cuda.device_count():
+        raise ValueError(f"device = {wanted!r}: cuda:{index} is not one of the "
+                         f"{torch.cuda.device_count()} visible devices")
+    return torch.device(f"cuda:{index}")
+
+
 class ClusterTrainer:
     """A cluster's model, inner optimizer, batch source, gradient clip and counters.
 
@@ -103,6 +134,7 @@ class ClusterTrainer:
         self.names = [n for n, _ in model.named_parameters()]
         self.params = [p for _, p in model.named_parameters()]
         self.n_params = sum(p.numel() for p in self.params)
+        self.device = self.params[0].device if self.params else torch.device("cpu")
         self.steps = 0
         self.tokens = 0
         self.last_tokens = 0
@@ -152,13 +184,16 @@ class ClusterTrainer:
             grad_hook(self.params)
             hook_s = time.monotonic() - t
         self.apply()
+        if self.device.type == "cuda":  # compute_s counts the kernels, not their launches
+            torch.cuda.current_stream(self.device).synchronize()
         return StepResult(loss, self.last_tokens, time.monotonic() - t0 - hook_s)
 
 
 def build_trainer(cluster_id: str, model: ModelConfig, data: DataConfig, inner: InnerConfig,
                   seed: int, *, assignment: Sequence[str] | None = None,
                   tokens: TokenData | None = None, cache_dir: Path | None = None,
-                  share: ClusterTrainer | None = None) -> ClusterTrainer:
+                  share: ClusterTrainer | None = None,
+                  device: torch.device | None = None) -> ClusterTrainer:
     """The trainer of cluster ``cluster_id`` from the typed spec (module docstring).
 
     Args:
@@ -171,18 +206,19 @@ def build_trainer(cluster_id: str, model: ModelConfig, data: DataConfig, inner: 
         tokens: the token streams, if already loaded (virtual time builds many clusters);
             else loaded from ``cache_dir`` (default ``data.cache_dir``).
         share: another trainer whose model and optimizer this one uses (its own batches).
+        device: where the model lives (:func:`resolve_device`; None: the host); the model is
+            moved there before its optimizer is built, batches follow at each step.
 
     Raises:
         ValueError: ``cluster_id`` not in ``assignment``, fewer chunks than clusters, or a
             bad model/optimizer setting.
     """
-    from dips.train.corpus import load_tokens
+    from dips.train.datasource import load_data
     from dips.train.lease import LeaseSampler
     from dips.train.sampler import BatchSampler, assign_chunks, make_chunks
 
     if tokens is None:
-        tokens = load_tokens(cache_dir if cache_dir is not None else data.cache_dir,
-                             data.vocab_size, data.val_fraction, data.max_train_tokens)
+        tokens = load_data(data, cache_dir)
     chunks = make_chunks(len(tokens.train), data.num_chunks)
     batches: BatchSource
     if assignment is None:
@@ -201,5 +237,7 @@ def build_trainer(cluster_id: str, model: ModelConfig, data: DataConfig, inner: 
         from dips.train.model import build_model
 
         net = build_model(model, seed)
+        if device is not None:
+            net = net.to(device)
         opt = make_inner_optimizer(net, inner.lr, inner.weight_decay)
     return ClusterTrainer(cluster_id, net, opt, batches, inner.grad_clip)

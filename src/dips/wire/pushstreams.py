@@ -77,6 +77,8 @@ class PushStreams:
         self._incident, self._stale_s = incident, stale_s
         self._xfers: dict[tuple[bytes, bytes], _Xfer] = {}
         self._scratch = memoryview(bytearray(MAX_CHUNK_BYTES))  # decrypted chunks
+        #: Called with ``(connection id, header)`` of every stream opened (or None).
+        self.seen: Callable[[bytes, dict], None] | None = None
 
     def _abort(self, x: _Xfer, reason: str) -> None:
         """Abort a transfer's sink; a sink that fails to abort must not stop the thread."""
@@ -114,6 +116,8 @@ class PushStreams:
                                             "this connection: finish one first")
             sink = self._streams.open_push(reader.header, reader.specs)
             self._xfers[(ident, reader.xfer)] = _Xfer(reader, sink, mk.key)
+            if self.seen is not None:
+                self.seen(ident, reader.header)
         except Exception as exc:
             if isinstance(exc, REFUSED):
                 log.warning("data-plane push refused: %s", exc)

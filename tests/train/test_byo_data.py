@@ -1,0 +1,232 @@
+"""Bring your own model and data (issue 14), in one process: a pretrained model directory
+loaded as version 0, local JSON-lines / text / Parquet files tokenised once into a memmap
+cache, pre-tokenised ``train.bin``/``val.bin`` mapped lazily, and every mismatch between the
+model's and the data's vocabulary refused naming both values."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from dips.spec import DataConfig, ModelConfig, RunConfig
+from dips.train.datasource import load_data, load_vocab, save_tokenizer
+from dips.train.model import build_model, check_built
+from dips.roles.layers import blocks_prefix, layer_table
+from tests.train import byo
+
+pytestmark = pytest.mark.timeout(120)
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def user(tmp_path_factory):
+    """A tokenizer directory, a JSONL dataset directory and its ids (uint16)."""
+    root = tmp_path_factory.mktemp("byo")
+    texts = byo.paragraphs(200_000)
+    tok = byo.make_tokenizer(root / "tok", texts)
+    return {"root": root, "texts": texts, "tok": tok, "data": byo.make_jsonl(root / "data", texts),
+            "ids": byo.encode(tok, texts)}
+
+
+def _json(user, cache: Path, **over) -> DataConfig:
+    return DataConfig(**{"format": "json", "path": str(user["data"]), "tokenizer": user["tok"],
+                         "vocab_size": byo.VOCAB, "cache_dir": cache, **over})
+
+
+def test_jsonl_is_tokenised_once_into_a_memmap_that_every_host_rebuilds_identically(user, tmp_path):
+    data = load_data(_json(user, tmp_path / "a"))
+    assert isinstance(data.train, np.memmap) and isinstance(data.val, np.memmap)
+    assert data.train.dtype == np.uint16 and data.vocab_size == byo.VOCAB
+    # Every document's ids and its EOS land in exactly one split; ~val_fraction held out.
+    total = len(user["ids"])
+    assert len(data.train) + len(data.val) >= total
+    assert abs(len(data.val) / total - 0.02) < 0.01
+    folder = next((tmp_path / "a" / "datasets").iterdir())
+    stamp = (folder / "train.bin").stat().st_mtime_ns
+    again = load_data(_json(user, tmp_path / "a"))  # the cache is reused, not rewritten
+    assert (folder / "train.bin").stat().st_mtime_ns == stamp
+    other = load_data(_json(user, tmp_path / "b"))  # another host's own cache: same bytes
+    assert np.array_equal(other.train, again.train) and np.array_equal(other.val, again.val)
+    eos = 0  # the tokenizer's <|endoftext|>
+    assert int(data.train[-1]) == eos and int(data.val[-1]) == eos
+    capped = load_data(_json(user, tmp_path / "a", max_train_tokens=5000))
+    assert len(capped.train) == 5000 and isinstance(capped.train, np.memmap)
+
+
+def test_text_and_parquet_files_give_the_same_kind_of_stream(user, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    texts = user["texts"][:400]
+    (tmp_path / "txt").mkdir()
+    (tmp_path / "txt" / "book.txt").write_text("\n\n".join(texts))
+    (tmp_path / "pq").mkdir()
+    pq.write_table(pa.table({"body": texts}), tmp_path / "pq" / "part.parquet")
+    text = load_data(DataConfig(format="text", path=str(tmp_path / "txt"), tokenizer=user["tok"],
+                                vocab_size=byo.VOCAB, cache_dir=tmp_path / "c"))
+    table = load_data(DataConfig(format="parquet", path=str(tmp_path / "pq" / "*.parquet"),
+                                 tokenizer=user["tok"], vocab_size=byo.VOCAB, text_field="body",
+                                 cache_dir=tmp_path / "c"))
+    # One document per paragraph either way: the same ids.
+    assert np.array_equal(text.train, table.train) and np.array_equal(text.val, table.val)
+    with pytest.raises(ValueError, match="data.text_field = 'text' is not a column"):
+        load_data(DataConfig(format="parquet", path=str(tmp_path / "pq"), tokenizer=user["tok"],
+                             vocab_size=byo.VOCAB, cache_dir=tmp_path / "c"))
+    (tmp_path / "one.txt").write_text("A single short document.")
+    with pytest.raises(ValueError, match="training and 0 held-out tokens"):
+        load_data(DataConfig(format="text", path=str(tmp_path / "one.txt"), tokenizer=user["tok"],
+                             vocab_size=byo.VOCAB, cache_dir=tmp_path / "c"))
+    with pytest.raises(FileNotFoundError, match="no json files"):
+        load_data(DataConfig(format="json", path=str(tmp_path / "txt"), tokenizer=user["tok"],
+                             vocab_size=byo.VOCAB, cache_dir=tmp_path / "c"))
+
+
+def test_pretokenised_bins_are_mapped_and_their_ids_checked(user, tmp_path):
+    bins = byo.write_bins(tmp_path / "bins", user["ids"], 4000)
+    cfg = DataConfig(format="tokens", path=str(bins), vocab_size=byo.VOCAB)
+    data = load_data(cfg, validate=True)
+    assert isinstance(data.train, np.memmap) and np.array_equal(data.val, user["ids"][-4000:])
+    assert load_vocab(cfg) == {"<ids below>": byo.VOCAB}
+    assert not save_tokenizer(cfg, None, tmp_path / "export")
+    with_tok = cfg.model_copy(update={"tokenizer": user["tok"]})
+    assert load_vocab(with_tok)["<|endoftext|>"] == 0
+    bad = user["ids"].copy()
+    bad[123] = byo.VOCAB + 7
+    byo.write_bins(tmp_path / "bad", bad, 4000)
+    with pytest.raises(ValueError, match=r"token id 519 .*data.vocab_size = 512"):
+        load_data(cfg.model_copy(update={"path": str(tmp_path / "bad")}), validate=True)
+    (tmp_path / "odd").mkdir()
+    (tmp_path / "odd" / "train.bin").write_bytes(b"\x01\x00\x02")
+    with pytest.raises(ValueError, match="3 bytes, not a non-empty whole number of uint16"):
+        load_data(cfg.model_copy(update={"path": str(tmp_path / "odd")}))
+    (tmp_path / "odd" / "train.bin").write_bytes(b"\x01\x00")
+    with pytest.raises(FileNotFoundError, match="val.bin is missing"):
+        load_data(cfg.model_copy(update={"path": str(tmp_path / "odd")}))
+
+
+def test_a_tokenizer_or_model_larger_than_the_run_vocabulary_is_refused_naming_both(user, tmp_path):
+    with pytest.raises(ValueError, match=r"has 512 tokens, more than data.vocab_size = 300"):
+        load_data(_json(user, tmp_path, vocab_size=300))
+    byo.make_model(tmp_path / "m", "gpt2")
+    with pytest.raises(ValueError, match=r"model.vocab_size = 1024 differs from the pretrained "
+                                         r"model's vocab_size = 512"):
+        build_model(ModelConfig(pretrained=tmp_path / "m", vocab_size=1024), seed=0)
+    with pytest.raises(ValueError, match="no config.json"):
+        build_model(ModelConfig(pretrained=tmp_path / "nowhere", vocab_size=512), seed=0)
+    with pytest.raises(ValueError, match="model.vocab_size = 512 differs from data.vocab_size = 600"):
+        RunConfig(model={"pretrained": str(tmp_path / "m"), "vocab_size": 512},
+                  data={"vocab_size": 600})
+
+
+def test_config_errors_name_the_field():
+    with pytest.raises(ValueError, match="needs data.tokenizer"):
+        DataConfig(format="json", path="x")
+    with pytest.raises(ValueError, match="needs data.path"):
+        DataConfig(format="tokens")
+    with pytest.raises(ValueError, match="data.path = 'x' needs a data.format other than bundled"):
+        DataConfig(path="x")
+    with pytest.raises(ValueError, match="use uint32"):
+        DataConfig(format="tokens", path="x", vocab_size=70000)
+    assert ModelConfig(pretrained="m").arch == "hf"
+    with pytest.raises(ValueError, match="is for arch hf, not arch 'llama'"):
+        ModelConfig(pretrained="m", arch="llama")
+    with pytest.raises(ValueError, match="exclude each other"):
+        ModelConfig(pretrained="m", hf_config={"model_type": "gpt2"})
+
+
+@pytest.mark.parametrize("kind", sorted(byo.MODELS))
+def test_a_pretrained_directory_is_version_0_with_its_blocks_as_layers(tmp_path, kind):
+    saved = byo.make_model(tmp_path / kind, kind, seed=5)
+    model = build_model(ModelConfig(pretrained=tmp_path / kind, vocab_size=byo.VOCAB), seed=9)
+    mine, theirs = dict(model.named_parameters()), dict(saved.named_parameters())
+    assert mine.keys() == theirs.keys() and all(torch.equal(mine[n], theirs[n]) for n in mine)
+    prefix = {"llama": "model.layers", "qwen3": "model.layers", "gpt2": "transformer.h",
+              "gpt_neox": "gpt_neox.layers"}[kind]
+    assert blocks_prefix(model) == prefix
+    table = layer_table(model)
+    blocks = [k for k, _, _ in table if k.startswith("layers.")]
+    assert [k for k, _, _ in table] == ["embed", *blocks, "head"] and len(blocks) >= 2
+    embed = dict((k, ns) for k, ns, _ in table)
+    assert all(not n.startswith(prefix) for n in embed["embed"] + embed["head"])
+    assert check_built(model, 64, followers=2) == table
+
+
+def test_followers_without_init_start_from_the_pretrained_weights(tmp_path):
+    from dips.node.follower import _initial_params
+    from dips.spec import RunSpec
+
+    saved = byo.make_model(tmp_path / "m", "gpt_neox", seed=4)
+    cfg = RunConfig(model={"pretrained": str(tmp_path / "m"), "vocab_size": byo.VOCAB},
+                    data={"vocab_size": byo.VOCAB})
+    spec = RunSpec(config=cfg, cache_dir=tmp_path, layers=[], follower_layers=[[], []], init="x",
+                   eval_loss_initial=1.0, train_tokens=1, val_tokens=1, params=1,
+                   windows_per_chunk=1)
+    names = [n for n, _ in saved.named_parameters()][:5]
+    got = _initial_params(spec, names, None)
+    assert all(torch.equal(got[n], dict(saved.named_parameters())[n]) for n in names)
+
+
+RSS_PROBE = """
+import gc, sys
+from dips.spec import DataConfig, InnerConfig, ModelConfig
+from dips.train.trainer import build_trainer
+model = ModelConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                    num_kv_heads=2, vocab_size=512, max_seq_len=64)
+
+def status(key):  # bytes, from /proc/self/status (VmHWM: the peak since the last reset)
+    line = next(l for l in open("/proc/self/status") if l.startswith(key + ":"))
+    return int(line.split()[1]) * 1024
+
+for path in sys.argv[1:]:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset the peak (VmHWM) to the resident memory now: Linux >= 4.0
+    data = DataConfig(format="tokens", path=path, vocab_size=512, num_chunks=64)
+    trainer = build_trainer("a", model, data, InnerConfig(H=8, batch_size=4, seq_len=64), 0)
+    trainer.batches.set_holdings([(0, 0), (31, 0), (63, 0)])
+    for _ in range(12):
+        trainer.step()
+    print(len(trainer.batches.tokens), status("VmHWM"), status("VmRSS"), flush=True)
+    del trainer
+    gc.collect()
+"""
+
+
+def test_a_clusters_memory_does_not_grow_with_the_dataset(tmp_path):
+    """The data path of a cluster process (build_trainer, the ledger's LeaseSampler, 12 inner
+    steps from 3 leased chunks) over 4 M then 40 M tokens (8 and 80 MB) in one process, its
+    peak RSS reset before each (so import-time peaks do not hide anything): the peak and the
+    resident memory after training grow by less than 10 % of the 72 MB the dataset grew by
+    (a stream held in RAM adds all of it)."""
+    rng = np.random.default_rng(0)
+    sizes = (4_000_000, 40_000_000)
+    for n in sizes:
+        folder = tmp_path / str(n)
+        folder.mkdir()
+        with open(folder / "train.bin", "wb") as f:
+            for _ in range(0, n, 4_000_000):
+                rng.integers(0, 512, 4_000_000, dtype=np.uint16).tofile(f)
+        rng.integers(0, 512, 10_000, dtype=np.uint16).tofile(folder / "val.bin")
+    proc = subprocess.Popen([sys.executable, "-c", RSS_PROBE, *(str(tmp_path / str(n)) for n in sizes)],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    try:
+        out, err = proc.communicate(timeout=100)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    assert proc.returncode == 0, err[-2000:]
+    (small, peak_small, rss_small), (large, peak_large, rss_large) = (
+        (int(x) for x in row.split()) for row in out.split("\n")[:2])
+    assert (small, large) == sizes
+    print(f"peak RSS {peak_small / 2**20:.1f} MiB over 4 M tokens, {peak_large / 2**20:.1f} MiB "
+          f"over 40 M; resident after {rss_small / 2**20:.1f} and {rss_large / 2**20:.1f} MiB")
+    assert peak_large - peak_small < 0.1 * 72_000_000
+    assert rss_large - rss_small < 0.1 * 72_000_000
