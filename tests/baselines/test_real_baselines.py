@@ -65,7 +65,8 @@ def _assert_all_gone(res, run_dir: Path) -> None:
             os.kill(pid, 0)
 
 
-@pytest.mark.parametrize("method", ["dp", "diloco"])
+@pytest.mark.parametrize("method", [
+    "dp", pytest.param("diloco", marks=pytest.mark.long)])  # make test-long
 def test_synchronous_baseline_trains_on_loopback(method, tmp_path):
     res = launch_baseline(_spec(method), tmp_path, shaping="none")
     _assert_trained_and_all_gone(res, tmp_path)
@@ -89,6 +90,7 @@ def test_async_diloco_trains_on_loopback(tmp_path):
     assert set(res.extra["final_eval_loss_per_cluster"]) == {"a", "b"}
 
 
+@pytest.mark.long  # make test-long
 def test_async_diloco_stops_at_max_time(tmp_path):
     """No budget in reach: the launcher stops every process at max_time_s (SIGTERM, by pid)
     and still collects a result; how far training got by then is not judged."""
@@ -103,6 +105,7 @@ def test_async_diloco_stops_at_max_time(tmp_path):
 _CAP = netns.probe()
 
 
+@pytest.mark.long  # make test-long
 @pytest.mark.skipif(_CAP.shaping != "tc-tbf", reason=f"kernel shaping unavailable: {_CAP.reason}")
 def test_async_diloco_over_shaped_namespaces(tmp_path):
     """Each cluster in its own namespace behind a tbf'd veth; b's link drops mid-run."""

@@ -144,6 +144,7 @@ def test_a_follower_killed_mid_transfer_does_not_stall_the_round(kills_run):
     assert {"follower-0", "follower-1"} <= restarts
 
 
+@pytest.mark.long  # make test-long; epochs by hand: tests/algo (ledger), tests/emu (virtual time)
 def test_the_end_of_the_data_opens_the_next_epoch(tmp_path):
     """Input 4: few chunks and a short stream. When a cluster's lease cannot fill another H
     steps it pushes what it has; chunks finish, the ledger opens the next epoch, and the run

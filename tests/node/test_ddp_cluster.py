@@ -75,7 +75,9 @@ def _wait(what: str, cond, procs: dict, limit_s: float = 200.0) -> None:
         time.sleep(0.2)
 
 
-@pytest.mark.parametrize("parallel", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("parallel", [
+    pytest.param("ddp", marks=pytest.mark.long),  # make test-long; DDP: test_mixed_clusters.py
+    "fsdp2"])
 def test_two_ranks_push_their_blocks_and_both_replicas_hold_the_pulled_model(tmp_path, parallel):
     cfg = _config(tmp_path, max_outer_steps=3)
     doc = yaml.safe_load(cfg.read_text())

@@ -27,6 +27,7 @@ from .inner_run import (
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
 
+@pytest.mark.long  # make test-long; the save and resume in one process: tests/roles/test_cluster_state.py
 def test_a_killed_cluster_resumes_its_adamw_state_and_data_position(tmp_path):
     leader, procs = roles(tmp_path, config(tmp_path, {"id": "a"}))
     state, log = tmp_path / "a", tmp_path / "a.log"
