@@ -34,6 +34,17 @@ def follower_args(leader: str, index: int, state: Path, *extra: str) -> list[str
             "--state-dir", str(state), "--insecure", *extra]
 
 
+def start_roles(tmp: Path, cfg: Path, followers: int) -> tuple[str, dict[str, subprocess.Popen]]:
+    """A leader (``cfg``, no TLS, state and log in ``tmp``) and ``followers`` followers on
+    127.0.0.1: (leader address, {"leader": ..., "f0": ...})."""
+    leader = f"127.0.0.1:{free_port()}"
+    procs = {"leader": dips(["leader", "--config", str(cfg), "--listen", leader, "--state-dir",
+                             str(tmp / "leader"), "--insecure"], tmp / "leader.log")}
+    for i in range(followers):
+        procs[f"f{i}"] = dips(follower_args(leader, i, tmp / f"f{i}"), tmp / f"f{i}.log")
+    return leader, procs
+
+
 def stop_cleanly(procs: dict[str, subprocess.Popen], names: tuple[str, ...]) -> None:
     """SIGTERM each of ``names`` (in order), then assert each exits 0 within 60 s."""
     for name in names:

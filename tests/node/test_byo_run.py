@@ -134,3 +134,38 @@ def test_a_pretokenised_memmap_drives_a_run_in_bounded_memory(user, tmp_path):
     assert json.loads((tmp_path / "leader" / "run.json").read_text())["train_tokens"] == len(train)
     print(f"cluster peak RSS {peak / 2**20:.1f} MiB on {train.nbytes / 2**20:.2f} MiB of tokens")
     assert peak < 1 << 30  # torch + transformers + a tiny model; the data adds ~nothing
+
+
+def test_a_cluster_whose_copy_of_the_data_differs_is_refused_at_start(user, tmp_path):
+    """Hosts share no filesystem: each reads ``data.path`` from its own disk. After the leader
+    prepared the run (its run spec records the streams' length and digest), the cluster's copy
+    of ``train.bin`` is changed: other ids of the same length, then a shorter file. Each time
+    the cluster refuses to start (exit 2), naming the digest or the lengths, before it joins."""
+    bins = tmp_path / "bins"
+    bins.mkdir()
+    for name in ("train.bin", "val.bin"):
+        (bins / name).write_bytes((user["bins"] / name).read_bytes())
+    model = {"arch": "hf", "vocab_size": byo.VOCAB, "hf_config": byo.MODELS["gpt_neox"]}
+    cfg = _config(tmp_path, model, {"format": "tokens", "path": str(bins)}, 1)
+    leader = f"127.0.0.1:{free_port()}"
+    procs = {"leader": _dips(["leader", "--config", str(cfg), "--listen", leader, "--state-dir",
+                             str(tmp_path / "leader"), "--insecure"], tmp_path / "leader.log")}
+    try:
+        deadline = time.monotonic() + 150
+        while not (tmp_path / "leader" / "run.json").exists():  # the event: the run prepared
+            assert procs["leader"].poll() is None, (tmp_path / "leader.log").read_text()[-2000:]
+            assert time.monotonic() < deadline, "the leader never prepared the run"
+            time.sleep(0.2)
+        train = np.fromfile(bins / "train.bin", dtype=np.uint16)
+        for changed, words in ((train[::-1], "digest"), (train[:-1000], "train tokens")):
+            changed.tofile(bins / "train.bin")
+            log = tmp_path / f"a-{words.replace(' ', '-')}.log"
+            procs["a"] = _dips(["cluster", "--leader", leader, "--cluster-id", "a",
+                                "--state-dir", str(tmp_path / "a"), "--insecure"], log)
+            assert procs["a"].wait(120) == 2, log.read_text()[-2000:]
+            text = log.read_text()
+            assert "cluster a: this host's data has" in text and words in text, text[-2000:]
+            assert "Traceback" not in text
+        assert procs["leader"].poll() is None  # the leader keeps serving
+    finally:
+        kill_left(procs)

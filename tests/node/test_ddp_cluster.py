@@ -21,8 +21,7 @@ import yaml
 
 from dips.emu.launcher import free_port
 
-from .roles import ROOT, follower_args, kill_left, stop_cleanly
-from .roles import dips as _dips
+from .roles import ROOT, kill_left, start_roles, stop_cleanly
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -44,15 +43,6 @@ def _torchrun(leader: str, state: Path, log: Path, restarts: int = 0) -> subproc
              "--leader", leader, "--cluster-id", "d", "--state-dir", str(state), "--insecure"],
             cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, text=True, start_new_session=True,
             env=dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1"))
-
-
-def _roles(tmp: Path, cfg: Path, followers: int) -> tuple[str, dict]:
-    leader = f"127.0.0.1:{free_port()}"
-    procs = {"leader": _dips(["leader", "--config", str(cfg), "--listen", leader, "--state-dir",
-                              str(tmp / "leader"), "--insecure"], tmp / "leader.log")}
-    for i in range(followers):
-        procs[f"f{i}"] = _dips(follower_args(leader, i, tmp / f"f{i}"), tmp / f"f{i}.log")
-    return leader, procs
 
 
 def _lines(path: Path) -> list[dict]:
@@ -83,7 +73,7 @@ def test_two_ranks_push_their_blocks_and_both_replicas_hold_the_pulled_model(tmp
     doc = yaml.safe_load(cfg.read_text())
     doc["clusters"] = [{"id": "d", "parallel": parallel}]
     cfg.write_text(yaml.safe_dump(doc))
-    leader, procs = _roles(tmp_path, cfg, followers=2)
+    leader, procs = start_roles(tmp_path, cfg, followers=2)
     procs["d"] = _torchrun(leader, tmp_path / "d", tmp_path / "d.log")
     try:
         assert procs["d"].wait(240) == 0, (tmp_path / "d.log").read_text()[-3000:]
@@ -114,7 +104,7 @@ def test_two_ranks_push_their_blocks_and_both_replicas_hold_the_pulled_model(tmp
 
 
 def test_killing_one_rank_ends_that_cluster_alone_and_it_rejoins(tmp_path):
-    leader, procs = _roles(tmp_path, _config(tmp_path, followers=1), followers=1)
+    leader, procs = start_roles(tmp_path, _config(tmp_path, followers=1), followers=1)
     log = tmp_path / "d.log"
     procs["d"] = _torchrun(leader, tmp_path / "d", log)
     try:

@@ -14,8 +14,7 @@ import yaml
 
 from dips.emu.launcher import free_port
 
-from .roles import ROOT, follower_args, kill_left, stop_cleanly
-from .roles import dips as _dips
+from .roles import ROOT, kill_left, start_roles, stop_cleanly
 from .torchrun import decisions
 
 pytestmark = pytest.mark.timeout(300)
@@ -33,12 +32,7 @@ def test_the_fsdp2_example_trains_as_a_cluster_until_the_run_ends(tmp_path):
     cfg = yaml.safe_load((ROOT / "configs" / "tiny.yaml").read_text())
     cfg.update(clusters=[{"id": "e"}], max_time_s=None, max_outer_steps=3)
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg))
-    leader = f"127.0.0.1:{free_port()}"
-    procs = {"leader": _dips(["leader", "--config", str(tmp_path / "run.yaml"), "--listen",
-                              leader, "--state-dir", str(tmp_path / "leader"), "--insecure"],
-                             tmp_path / "leader.log")}
-    for i in range(2):
-        procs[f"f{i}"] = _dips(follower_args(leader, i, tmp_path / f"f{i}"), tmp_path / f"f{i}.log")
+    leader, procs = start_roles(tmp_path, tmp_path / "run.yaml", 2)
     log = tmp_path / "e.log"
     with open(log, "w") as out:
         procs["e"] = subprocess.Popen(

@@ -14,8 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from .roles import ROOT, follower_args, kill_left, stop_cleanly
-from .roles import dips as _dips
+from .roles import ROOT, kill_left, start_roles, stop_cleanly
 from .torchrun import decisions, lines, torchrun
 
 # make test-long: test_mixed_clusters.py runs a pipeline cluster in make test.
@@ -29,18 +28,12 @@ def expected_connections(run_json: Path, stages: list[list[str]]) -> dict[int, i
 
 
 def test_two_pipeline_stages_push_their_own_layers_and_hold_the_pulled_model(tmp_path):
-    from dips.emu.launcher import free_port
 
     cfg = yaml.safe_load((ROOT / "configs" / "tiny.yaml").read_text())
     cfg.update(clusters=[{"id": "p", "parallel": "pipeline", "microbatches": 2}],
                max_time_s=None, max_outer_steps=3, outer={"wire_dtype": "fp32"})
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg))
-    leader = f"127.0.0.1:{free_port()}"
-    procs = {"leader": _dips(["leader", "--config", str(tmp_path / "run.yaml"), "--listen",
-                              leader, "--state-dir", str(tmp_path / "leader"), "--insecure"],
-                             tmp_path / "leader.log")}
-    for i in range(2):
-        procs[f"f{i}"] = _dips(follower_args(leader, i, tmp_path / f"f{i}"), tmp_path / f"f{i}.log")
+    leader, procs = start_roles(tmp_path, tmp_path / "run.yaml", 2)
     procs["p"] = torchrun("p", leader, tmp_path / "p", tmp_path / "p.log")
     try:
         assert procs["p"].wait(240) == 0, (tmp_path / "p.log").read_text()[-3000:]
@@ -77,18 +70,12 @@ def test_killing_a_stage_rank_ends_that_cluster_alone_and_it_rejoins(tmp_path):
     import re
     import signal
 
-    from dips.emu.launcher import free_port
-
     from .torchrun import wait
 
     cfg = yaml.safe_load((ROOT / "configs" / "tiny.yaml").read_text())
     cfg.update(clusters=[{"id": "p", "parallel": "pipeline"}], max_time_s=None, followers=1)
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg))
-    leader = f"127.0.0.1:{free_port()}"
-    procs = {"leader": _dips(["leader", "--config", str(tmp_path / "run.yaml"), "--listen",
-                              leader, "--state-dir", str(tmp_path / "leader"), "--insecure"],
-                             tmp_path / "leader.log"),
-             "f0": _dips(follower_args(leader, 0, tmp_path / "f0"), tmp_path / "f0.log")}
+    leader, procs = start_roles(tmp_path, tmp_path / "run.yaml", 1)
     log = tmp_path / "p.log"
     procs["p"] = torchrun("p", leader, tmp_path / "p", log)
     try:

@@ -230,3 +230,35 @@ def test_a_clusters_memory_does_not_grow_with_the_dataset(tmp_path):
           f"over 40 M; resident after {rss_small / 2**20:.1f} and {rss_large / 2**20:.1f} MiB")
     assert peak_large - peak_small < 0.1 * 72_000_000
     assert rss_large - rss_small < 0.1 * 72_000_000
+
+
+def test_the_data_digest_tells_copies_apart_and_names_both_figures():
+    """token_digest (the run spec's data_digest) by hand: equal streams, equal digests; one id
+    changed inside a sampled block, a shifted stream, another dtype or another held-out split
+    each change it; check_run_data names this host's figure and the run's."""
+    from dips.train.corpus import TokenData
+    from dips.train.datasource import DIGEST_TOKENS, check_run_data, token_digest
+
+    rng = np.random.default_rng(5)
+    train = rng.integers(0, 500, 3_000_000, dtype=np.uint16)
+    val = rng.integers(0, 500, 20_000, dtype=np.uint16)
+    base = token_digest(TokenData(train, val, 512))
+    assert len(base) == 64 and base == token_digest(TokenData(train.copy(), val.copy(), 512))
+    one = train.copy()
+    one[len(train) - 1] += 1  # in the last block, always sampled
+    first = train.copy()
+    first[DIGEST_TOKENS - 1] += 1  # in the first block
+    for other in (TokenData(one, val, 512), TokenData(first, val, 512),
+                  TokenData(np.roll(train, 1), val, 512),
+                  TokenData(train.astype(np.uint32), val.astype(np.uint32), 512),
+                  TokenData(train, val[::-1].copy(), 512)):
+        assert token_digest(other) != base
+    check_run_data(TokenData(train, val, 512), len(train), base, "cluster a")
+    check_run_data(TokenData(train, val, 512), len(train), None, "cluster a")  # an older spec
+    with pytest.raises(ValueError, match=r"cluster a: this host's data has 2999999 train tokens, "
+                                         r"the run's 3000000"):
+        check_run_data(TokenData(train[:-1], val, 512), len(train), base, "cluster a")
+    with pytest.raises(ValueError, match=rf"cluster a: this host's data has digest "
+                                         rf"{token_digest(TokenData(one, val, 512))[:16]}…, the "
+                                         rf"run's {base[:16]}…"):
+        check_run_data(TokenData(one, val, 512), len(train), base, "cluster a")

@@ -132,10 +132,12 @@ class HeldOut:
 
     Args:
         cfg: the run config. cache: the tokenizer/token cache (built from the bundled
-            corpora there if missing).
+            corpora there if missing). spec: the run spec, when given this host's copy of
+            the data is checked against it (:func:`dips.train.datasource.check_run_data`:
+            ValueError if it differs).
     """
 
-    def __init__(self, cfg: RunConfig, cache: Path) -> None:
+    def __init__(self, cfg: RunConfig, cache: Path, spec: RunSpec | None = None) -> None:
         from transformers.utils import logging as hf_logging
 
         from dips.train.datasource import load_data
@@ -144,6 +146,10 @@ class HeldOut:
         hf_logging.disable_progress_bar()
         self.cfg, self.cache = cfg, cache
         data = load_data(cfg.data, cache)
+        if spec is not None:
+            from dips.train.datasource import check_run_data
+
+            check_run_data(data, spec.train_tokens, spec.data_digest, "the evaluator")
         self.val = data.val
         self.model = build_model(cfg.model, cfg.seed)
 

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from dips.algo.refusal import Refusal, Refused
-from dips.node.common import RoleError, StateDir, fetch_spec
+from dips.node.common import RoleError, StateDir, fetch_spec, run_data
 from dips.wire.pki import Identity
 from dips.wire.security import Credentials
 
@@ -82,12 +82,8 @@ def run_cluster(leader_addr: str, cluster_id: str, state: Path, creds: Credentia
         torch.cuda.set_device(where)
     cache = (cache_dir or cfg.data.cache_dir).resolve()
     trainer = build_trainer(cluster_id, cfg.model, cfg.data, cfg.inner, cfg.seed, cache_dir=cache,
-                            device=where)
+                            device=where, tokens=run_data(spec, cache, f"cluster {cluster_id}"))
     log.info("cluster %s: model and inner steps on %s", cluster_id, where)
-    if len(trainer.batches.tokens) != spec.train_tokens:  # this host's copy of the data differs
-        raise RoleError(f"cluster {cluster_id}: its data ({cfg.data.format}, data.path "
-                        f"{cfg.data.path!r}) has {len(trainer.batches.tokens)} train tokens, "
-                        f"the run's {spec.train_tokens}")
     fingerprint = fingerprint_of(trainer.model, load_vocab(cfg.data, cache))
     bucket = None
     # Application-level link shaping on loopback (emulation); in network namespaces the

@@ -36,7 +36,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from dips.node.common import RoleError, StateDir, Stopped, fetch_spec
+from dips.node.common import RoleError, StateDir, Stopped, fetch_spec, run_data
 from dips.wire.pki import Identity
 from dips.wire.security import Credentials
 
@@ -149,7 +149,8 @@ def _run(rank: int, world: int, local: int, wanted: str | None, leader_addr: str
     from dips.train.trainer import build_trainer, resolve_device
 
     boot = Ranks.control_group(rank, world, BOOT_TIMEOUT_S, torch.device("cpu"))
-    cfg = _spec(boot, leader_addr, cluster_id, state, creds, stop).config
+    spec = _spec(boot, leader_addr, cluster_id, state, creds, stop)
+    cfg = spec.config
     listed = [c for c in cfg.clusters if c.id == cluster_id]
     me = listed[0] if listed else ClusterConfig(id=cluster_id)
     device = resolve_device(wanted or me.device, local)  # issue 14 (device)
@@ -158,7 +159,8 @@ def _run(rank: int, world: int, local: int, wanted: str | None, leader_addr: str
     cache = (cache_dir or cfg.data.cache_dir).resolve()
     if local != 0:
         dist.barrier(group=boot.control)  # local rank 0 fills this node's cache first
-    base = build_trainer(cluster_id, cfg.model, cfg.data, cfg.inner, cfg.seed, cache_dir=cache)
+    base = build_trainer(cluster_id, cfg.model, cfg.data, cfg.inner, cfg.seed, cache_dir=cache,
+                         tokens=run_data(spec, cache, f"cluster {cluster_id}, rank {rank}"))
     if local == 0:
         dist.barrier(group=boot.control)
     fingerprint = ""

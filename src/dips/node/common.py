@@ -13,7 +13,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import grpc
 
@@ -211,3 +211,20 @@ def fetch_spec(leader: str, creds: Credentials, stop: threading.Event,
     if stop.is_set():
         raise Stopped(f"stopped while waiting for the leader at {leader}")
     raise RoleError(f"no run spec from the leader at {leader} within {timeout_s} s ({last})")
+
+
+def run_data(spec: RunSpec, cache: Path, what: str) -> Any:
+    """This host's copy of the run's token streams (a :class:`dips.train.corpus.TokenData`,
+    from ``cache`` or ``spec.config.data``'s files), checked against what the preparing leader
+    recorded (its train length and ``data_digest``: :func:`dips.train.datasource.
+    check_run_data`). Hosts share no filesystem, so each reads its own copy. Raises RoleError
+    naming ``what`` and both figures when the copy differs, and as
+    :func:`dips.train.datasource.load_data` when it cannot be read."""
+    from dips.train.datasource import check_run_data, load_data
+
+    data = load_data(spec.config.data, cache)
+    try:
+        check_run_data(data, spec.train_tokens, spec.data_digest, what)
+    except ValueError as exc:
+        raise RoleError(str(exc)) from None
+    return data

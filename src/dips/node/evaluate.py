@@ -237,7 +237,10 @@ def run_evaluate(leader_addr: str, every: int, creds: Credentials, stop: threadi
         StateDir(state).acquire()
     spec, _ = fetch_spec(leader_addr, creds, stop, timeout_s)
     cfg = spec.config
-    held = HeldOut(cfg, (cache_dir or cfg.data.cache_dir).resolve())
+    try:
+        held = HeldOut(cfg, (cache_dir or cfg.data.cache_dir).resolve(), spec)
+    except ValueError as exc:  # this host's copy of the data differs from the run's
+        raise RoleError(str(exc)) from None
     metrics = server = None
     if metrics_port is not None:
         from prometheus_client import CollectorRegistry

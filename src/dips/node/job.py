@@ -93,7 +93,7 @@ class ClusterJob:
         windows are used up). Local rank 0 fills the node's cache first."""
         import torch.distributed as dist
 
-        from dips.train.datasource import load_data
+        from dips.node.common import run_data
         from dips.train.ddp import RankSampler
         from dips.train.lease import LeaseSampler
         from dips.train.sampler import make_chunks
@@ -102,7 +102,7 @@ class ClusterJob:
         cache = (cache_dir or cfg.data.cache_dir).resolve()
         if local != 0:
             dist.barrier(group=self.ranks.control)
-        tokens = load_data(cfg.data, cache)
+        tokens = run_data(self.spec, cache, f"cluster {self.cluster_id}, rank {self.rank}")
         if local == 0:
             dist.barrier(group=self.ranks.control)
         sampler = LeaseSampler(tokens.train, make_chunks(len(tokens.train), cfg.data.num_chunks),

@@ -48,15 +48,14 @@ from dips.roles.cluster_state_io import (
     SAFETENSORS,
     InnerStateError,
     check_files,
-    fsync_dir,
     read_pointer,
     read_safetensors,
     sha256_of,
-    write_durably,
     param_table,
     read_saved,
     state_digest,
 )
+from dips.roles.durable import fsync_path, write_atomic
 from dips.roles.rank_comm import Ranks, broadcast_params
 
 __all__ = ["InnerStateError", "InnerStateStore", "read_saved", "state_digest"]
@@ -155,17 +154,17 @@ class InnerStateStore:
             return None
         files = {f.name: {"bytes": f.stat().st_size, "sha256": sha256_of(f)}
                  for f in sorted(tmp.iterdir()) if f.is_file()}
-        fsync_dir(tmp)
+        fsync_path(tmp)
         final = self.root / name
         os.rename(tmp, final)
-        fsync_dir(self.root)
+        fsync_path(self.root)
         meta = {"format": FORMAT, "cluster_id": self.cluster_id, "version": int(version),
                 "mode": self.mode, "storage": self.storage,
                 "world": self.ranks.world if self.ranks else 1, "payload": name, "files": files,
                 "params": self.params, "data": data, "counters": counters,
                 "step": self.step(),
                 "saved_at": round(time.time(), 3)}
-        write_durably(self.root / POINTER, json.dumps(meta, indent=1).encode())
+        write_atomic(self.root / POINTER, json.dumps(meta, indent=1).encode())
         for old in self.root.iterdir():
             if old.is_dir() and old.name != name:
                 shutil.rmtree(old, ignore_errors=True)

@@ -11,16 +11,15 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 
-__all__ = ["FORMAT", "POINTER", "SAFETENSORS", "InnerStateError", "check_files", "fsync_dir",
+__all__ = ["FORMAT", "POINTER", "SAFETENSORS", "InnerStateError", "check_files",
            "param_table", "read_pointer", "read_safetensors", "read_saved", "sha256_of",
-           "state_digest", "write_durably"]
+           "state_digest"]
 
 
 #: Version of the layout above (``format`` in current.json).
@@ -73,26 +72,6 @@ def sha256_of(path: Path) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
-
-
-def fsync_dir(path: Path) -> None:
-    """fsync the folder ``path`` (makes a rename in it durable). Raises OSError."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_durably(path: Path, data: bytes) -> None:
-    """``data`` into ``path`` atomically: a temporary file, fsync, rename, fsync the folder."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
 
 
 def read_pointer(root: Path) -> dict[str, Any] | None:

@@ -199,6 +199,12 @@ class RunSpec(Strict):
                       description="version 0 of θ, relative to the preparing host's directory")
     eval_loss_initial: float = Field(description="validation loss of version 0, nats/token")
     train_tokens: int = Field(ge=0, description="training tokens (tokens)")
+    data_digest: str | None = Field(
+        None, pattern=r"^[0-9a-f]{64}$",
+        description="SHA-256 (hex) of the token streams' lengths and sampled blocks "
+                    "(dips.train.datasource.token_digest): every process that trains or "
+                    "evaluates checks its own copy of the data against it (None: a spec "
+                    "written before it existed, only the length is checked)")
     val_tokens: int = Field(ge=0, description="validation tokens (tokens)")
     params: int = Field(ge=1, description="model parameters")
     windows_per_chunk: int = Field(ge=0, description="windows (seq_len + 1 tokens) per chunk")

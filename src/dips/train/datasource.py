@@ -21,6 +21,7 @@ not through the map) to refuse ids outside the model's vocabulary.  Source: §12
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -30,11 +31,14 @@ from dips.spec import DataConfig
 from dips.train.corpus import TokenData
 from dips.train.tokenize_files import load_tokenizer_dir, tokenize_to_cache
 
-__all__ = ["BLOCK_TOKENS", "check_ids", "load_data", "load_vocab", "open_tokens",
-           "save_tokenizer"]
+__all__ = ["BLOCK_TOKENS", "DIGEST_BLOCKS", "DIGEST_TOKENS", "check_ids", "check_run_data",
+           "load_data", "load_vocab", "open_tokens", "save_tokenizer", "token_digest"]
 
 #: Ids read per block by :func:`check_ids` (8 MiB of uint16).
 BLOCK_TOKENS = 1 << 22
+#: Blocks of each stream :func:`token_digest` reads, and ids per block: at most 2 × 257 × 4,096
+#: ids (4 MiB of uint32), so a host checks its copy of a terabyte of tokens in milliseconds.
+DIGEST_BLOCKS, DIGEST_TOKENS = 256, 4096
 
 
 def _mapped(path: Path, dtype: np.dtype, what: str) -> np.memmap:
@@ -81,6 +85,41 @@ def check_ids(path: Path, dtype: np.dtype | str, count: int, vocab_size: int, wh
         if top >= vocab_size:
             raise ValueError(f"{what} holds token id {top} (near token {start}), not below "
                              f"data.vocab_size = {vocab_size} (the model's vocabulary)")
+
+
+def token_digest(data: TokenData) -> str:
+    """A SHA-256 (hex, 64 characters) of the streams' dtype and lengths and of
+    :data:`DIGEST_BLOCKS` evenly spaced blocks of :data:`DIGEST_TOKENS` ids of each stream,
+    its last block included. The preparing leader records it in the run spec
+    (``RunSpec.data_digest``) and every process that trains or evaluates compares its own copy
+    (:func:`check_run_data`): hosts share no filesystem, and a copy of other files (or another
+    tokenizer) of the same length would otherwise train silently on other data. A sample,
+    not every id: it reads a few MiB whatever the dataset's size, and catches another file,
+    another tokenisation or a shifted stream, not one changed id between blocks."""
+    h = hashlib.sha256()
+    for name, part in (("train", data.train), ("val", data.val)):
+        n = len(part)
+        h.update(f"{name}:{part.dtype.str}:{n};".encode())
+        if n == 0:
+            continue
+        last = max(0, n - DIGEST_TOKENS)
+        for start in sorted({*np.linspace(0, last, DIGEST_BLOCKS, dtype=np.int64).tolist(), last}):
+            h.update(np.ascontiguousarray(part[start:start + DIGEST_TOKENS]).astype("<u4").tobytes())
+    return h.hexdigest()
+
+
+def check_run_data(data: TokenData, train_tokens: int, digest: str | None, what: str) -> None:
+    """Raise ValueError (naming ``what``, this host's figure and the run's) unless ``data``
+    has the run's ``train_tokens`` and, when the run recorded one, its ``digest``
+    (:func:`token_digest`). ``what``: who checks (e.g. ``"cluster a"``)."""
+    if len(data.train) != train_tokens:
+        raise ValueError(f"{what}: this host's data has {len(data.train)} train tokens, the "
+                         f"run's {train_tokens} (data.path or data.tokenizer differ from the "
+                         "leader's)")
+    if digest is not None and (mine := token_digest(data)) != digest:
+        raise ValueError(f"{what}: this host's data has digest {mine[:16]}…, the run's "
+                         f"{digest[:16]}… (same length, other tokens: data.path or "
+                         "data.tokenizer differ from the leader's)")
 
 
 def load_data(data: DataConfig, cache_dir: Path | None = None, *,

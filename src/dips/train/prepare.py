@@ -33,7 +33,7 @@ def prepare(cfg: RunConfig, out: Path, cache_dir: Path | None = None) -> RunSpec
     import torch
     from safetensors.torch import save_file
 
-    from dips.train.datasource import load_data, load_vocab
+    from dips.train.datasource import load_data, load_vocab, token_digest
     from dips.train.loop import eval_loss
     from dips.train.model import build_model, check_built, fingerprint_of
     from dips.train.sampler import make_chunks
@@ -66,6 +66,7 @@ def prepare(cfg: RunConfig, out: Path, cache_dir: Path | None = None) -> RunSpec
         follower_layers=[[table[i][0] for i in r] for r in parts],
         init="init/model.safetensors", eval_loss_initial=initial,
         train_tokens=int(len(data.train)), val_tokens=int(len(data.val)),
+        data_digest=token_digest(data),
         params=int(sum(p.numel() for p in model.parameters())),
         windows_per_chunk=windows, fingerprint=fingerprint_of(model, vocab))
     spec.write(out / "run.json")
