@@ -10,6 +10,7 @@ message names the option or file), 3 a leader that stepped down for a leader of 
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Annotated, Callable, Optional
@@ -142,21 +143,27 @@ def cluster(leader_addr: LeaderAddr,
             cache_dir: Annotated[Optional[Path], typer.Option(
                 "--cache-dir", help="tokenizer/corpus cache (default: the config's)")] = None,
             stages: Annotated[Optional[int], typer.Option(
-                "--stages", min=1, help="stage workers (default: the run config's)")] = None,
+                "--stages", min=1, help="stage workers of a one-process cluster (default: the "
+                                        "run config's; under torchrun: one per rank)")] = None,
             metrics_port: MetricsPort = None, metrics_host: MetricsHost = "0.0.0.0",
             log_format: LogFormat = "text", device: DeviceOpt = None,
             ) -> None:
-    """A cluster's built-in training loop (§3): H inner AdamW steps, push, verdict, pull."""
+    """A cluster's training loop (§3): H inner AdamW steps, push, verdict, pull; under
+    torchrun (WORLD_SIZE > 1), DDP replicas, FSDP2 shards or pipeline stages whose ranks are
+    the stage workers, rank 0 alone reading the TLS bundle and talking to the leader."""
     from dips.node.cluster import run_cluster
     from dips.train.run import stop_on_signals
     from dips.wire.pki import Identity
 
-    _logging(f"cluster-{cluster_id}", log_format)
+    rank = int(os.environ.get("RANK", "0") or 0)
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    _logging(f"cluster-{cluster_id}" + (f"-rank{rank}" if world > 1 else ""), log_format)
     stop = stop_on_signals()
     _run("cluster", lambda: run_cluster(
         leader_addr, cluster_id, state_dir.resolve(),
-        credentials(tls, insecure, Identity.cluster(cluster_id)), stop, cache_dir=cache_dir,
-        stages=stages, metrics_port=metrics_port, metrics_host=metrics_host, device=device),
+        credentials(tls, insecure, Identity.cluster(cluster_id)) if rank == 0 else None, stop,
+        cache_dir=cache_dir, stages=stages, metrics_port=metrics_port,
+        metrics_host=metrics_host, device=device),
         (RoleError, OSError, ValueError, RuntimeError, Refused))  # refused for good
 
 
