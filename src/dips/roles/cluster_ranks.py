@@ -48,7 +48,7 @@ from dips.algo.refusal import Refusal
 from dips.roles.client import ClusterClient
 from dips.roles.client_sync import AHEAD_CAP_S, PullFailed, StageFailures, _in_threads
 from dips.roles.cluster import StageWorker
-from dips.roles.follower import shard_checksum
+from dips.roles.follower import ShardHasher
 from dips.roles.rank_comm import Ranks, broadcast_params
 from dips.wire.dataclient import DataPlaneError
 from dips.wire.keys import MemberKey
@@ -216,31 +216,47 @@ class RankWorker:
         if self.sharded:
             self._verify_shards()
             return
-        shards: dict[int, dict[str, torch.Tensor]] = {}
-        for block in self.blocks:
-            for layer, params in block:
-                shard = shards.setdefault(self.owner.get(layer, -1), {})
-                shard.update({n: p.detach().float().cpu() for n, p in params})
-        self.checksums = {str(f): shard_checksum(t) for f, t in sorted(shards.items())}
+        self.checksums = {f: h.hexdigest() for f, h in self._hash_shards(
+            lambda n, p: p.detach().float().cpu()).items()}
         seen = self.ranks.gather({"checksums": self.checksums})
         if any(s["checksums"] != self.checksums for s in seen):
             raise RuntimeError(f"replicas differ after a pull: {[s['checksums'] for s in seen]}")
 
-    def _verify_shards(self) -> None:
-        """FSDP2: gather every parameter whole once more; each owner checks it equals the
-        block it pulled, rank 0 keeps the per-shard checksums (a host copy of the model on
-        rank 0). Raises RuntimeError on every rank if some parameter differs."""
-        same = True
-        shards: dict[int, dict[str, torch.Tensor]] = {}
+    def _hash_shards(self, host: Callable[[str, torch.Tensor], torch.Tensor | None]
+                     ) -> dict[str, ShardHasher]:
+        """Per follower shard (its index as a string), the :class:`ShardHasher` of this
+        replica's parameters, each brought to the host by ``host(name, param)`` in turn (None:
+        not hashed on this rank) in the same order on every rank (shards by index, names
+        sorted), so a collective inside ``host`` matches up and one parameter at a time
+        is on the host."""
+        shards: dict[int, list[tuple[str, torch.Tensor]]] = {}
         for block in self.blocks:
             for layer, params in block:
-                for n, p in params:
-                    whole = p.full_tensor().detach().float().cpu()
-                    if n in self.full and not torch.equal(whole, self.full[n]):
-                        same = False
-                    if self.ranks.lead:
-                        shards.setdefault(self.owner.get(layer, -1), {})[n] = whole
-        self.checksums = {str(f): shard_checksum(t) for f, t in sorted(shards.items())}
+                shards.setdefault(self.owner.get(layer, -1), []).extend(params)
+        out: dict[str, ShardHasher] = {}
+        for f, params in sorted(shards.items()):
+            h = out.setdefault(str(f), ShardHasher())
+            for n, p in sorted(params, key=lambda item: item[0]):
+                whole = host(n, p)
+                if whole is not None:
+                    h.add(n, whole)
+        return out
+
+    def _verify_shards(self) -> None:
+        """FSDP2: gather every parameter whole once more, one at a time; each owner checks it
+        equals the block it pulled, rank 0 keeps the per-shard checksums (one parameter on
+        its host at a time). Raises RuntimeError on every rank if some parameter differs."""
+        same = True
+
+        def host(n: str, p: torch.Tensor) -> torch.Tensor | None:
+            nonlocal same
+            whole = p.full_tensor().detach().float().cpu()  # type: ignore[attr-defined]
+            if n in self.full and not torch.equal(whole, self.full[n]):
+                same = False
+            return whole if self.ranks.lead else None
+
+        hashed = self._hash_shards(host)
+        self.checksums = {f: h.hexdigest() for f, h in hashed.items()} if self.ranks.lead else {}
         if self.ranks.any(not same):
             raise RuntimeError("after a pull, the sharded model differs from the pulled blocks")
 

@@ -76,11 +76,29 @@ def shard_checksum(params: dict[str, torch.Tensor]) -> str:
     security measure (frames are authenticated separately). XXH3 reads ~25 GB/s straight from
     the tensors' memory here, 6x CRC-32 (which cost twice the Nesterov step on the update path).
     """
-    h = xxhash.xxh3_64()
+    h = ShardHasher()
     for name in sorted(params):
-        h.update(name.encode())
-        h.update(params[name].contiguous().view(torch.uint8).numpy())
+        h.add(name, params[name])
     return h.hexdigest()
+
+
+class ShardHasher:
+    """:func:`shard_checksum` fed one parameter at a time, so a caller that materialises each
+    parameter in turn (a sharded or GPU model) holds one on the host, not the shard.
+    :meth:`add` must be called in name order (``sorted``); the result is then
+    ``shard_checksum`` of the same parameters."""
+
+    def __init__(self) -> None:
+        self._h = xxhash.xxh3_64()
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        """Add the parameter ``name``: ``tensor`` on the host in FP32 (any shape)."""
+        self._h.update(name.encode())
+        self._h.update(tensor.contiguous().view(torch.uint8).numpy())
+
+    def hexdigest(self) -> str:
+        """The checksum of what was added (16 hex digits)."""
+        return self._h.hexdigest()
 
 
 class FollowerShard(DataPlaneSide):
