@@ -28,7 +28,8 @@ test-fast: install
 	$(PY) -m pytest -q -m "not integration and not chaos and not long"
 
 # The longer multi-process runs left out of `make test` (torchrun clusters killed and resumed,
-# each parallel mode on its own, the FSDP2 example; about 10 minutes on 2 cores).
+# each parallel mode on its own, a torchrun cluster in dips launch, the FSDP2 example; about
+# 12 minutes on 2 cores).
 test-long: install
 	$(PY) -m pytest -q -m long
 

@@ -28,6 +28,7 @@ from torch.distributed.fsdp import fully_shard
 from dips.node.job import ClusterJob
 from dips.train.lease import NoData
 from dips.train.model import build_model
+from dips.train.run import stop_on_signals
 from dips.wire.pki import Identity
 from dips.wire.security import Credentials
 
@@ -39,6 +40,8 @@ def args() -> argparse.Namespace:
     p.add_argument("--tls", type=Path, help="rank 0's cluster bundle (dips init)")
     p.add_argument("--insecure", action="store_true", help="plaintext gRPC (trusted network)")
     p.add_argument("--cache-dir", type=Path, help="tokenizer/corpus cache (default: the run's)")
+    p.add_argument("--state-dir", type=Path, help="rank 0 locks it: one process of this "
+                                                  "cluster at a time")
     return p.parse_args()
 
 
@@ -57,7 +60,9 @@ def main() -> None:
     if rank == 0:  # only rank 0 talks to the leader
         creds = (Credentials.tls(a.tls) if a.tls else
                  Credentials.insecure(Identity.cluster(a.cluster_id)))
-    job = ClusterJob(a.leader, a.cluster_id, creds)
+    # SIGTERM or Ctrl-C: every rank leaves at the same step, and the leader hears it leave.
+    job = ClusterJob(a.leader, a.cluster_id, creds, stop=stop_on_signals(),
+                     state_dir=a.state_dir)
     cfg = job.config
     data = job.data(a.cache_dir)  # this rank's rows of the cluster's leased windows
 

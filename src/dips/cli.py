@@ -84,6 +84,9 @@ def launch(config: Path = typer.Option(..., "--config", exists=True, dir_okay=Fa
     try:
         summary = run_launch(cfg, run_dir.resolve(), max_time, faults=plan,
                              max_outer_steps=max_outer_steps)
+    except SpecError as exc:  # the data or model of the config, checked while preparing
+        typer.echo(f"dips launch: {exc}", err=True)
+        raise typer.Exit(2)
     except (RuntimeError, TimeoutError) as exc:  # a process died or never came up
         typer.echo(f"dips launch: {exc} (summary: {run_dir / 'summary.json'})", err=True)
         raise typer.Exit(1)

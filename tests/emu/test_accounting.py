@@ -52,6 +52,25 @@ def test_tokens_consumed_sums_every_process_a_cluster_ran_as(tmp_path: Path):
     assert tokens_consumed(tmp_path, cfg) == {"a": 512 + 768, "b": 512}
 
 
+def test_a_process_that_resumed_its_inner_state_counts_only_what_it_trained(tmp_path: Path):
+    """Review 15: a cluster killed at step 4 (1,024 tokens) resumed the state saved at step 2
+    (512 tokens) and counts on from there: its steps 3-5 are 768 new tokens, not 1,280."""
+    cfg = _cfg()
+    lines = {"a": [{"event": "join"}, {"step": 1, "tokens": 256}, {"step": 2, "tokens": 512},
+                   {"step": 3, "tokens": 768}, {"step": 4, "tokens": 1024},      # killed here
+                   {"event": "join"}, {"event": "resume", "steps": 2, "tokens": 512},
+                   {"step": 3, "tokens": 768}, {"step": 4, "tokens": 1024},
+                   {"step": 5, "tokens": 1280},                                  # killed again
+                   {"event": "join"}, {"step": 1, "tokens": 256}],               # fresh start
+             "b": [{"event": "join"}, {"event": "resume", "steps": 8, "tokens": 2048},
+                   {"step": 9, "tokens": 2304}]}
+    for cid, recs in lines.items():
+        d = tmp_path / "clusters" / cid
+        d.mkdir(parents=True)
+        (d / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    assert tokens_consumed(tmp_path, cfg) == {"a": 1024 + 768 + 256, "b": 256}
+
+
 def test_describe_names_the_code_not_the_debug_string():
     class Err(grpc.RpcError):
         def code(self):

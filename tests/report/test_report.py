@@ -196,6 +196,22 @@ def test_bad_lines_named_by_file_and_line(tmp_path):
     assert [p.split(": ", 1)[0] for p in problems] == [f"{path}:3", f"{path}:4"]
 
 
+def test_a_decision_line_with_fields_of_another_type_is_skipped_not_fatal(tmp_path):
+    """Review 15: well-formed objects whose fields have other types (schema drift, a hand
+    edit) crashed the whole report with a traceback; now each is skipped and named."""
+    run = make_multihost_run(tmp_path / "run")
+    steps = next(run.rglob("outer_steps.jsonl"))
+    n = len(steps.read_text().splitlines())
+    with open(steps, "a") as f:
+        f.write('{"round": null, "version": "v", "rejected": [1]}\n')
+        f.write('{"round": 3, "version": 3, "accepted": 5}\n')
+    res = CliRunner().invoke(app, ["report", str(run), "--out", str(tmp_path / "out")])
+    assert res.exit_code == 0, res.output
+    assert f"outer_steps.jsonl:{n + 1}: field 'rejected' is a list, not a dict" in res.output
+    assert f"outer_steps.jsonl:{n + 2}: field 'accepted' is a int, not a list" in res.output
+    check_page(tmp_path / "out" / "report.html")
+
+
 def test_cli_writes_the_report(tmp_path):
     run = make_multihost_run(tmp_path / "run")
     res = CliRunner().invoke(app, ["report", str(run), "--out", str(tmp_path / "out")])

@@ -100,7 +100,7 @@ def test_pretokenised_bins_are_mapped_and_their_ids_checked(user, tmp_path):
     bad = user["ids"].copy()
     bad[123] = byo.VOCAB + 7
     byo.write_bins(tmp_path / "bad", bad, 4000)
-    with pytest.raises(ValueError, match=r"token id 519 .*data.vocab_size = 512"):
+    with pytest.raises(ValueError, match=r"token id 519 at position 123 .*data.vocab_size = 512"):
         load_data(cfg.model_copy(update={"path": str(tmp_path / "bad")}), validate=True)
     (tmp_path / "odd").mkdir()
     (tmp_path / "odd" / "train.bin").write_bytes(b"\x01\x00\x02")
@@ -139,6 +139,50 @@ def test_config_errors_name_the_field():
         ModelConfig(pretrained="m", arch="llama")
     with pytest.raises(ValueError, match="exclude each other"):
         ModelConfig(pretrained="m", hf_config={"model_type": "gpt2"})
+    with pytest.raises(ValueError, match=r"model.hidden_size = 64: not used with model.pretrained"):
+        ModelConfig(pretrained="m", hidden_size=64)  # review 14: silently ignored before
+
+
+def test_unreadable_data_is_refused_naming_the_data_not_the_reader(user, tmp_path):
+    """Review 14 F5: an empty JSON-lines file, a line that is not JSON and a tokenizer
+    directory that does not exist each name data.path or data.tokenizer (datasets and the
+    HF hub used to speak of StopIteration, ArrowInvalid and repo ids)."""
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "a.jsonl").write_text("")
+    with pytest.raises(ValueError, match=r"a.jsonl is empty \(no documents\)"):
+        load_data(_json(user, tmp_path / "c1", path=str(tmp_path / "empty")))
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "a.jsonl").write_text('{"text": "fine"}\nnot json\n')
+    with pytest.raises(ValueError, match=r"data.path = .*broken.* \(json\): cannot read the record"):
+        load_data(_json(user, tmp_path / "c2", path=str(tmp_path / "broken")))
+    with pytest.raises(ValueError, match=r"data.tokenizer = .*nowhere.*: no such directory on this host"):
+        load_data(_json(user, tmp_path / "c3", tokenizer=tmp_path / "nowhere"))
+
+
+def test_a_run_that_cannot_be_prepared_is_a_spec_error_and_launch_exits_2(user, tmp_path):
+    """Review 14 F4: data or model errors found while preparing exit 2 with one line (they
+    exited 1 with a traceback)."""
+    import yaml
+
+    from dips.spec import SpecError
+    from dips.train.prepare import prepare
+
+    bad = user["ids"].copy()
+    bad[1234] = byo.VOCAB + 1
+    bins = byo.write_bins(tmp_path / "bad", bad, 4000)
+    cfg = yaml.safe_load((ROOT / "configs" / "tiny.yaml").read_text())
+    cfg.update(model={**cfg["model"], "vocab_size": byo.VOCAB},
+               data={"format": "tokens", "path": str(bins), "vocab_size": byo.VOCAB,
+                     "num_chunks": 8})
+    with pytest.raises(SpecError, match=r"the run cannot be prepared: .*token id 513 at position 1234"):
+        prepare(RunConfig.model_validate(cfg), tmp_path / "state")
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg))
+    proc = subprocess.run([sys.executable, "-m", "dips.cli", "launch", "--config",
+                           str(tmp_path / "run.yaml"), "--run-dir", str(tmp_path / "run")],
+                          capture_output=True, text=True, timeout=100, cwd=ROOT)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "dips launch: the run cannot be prepared" in proc.stderr
+    assert "Traceback" not in proc.stderr
 
 
 @pytest.mark.parametrize("kind", sorted(byo.MODELS))

@@ -91,6 +91,18 @@ class Launch:
             return []
         return self.net.exec_prefix(name[len("cluster-"):] if name.startswith("cluster-") else None)
 
+    def command_of(self, name: str, args: list[str]) -> list[str]:
+        """The argv of child ``name`` for its role command ``args``: ``dips <args>``, or for a
+        cluster of ``ranks > 1`` that cluster as a torchrun job on this host (a fresh
+        rendezvous port each start; torchrun never restarts it, the supervisor does)."""
+        me = next((c for c in self.cfg.clusters if f"cluster-{c.id}" == name), None)
+        if me is None or me.ranks == 1:
+            return [sys.executable, "-m", "dips.cli", *args]
+        host = self.net.addr(me.id) if self.net is not None else "127.0.0.1"  # its namespace's
+        return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
+                "--nproc-per-node", str(me.ranks), "--master-addr", host, "--master-port",
+                str(free_port()), "--max-restarts", "0", "-m", "dips.cluster", *args[1:]]
+
     def spawn(self, name: str, args: list[str]) -> Child:
         log_path = self.run_dir / "logs" / f"{name}.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -100,7 +112,7 @@ class Launch:
                    DIPS_FAILPOINTS=str(self.run_dir / "failpoints"),
                    DIPS_TRAIN_START=str(self.run_dir / "train_start"))
         prefix = self.prefix_of(name)
-        proc = subprocess.Popen([*prefix, sys.executable, "-m", "dips.cli", *args], stdout=out,
+        proc = subprocess.Popen([*prefix, *self.command_of(name, args)], stdout=out,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                                 start_new_session=True)
         out.close()
@@ -144,7 +156,10 @@ class Launch:
             try:
                 c.proc.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                c.proc.kill()
+                try:
+                    os.killpg(c.proc.pid, signal.SIGKILL)  # its own session: a torchrun's ranks too
+                except ProcessLookupError:
+                    pass
                 c.proc.wait(10)
                 self.event("killed", c.name)
             self.event("stopped", c.name, returncode=c.proc.returncode)

@@ -97,7 +97,7 @@ class FaultInjector:
             self._undo.remove(item)
             _, kind, target, pid = item
             if kind == "cont" and pid is not None and self._pid_of(target) == pid:
-                os.kill(pid, signal.SIGCONT)
+                os.killpg(pid, signal.SIGCONT)  # each child leads its own session
                 self._event("fault_cleared", target, action="stop", pid=pid)
             elif kind == "link_up":
                 if self._net is not None:
@@ -131,10 +131,10 @@ class FaultInjector:
             self._event("fault_skipped", f.target, action=f.action, reason="not running")
             return
         if f.action == "kill":
-            os.kill(pid, signal.SIGKILL)
+            os.killpg(pid, signal.SIGKILL)  # a torchrun cluster's ranks too
             self._event("fault", f.target, action="kill", pid=pid)
         else:
-            os.kill(pid, signal.SIGSTOP)
+            os.killpg(pid, signal.SIGSTOP)
             self._undo.append((t + f.duration_s, "cont", f.target, pid))
             self._event("fault", f.target, action="stop", pid=pid, duration_s=f.duration_s)
 

@@ -186,7 +186,8 @@ def event_line(rec: dict[str, Any], t0: float, source: str | None = None) -> str
     """One fault event as a line: seconds since ``t0`` (wall clock), its kind, the process
     (or ``source``), then its other fields as ``key=value``."""
     who = rec.get("process", source or "")
-    rest = " ".join(f"{k}={v}" for k, v in rec.items() if k not in ("time", "event", "process"))
+    rest = " ".join(f"{k}={v}" for k, v in rec.items()
+                    if k not in ("time", "event", "process") and v not in (None, ""))
     return f"{_stamp(rec, t0)} {rec.get('event')}: {who} {rest}".rstrip()
 
 

@@ -51,6 +51,32 @@ def world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1") or 1)
 
 
+#: How often a rank checks that its torchrun agent is alive, seconds.
+AGENT_POLL_S = 1.0
+
+
+def exit_with_agent(poll_s: float = AGENT_POLL_S) -> threading.Thread:
+    """Exit this rank (``os._exit(1)``, after an error log line) once the process that started
+    it is gone: torchrun starts each rank in a session of its own, so a kill -9 of the agent
+    (an OOM kill, a scheduler that stops only the launcher) would leave the ranks training
+    and pushing as the cluster, a cluster nobody can restart (its state directory stays
+    locked). Polls ``os.getppid()`` (reparented once the parent dies) every ``poll_s``
+    seconds in a daemon thread, which it returns."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        log.error("the torchrun agent (pid %d) is gone: this rank (pid %d) exits", parent,
+                  os.getpid())
+        logging.shutdown()
+        os._exit(1)
+
+    t = threading.Thread(target=watch, name="agent-watch", daemon=True)
+    t.start()
+    return t
+
+
 def run_cluster_ranks(leader_addr: str, cluster_id: str, state: Path, creds: Credentials | None,
                       stop: threading.Event, *, cache_dir: Path | None = None,
                       metrics_port: int | None = None, metrics_host: str = "0.0.0.0",
@@ -66,6 +92,7 @@ def run_cluster_ranks(leader_addr: str, cluster_id: str, state: Path, creds: Cre
 
     rank, world = int(os.environ["RANK"]), world_size()
     local = int(os.environ.get("LOCAL_RANK", "0"))
+    exit_with_agent()
     cuda = torch.cuda.is_available()
     if cuda and local < torch.cuda.device_count():  # issue 14 (device): the rank's GPU; the
         torch.cuda.set_device(local)  # device itself (cuda or cpu) is chosen after the spec
@@ -105,7 +132,9 @@ def _no_buffer_sync(ddp: Any) -> dict[str, bool]:
 def _spec(ranks: Any, leader_addr: str, cluster_id: str, state: Path | None,
           creds: Credentials | None, stop: threading.Event) -> Any:
     """Rank 0 locks ``state`` (unless None), fetches the run spec and broadcasts it (or why
-    it cannot start)."""
+    it cannot start) with its ``cluster_id``. Every rank runs the same command: a rank
+    started with another ``--cluster-id`` than rank 0 raises RoleError naming both (it would
+    take another cluster's settings: parallel mode, device, link)."""
     from dips.spec import RunSpec
 
     if not ranks.lead:
@@ -114,6 +143,10 @@ def _spec(ranks: Any, leader_addr: str, cluster_id: str, state: Path | None,
             raise Stopped(msg["stopped"])
         if "error" in msg:
             raise RoleError(f"rank 0 could not start: {msg['error']}")
+        if msg.get("cluster_id") != cluster_id:
+            raise RoleError(f"rank {ranks.rank} was started with --cluster-id {cluster_id!r}, "
+                            f"rank 0 with {msg.get('cluster_id')!r}: every rank of a torchrun "
+                            "cluster runs the same command")
         return RunSpec.model_validate_json(msg["spec"])
     try:
         if creds is None or creds.identity != Identity.cluster(cluster_id):
@@ -128,7 +161,7 @@ def _spec(ranks: Any, leader_addr: str, cluster_id: str, state: Path | None,
     except BaseException as exc:
         ranks.broadcast({"error": str(exc)})
         raise
-    ranks.broadcast({"spec": spec.model_dump_json()})
+    ranks.broadcast({"spec": spec.model_dump_json(), "cluster_id": cluster_id})
     return spec
 
 

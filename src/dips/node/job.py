@@ -36,7 +36,7 @@ from typing import Any, Callable
 
 import torch
 
-from dips.node.cluster_ddp import BOOT_TIMEOUT_S, _spec, collective_timeout
+from dips.node.cluster_ddp import BOOT_TIMEOUT_S, _spec, collective_timeout, exit_with_agent
 from dips.wire.security import Credentials
 
 __all__ = ["ClusterJob"]
@@ -73,6 +73,8 @@ class ClusterJob:
         from dips.spec import ClusterConfig
 
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        if "TORCHELASTIC_RUN_ID" in os.environ:  # started by torchrun: leave with its agent
+            exit_with_agent()
         self.leader, self.cluster_id, self.creds = leader, cluster_id, creds
         self.stop = stop or threading.Event()
         boot = Ranks.control_group(self.rank, self.world, BOOT_TIMEOUT_S, torch.device("cpu"))

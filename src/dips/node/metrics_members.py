@@ -160,6 +160,8 @@ class ClusterMetrics:
         event) into the metrics."""
         if "event" in rec:
             self.events.labels(event=str(rec["event"])).inc()
+            if rec["event"] == "resume" and isinstance(rec.get("tokens"), int):
+                self._tokens = rec["tokens"]  # the saved count: trained by an earlier process
         if "step" in rec:
             self.steps.inc()
             if isinstance(rec.get("compute_s"), (int, float)):

@@ -110,6 +110,12 @@ class ClusterConfig(Strict):
                            "pipeline = rank r is pipeline stage r (torch.distributed."
                            "pipelining, GPipe over `microbatches`) and pushes and pulls its "
                            "own layers (issue 14; one process when WORLD_SIZE is 1 or unset)")
+    ranks: int = Field(
+        1, ge=1, le=64,
+        description="dips launch only (emulation on one host): start this cluster as one "
+                    "torchrun job of `ranks` processes (`python -m torch.distributed.run "
+                    "--nproc-per-node ranks -m dips.cluster`, each rank trained as `parallel` "
+                    "says); 1: one process. At a real site the operator runs torchrun")
     microbatches: int | None = Field(
         None, ge=1, description="parallel: pipeline: GPipe microbatches per inner step (at "
                                 "most inner.batch_size); None: one per stage (WORLD_SIZE)")

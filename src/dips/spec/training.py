@@ -85,6 +85,12 @@ class ModelConfig(Strict):
 
     @model_validator(mode="after")
     def _check_heads(self) -> "ModelConfig":
+        if self.pretrained is not None:  # the sizes come from the directory's config.json
+            unused = [f"{k} = {getattr(self, k)!r}" for k in _SIZES if k in self.model_fields_set
+                      and getattr(self, k) != type(self).model_fields[k].default]
+            if unused:
+                raise ValueError(f"model.{', model.'.join(unused)}: not used with "
+                                 f"model.pretrained (its config.json has the sizes); remove it")
         if self.pretrained is not None:
             if self.arch != "hf":
                 raise ValueError(f"model.pretrained = {str(self.pretrained)!r} is for arch hf, "
@@ -125,6 +131,11 @@ class ModelConfig(Strict):
     def resolved_head_dim(self) -> int:
         """Per-head width actually used: ``head_dim`` or ``hidden_size // num_heads``."""
         return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_heads
+
+
+#: ModelConfig's sizes of the built-in architectures; arch hf takes them from its own config.
+_SIZES = ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+          "head_dim", "max_seq_len", "tie_embeddings", "rope_theta")
 
 
 class DataConfig(Strict):

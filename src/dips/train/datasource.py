@@ -81,10 +81,12 @@ def check_ids(path: Path, dtype: np.dtype | str, count: int, vocab_size: int, wh
     for start in range(0, count, BLOCK_TOKENS):
         block = np.fromfile(path, dtype=dtype, count=min(BLOCK_TOKENS, count - start),
                             offset=start * dtype.itemsize)
-        top = int(block.max())
-        if top >= vocab_size:
-            raise ValueError(f"{what} holds token id {top} (near token {start}), not below "
-                             f"data.vocab_size = {vocab_size} (the model's vocabulary)")
+        bad = np.flatnonzero(block >= vocab_size)
+        if bad.size:
+            at = start + int(bad[0])
+            raise ValueError(f"{what} holds token id {int(block[bad[0]])} at position {at} (the "
+                             f"first of {bad.size} in ids {start}–{start + len(block) - 1}), not "
+                             f"below data.vocab_size = {vocab_size} (the model's vocabulary)")
 
 
 def token_digest(data: TokenData) -> str:

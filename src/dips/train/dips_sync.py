@@ -155,7 +155,8 @@ class InnerStateSync:
             leased = self.trainer.batches.positions()
             self.resumed = {
                 "event": "resume", "version": meta["version"], "saved_step": meta["step"],
-                "steps": self.trainer.steps, "digest": digests[0], "ranks": digests,
+                "steps": self.trainer.steps, "tokens": self.trainer.tokens,
+                "digest": digests[0], "ranks": digests,
                 "data": {"hint": sorted([c, p] for c, p in hint.items()),
                          "leased": sorted([int(c), int(p)] for c, p in leased.items()),
                          "kept": sorted(c for c in hint if leased.get(c) == hint[c]),

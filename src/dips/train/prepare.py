@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 
 from dips.algo import partition_contiguous
-from dips.spec import RunConfig, RunSpec
+from dips.spec import RunConfig, RunSpec, SpecError
 
 
 def prepare(cfg: RunConfig, out: Path, cache_dir: Path | None = None) -> RunSpec:
@@ -26,10 +26,21 @@ def prepare(cfg: RunConfig, out: Path, cache_dir: Path | None = None) -> RunSpec
     one streaming pass to tokenise and one to check its ids.
 
     Raises:
-        ValueError: the data and the model disagree (vocabulary, a chunk shorter than one
-            window), or what :func:`dips.train.datasource.load_data` and
-            :func:`dips.train.model.build_model` raise; FileNotFoundError: data missing.
+        SpecError: the run cannot be prepared from this config on this host, one message
+            naming the field or file: the data and the model disagree (vocabulary, a chunk
+            shorter than one window), or what :func:`dips.train.datasource.load_data` and
+            :func:`dips.train.model.build_model` refuse (ValueError), data or a model
+            directory missing or unreadable (OSError). The role commands exit 2 on it.
     """
+    try:
+        return _prepare(cfg, out, cache_dir)
+    except SpecError:
+        raise
+    except (ValueError, OSError) as exc:  # the user's data or model, checked here, not a bug
+        raise SpecError(f"the run cannot be prepared: {exc}") from exc
+
+
+def _prepare(cfg: RunConfig, out: Path, cache_dir: Path | None) -> RunSpec:
     import torch
     from safetensors.torch import save_file
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import glob
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -81,6 +82,8 @@ def load_tokenizer_dir(path: Path, vocab_size: int):
     or the directory when it cannot be loaded."""
     from transformers import AutoTokenizer  # heavy import (seconds), deferred
 
+    if not Path(path).expanduser().is_dir():  # else HF reads it as a hub repo id
+        raise ValueError(f"data.tokenizer = {str(path)!r}: no such directory on this host")
     try:
         tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     except (OSError, ValueError) as exc:
@@ -117,12 +120,24 @@ def _documents(data: DataConfig, files: list[Path], hf_cache: Path) -> Iterator[
     import datasets  # heavy import, deferred
 
     datasets.disable_progress_bars()
+    for f in files:
+        if f.stat().st_size == 0:
+            raise ValueError(f"data.path = {data.path!r}: {f} is empty (no documents)")
     options = {"sample_by": data.sample_by} if data.format == "text" else {}
     stream = datasets.load_dataset(data.format, data_files=[str(f) for f in files],
                                    split="train", streaming=True, cache_dir=str(hf_cache),
                                    **options)
     column = "text" if data.format == "text" else data.text_field
-    for i, record in enumerate(stream):
+    records = iter(stream)
+    for i in itertools.count():
+        try:
+            record = next(records)
+        except StopIteration:
+            return
+        except Exception as exc:  # datasets / pyarrow internals: name the user's data instead
+            raise ValueError(f"data.path = {data.path!r} ({data.format}): cannot read the "
+                             f"record after {i} records: {type(exc).__name__}: "
+                             f"{str(exc).splitlines()[0] if str(exc) else ''}") from None
         if column not in record:
             raise ValueError(f"data.text_field = {column!r} is not a column of {data.path!r} "
                              f"(record {i} has {sorted(record)})")

@@ -32,11 +32,13 @@ def find(root: Path, name: str) -> list[Path]:
     return sorted(p for p in Path(root).rglob(name) if p.is_file())
 
 
-def read_jsonl(path: Path, problems: list[str]) -> list[dict[str, Any]]:
+def read_jsonl(path: Path, problems: list[str],
+               shape: dict[str, type] | None = None) -> list[dict[str, Any]]:
     """The JSON objects of ``path``, one per line; blank lines ignored.
 
-    A line that does not parse, or is not an object, is skipped and reported in ``problems``
-    as ``path:line: reason``; an unreadable file adds one entry and gives ``[]``.
+    A line that does not parse, is not an object, or (with ``shape``) has a field of another
+    type (:func:`misshapen`) is skipped and reported in ``problems`` as ``path:line: reason``;
+    an unreadable file adds one entry and gives ``[]``.
     """
     out: list[dict[str, Any]] = []
     try:
@@ -55,8 +57,32 @@ def read_jsonl(path: Path, problems: list[str]) -> list[dict[str, Any]]:
         if not isinstance(rec, dict):
             problems.append(f"{path}:{no}: a JSON {type(rec).__name__}, not an object; line skipped")
             continue
+        if shape is not None and (why := misshapen(rec, shape)) is not None:
+            problems.append(f"{path}:{no}: {why}; line skipped")
+            continue
         out.append(rec)
     return out
+
+
+#: The containers an ``outer_steps.jsonl`` decision record's fields hold (the leader's
+#: ``dips.roles.leader_records``); a record with another type in one of them is skipped.
+DECISION_SHAPE: dict[str, type] = {
+    "clusters": list, "accepted": list, "ahead": list, "scored": list, "rejected": dict,
+    "scores": dict, "thresholds": dict, "sq_norms": dict, "tokens": dict, "base_versions": dict,
+    "weights": dict, "push_scales": dict, "checksums": dict, "invalid": dict}
+
+
+def misshapen(rec: dict[str, Any], shape: dict[str, type]) -> str | None:
+    """Why ``rec`` does not have ``shape`` (its first field of another type, or a number
+    field ``round``/``version``/``time`` that is not a number), or None if it does."""
+    for key, kind in shape.items():
+        if key in rec and rec[key] is not None and not isinstance(rec[key], kind):
+            return f"field {key!r} is a {type(rec[key]).__name__}, not a {kind.__name__}"
+    for key in ("round", "version", "time"):
+        v = rec.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+            return f"field {key!r} = {v!r} is not a number"
+    return None
 
 
 def read_json(path: Path, problems: list[str]) -> dict[str, Any] | None:
@@ -162,7 +188,7 @@ def load_run(root: Path) -> RunFiles:
         run.sources.append(_rel(p, root))
     for p in find(root, "outer_steps.jsonl"):
         run.sources.append(_rel(p, root))
-        for rec in read_jsonl(p, run.problems):
+        for rec in read_jsonl(p, run.problems, DECISION_SHAPE):
             kind = rec.get("event")
             if kind == "round_end":
                 run.round_ends.append(rec)
