@@ -263,3 +263,32 @@ def test_json_log_lines_carry_time_level_logger_message_and_extras():
         record = logging.LogRecord("x", logging.ERROR, __file__, 1, "failed", (), sys.exc_info())
     doc = json.loads(fmt.format(record))
     assert "RuntimeError: boom" in doc["exc_info"] and "\n" not in fmt.format(record)
+
+
+def test_a_refused_start_is_a_json_line_under_log_format_json(tmp_path):
+    """Review 15 #7: with --log-format json, a refused start (here a state directory in use)
+    was the one plain-text line on stderr; now it is a JSON object too."""
+    import subprocess
+    import sys
+
+    from dips.emu.launcher import free_port
+    from dips.node.common import StateDir
+
+    state = tmp_path / "f0"
+    state.mkdir()
+    lock = StateDir(state).acquire()  # another process holds it (the lock is per open file)
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "dips.cli", "follower", "--leader", "127.0.0.1:9", "--index",
+             "0", "--listen", f"127.0.0.1:{free_port()}", "--data-listen",
+             f"127.0.0.1:{free_port()}", "--state-dir",
+             str(state), "--insecure", "--log-format", "json"],
+            capture_output=True, text=True, timeout=100)
+    finally:
+        lock.release()
+    assert proc.returncode == 2, proc.stderr
+    lines = [json.loads(l) for l in proc.stderr.splitlines() if l.startswith("{")]
+    assert lines and lines[-1]["level"] == "ERROR" and lines[-1]["exit_code"] == 2
+    assert "is in use" in lines[-1]["message"], proc.stderr
+    assert all(l.startswith("{") for l in proc.stderr.splitlines() if l.strip()
+               and not l.startswith("WARNING: running WITHOUT TLS")), proc.stderr

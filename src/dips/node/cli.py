@@ -41,8 +41,23 @@ LogFormat = Annotated[str, typer.Option(
                          "message, extra fields)")]
 
 
+#: The --log-format this process logs in (set by :func:`_logging`): a refused start is
+#: written in it too, so a log shipper reading JSON lines sees the one line that matters.
+_FORMAT = {"value": "text"}
+
+
 def _fail(command: str, exc: Exception) -> None:
-    print(f"dips {command}: {exc}", file=sys.stderr, flush=True)
+    """Exit 2 after one line on stderr naming the problem (a JSON object with
+    ``--log-format json``: time, level, logger, process, message, exit_code)."""
+    message = f"dips {command}: {exc}"
+    if _FORMAT["value"] == "json":
+        import json
+        import time
+
+        message = json.dumps({"time": round(time.time(), 6), "level": "ERROR", "logger": "dips",
+                              "process": command, "message": message, "exit_code": 2},
+                             ensure_ascii=False)
+    print(message, file=sys.stderr, flush=True)
     raise typer.Exit(2)
 
 
@@ -66,6 +81,7 @@ def _logging(name: str, fmt: str) -> None:
               file=sys.stderr, flush=True)
         raise typer.Exit(2)
     setup_logging(name, fmt)
+    _FORMAT["value"] = fmt
 
 
 def leader(config: Annotated[Path, typer.Option("--config", exists=True, dir_okay=False,
