@@ -312,10 +312,18 @@ def _train(cfg: Any, me: Any, trainer: Any, ranks: Any, worker: Any, sampler: An
                        "replicas": {"version": client.version, "checksums": worker.checksums}})
             if getattr(sync, "resumed", None) is not None:
                 out.write(sync.resumed)  # issue 14: the inner state resumed
+        watch = None
+        if ranks.lead and ranks.world > 1:  # a hung or stopped rank ends the cluster
+            from dips.node.stepwatch import StepWatch
+
+            watch = StepWatch(first_s=collective_timeout(me.collective_timeout_s, cfg.timeouts))
+            trainer.step = watch.wrap(trainer.step)  # type: ignore[method-assign]
         try:
             run_loop(trainer, sync, stop, pacer, out, clock=lambda: time.time() - t_start)
         finally:
             out.close()
+            if watch is not None:
+                watch.close()
         if client is not None:
             log.info("cluster %s: %s: stopping after %d inner steps", cluster_id,
                      client.finished or "stopped", client.inner_step)

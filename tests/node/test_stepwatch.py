@@ -1,0 +1,62 @@
+"""A stalled inner step ends a torchrun cluster (review 14, F1: a SIGSTOPped rank held its
+cluster for the 1800 s collective timeout while rank 0 kept it a member). The bound by hand,
+and the watch on a fake clock: a step that overruns calls ``on_stall`` once, a normal one
+never."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from dips.node.stepwatch import StepWatch, step_bound
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def test_the_bound_is_the_first_step_allowance_then_a_multiple_of_the_median():
+    assert step_bound([], 20, 60, 600, 3) == 600
+    assert step_bound([1.0, 1.0], 20, 60, 600, 3) == 600  # still warming up
+    assert step_bound([1.0, 2.0, 9.0], 20, 60, 600, 3) == 60  # 20 x 2 s < the 60 s floor
+    assert step_bound([5.0, 4.0, 6.0, 100.0], 20, 60, 600, 3) == pytest.approx(110.0)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_a_step_over_its_bound_calls_on_stall_once_and_a_normal_one_never():
+    clock, stalls = Clock(), []
+    watch = StepWatch(factor=20, floor_s=60, first_s=600, warmup=3, poll_s=3600,
+                      on_stall=stalls.append, clock=clock)
+    inside, release = threading.Event(), threading.Event()
+
+    def step(seconds: float, block: bool = False) -> str:
+        clock.t += seconds
+        if block:
+            inside.set()
+            release.wait(10)
+        return "done"
+
+    timed = watch.wrap(step)
+    for _ in range(3):
+        assert timed(2.0) == "done"  # three steps of 2 s: the bound is now 60 s
+    assert watch.check() is None and stalls == []
+    t = threading.Thread(target=timed, args=(0.0, True))
+    t.start()
+    assert inside.wait(10)
+    clock.t += 59.0
+    assert watch.check() is None  # within the bound
+    clock.t += 2.0
+    message = watch.check()
+    assert message is not None and "an inner step has run 61 s, over its bound of 60 s" in message
+    assert stalls == [message]
+    clock.t += 100.0
+    assert watch.check() is None and len(stalls) == 1  # once
+    release.set()
+    t.join(10)
+    watch.close()
