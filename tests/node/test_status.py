@@ -242,6 +242,12 @@ def test_status_over_mutual_tls_with_the_operators_bundle(tmp_path):
         missing = CliRunner().invoke(app, ["status", "--leader", f"127.0.0.1:{port}",
                                            "--tls", str(tmp_path / "nowhere")])
         assert missing.exit_code == 2 and "--tls" in missing.stderr
+        init_pki(tmp_path / "other", 1, ["a"])  # review 15: another run's bundle
+        foreign = CliRunner().invoke(app, ["status", "--leader", f"127.0.0.1:{port}",
+                                           "--tls", str(tmp_path / "other" / "admin"),
+                                           "--timeout", "3"])
+        assert foreign.exit_code == 2, foreign.output
+        assert "its certificate is not signed by the CA of this --tls bundle" in foreign.stderr
     finally:
         server.stop(0).wait(5)
         leader.stop()

@@ -130,3 +130,33 @@ def require(who: Identity, role: str, what: str) -> None:
     message)."""
     if who.role != role:
         raise Refused(Refusal.FORBIDDEN, f"{what}: only a {role} may call it, not {who.name!r}")
+
+
+def server_cert_verifies(host: str, port: int, ca_pem: bytes, timeout_s: float = 5.0) -> bool | None:
+    """Whether the TLS server at ``host:port`` shows a certificate chain that the CA
+    ``ca_pem`` (PEM bytes) signed: True, False (the handshake failed verifying it: a server of
+    another run's PKI), or None when that cannot be told (no connection, not TLS, another
+    handshake failure). Sends no client certificate and nothing after the handshake; for
+    diagnosing a refused call by a typed outcome, never by an error's text (``ssl``; the
+    server's name is not checked, dips checks identities, not host names). Waits at most
+    ``timeout_s`` seconds."""
+    import socket
+    import ssl
+
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_REQUIRED
+    try:
+        ctx.load_verify_locations(cadata=ca_pem.decode())
+    except (ssl.SSLError, ValueError):
+        return None
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s) as raw:
+            with ctx.wrap_socket(raw, server_hostname=None, do_handshake_on_connect=False) as tls:
+                tls.settimeout(timeout_s)
+                tls.do_handshake()
+                return True
+    except ssl.SSLCertVerificationError:
+        return False
+    except (OSError, ValueError):  # ssl.SSLError is an OSError: not a verdict on the chain
+        return None
