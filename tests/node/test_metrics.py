@@ -292,3 +292,15 @@ def test_a_refused_start_is_a_json_line_under_log_format_json(tmp_path):
     assert "is in use" in lines[-1]["message"], proc.stderr
     assert all(l.startswith("{") for l in proc.stderr.splitlines() if l.strip()
                and not l.startswith("WARNING: running WITHOUT TLS")), proc.stderr
+
+
+def test_a_leader_event_logs_its_fields_as_json_fields(caplog):
+    """Review 15 #7: under --log-format json a leader event's fields were a Python dict repr
+    inside ``message``; they are a JSON object now (``event``, ``fields``)."""
+    from dips.roles import leader_records
+
+    caplog.set_level(logging.INFO, logger=leader_records.log.name)
+    stub = SimpleNamespace(_faults=lambda: None, _run_dir=None, _observe=lambda *a: None)
+    leader_records.Records.event(stub, "follower_up", follower=1, restarted=False)
+    doc = json.loads(JsonFormatter("leader").format(caplog.records[-1]))
+    assert doc["event"] == "follower_up" and doc["fields"] == {"follower": 1, "restarted": False}

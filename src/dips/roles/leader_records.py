@@ -212,7 +212,8 @@ class Records:
 
     def event(self, kind: str, **extra: Any) -> None:
         """Append a timestamped event to ``leader_events.jsonl`` (and the log)."""
-        log.info("%s %s", kind, extra)
+        # --log-format json: the event and its fields as JSON fields, not a repr in message
+        log.info("%s %s", kind, extra, extra={"event": kind, "fields": extra})
         self._faults()  # the last hour read back before this line is appended
         record = {"time": time.time(), "event": kind, **extra}
         if self._run_dir is not None:
