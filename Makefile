@@ -29,7 +29,7 @@ test-fast: install
 
 # The longer multi-process runs left out of `make test` (torchrun clusters killed and resumed,
 # each parallel mode on its own, a torchrun cluster in dips launch, the FSDP2 example; about
-# 12 minutes on 2 cores).
+# 13 minutes on 2 cores).
 test-long: install
 	$(PY) -m pytest -q -m long
 

@@ -33,7 +33,7 @@ _CAP = netns.probe()
     pytest.param("tc-tbf", marks=[pytest.mark.skipif(
         _CAP.shaping != "tc-tbf", reason=f"kernel shaping unavailable: {_CAP.reason}"),
         pytest.mark.long]),  # make test-long; tc tbf's rate: tests/emu/test_netns.py
-    "token-bucket"])
+    pytest.param("token-bucket", marks=pytest.mark.long)])  # tests/emu/test_link_schedule.py
 def test_real_time_dips_is_shaped_and_follows_the_bandwidth_schedule(shaping, tmp_path):
     data = yaml.safe_load((ROOT / "configs/compare/tiny.yaml").read_text())
     generated = Scenario.model_validate(data).clusters
