@@ -13,6 +13,7 @@ import yaml
 
 from tests.integration.invariants import check_run
 from tests.integration.runner import ROOT, jsonl_so_far, launch_until
+from tests.node.roles import alive
 
 pytestmark = [pytest.mark.integration, pytest.mark.long, pytest.mark.timeout(600)]
 
@@ -54,7 +55,7 @@ def test_a_two_rank_cluster_is_one_torchrun_job_killed_and_restarted_whole(tmp_p
     assert len(before) == 2, (ranks, killed)
     assert len(ranks) >= 4, ranks  # the restarted job's two ranks too
     deadline = time.monotonic() + 30
-    while left := [p for p in ranks if _alive(p)]:  # the launcher's stop reached every rank
+    while left := [p for p in ranks if alive(p)]:  # the launcher's stop reached every rank
         assert time.monotonic() < deadline, f"ranks left running: {left}\n{out[-2000:]}"
         time.sleep(0.2)
     assert "rank 1 of 2" in (run_dir / "logs" / "cluster-d.log").read_text()
@@ -76,11 +77,3 @@ def _ranks_of(state: Path) -> list[int]:
                 and str(state).encode() in argv:
             out.append(int(entry.name))
     return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/status").read_text().split("State:")[1].split("\n")[0]
-    except (OSError, IndexError):
-        return False
-    return "zombie" not in state

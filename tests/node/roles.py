@@ -59,3 +59,12 @@ def kill_left(procs: dict[str, subprocess.Popen]) -> None:
         if p.poll() is None:
             p.kill()
             p.wait(10)
+
+
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (exists and is not a zombie), from /proc."""
+    try:
+        state = Path(f"/proc/{pid}/status").read_text().split("State:")[1].split("\n")[0]
+    except (OSError, IndexError):
+        return False
+    return "zombie" not in state

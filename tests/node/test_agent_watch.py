@@ -11,9 +11,10 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
+
+from .roles import alive
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -45,11 +46,11 @@ def test_a_rank_exits_once_its_agent_is_killed(tmp_path):
         while "watching" not in (log.read_text() if log.exists() else ""):
             assert time.monotonic() < deadline, "the child never started watching"
             time.sleep(0.1)
-        assert _alive(child)
+        assert alive(child)
         parent.send_signal(signal.SIGKILL)
         parent.wait(10)
         deadline = time.monotonic() + 30
-        while _alive(child):
+        while alive(child):
             assert time.monotonic() < deadline, "the rank outlived its agent"
             time.sleep(0.1)
         assert "the torchrun agent" in log.read_text() and "is gone" in log.read_text()
@@ -57,13 +58,5 @@ def test_a_rank_exits_once_its_agent_is_killed(tmp_path):
         if parent.poll() is None:
             parent.kill()
             parent.wait(10)
-        if child is not None and _alive(child):
+        if child is not None and alive(child):
             os.kill(child, signal.SIGKILL)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/status").read_text().split("State:")[1].split("\n")[0]
-    except (OSError, IndexError):
-        return False
-    return "zombie" not in state

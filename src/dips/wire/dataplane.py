@@ -74,6 +74,7 @@ from dips.wire.serving import (
     Incidents,
     PullLedger,
     PullSource,
+    PushConnections,
     PushSink,
     StreamHandler,
     allow_all,
@@ -84,8 +85,6 @@ from dips.wire.stream import BEGIN, CHUNK, END
 
 log = logging.getLogger(__name__)
 _OUTBOX_IDS = itertools.count()
-#: (cluster, round) pairs whose push connections a data server remembers.
-PUSH_ROUNDS_KEPT = 256
 #: Seconds the producer waits for a stream's window to open before it looks for new requests.
 _WAIT_S = 0.005
 
@@ -160,11 +159,7 @@ class DataServer:
         self._incident = Incidents()
         self._error: str | None = None
         self.died = threading.Event()
-        #: Distinct connections (ZeroMQ routing ids) that sent push data, per (cluster,
-        #: round), the newest PUSH_ROUNDS_KEPT kept: a member's stage workers each hold one
-        #: connection per follower (§5, §10; read with :meth:`push_connections`).
-        self._push_conns: dict[tuple[str, int], set[bytes]] = {}
-        self._push_conns_lock = threading.Lock()
+        self._push_conns = PushConnections()  # read with push_connections
         self._ctx = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -203,20 +198,10 @@ class DataServer:
                                       (self._produce, "data-producer"))]
         self._started = False
 
-    def _note_push(self, ident: bytes, header: dict) -> None:
-        """Count ``ident`` among the connections of the accepted push ``header`` (its
-        ``cluster`` and ``round`` were checked by the stream handler)."""
-        key = (str(header.get("cluster")), int(header.get("round", -1)))
-        with self._push_conns_lock:
-            self._push_conns.setdefault(key, set()).add(bytes(ident))
-            while len(self._push_conns) > PUSH_ROUNDS_KEPT:
-                self._push_conns.pop(next(iter(self._push_conns)))
-
     def push_connections(self, cluster: str, rnd: int) -> int:
         """How many distinct connections sent (accepted) push data of ``cluster`` for round
-        ``rnd`` (0 if none, or forgotten: only the newest PUSH_ROUNDS_KEPT are kept)."""
-        with self._push_conns_lock:
-            return len(self._push_conns.get((cluster, int(rnd)), ()))
+        ``rnd`` (:class:`~dips.wire.serving.PushConnections`)."""
+        return self._push_conns.count(cluster, rnd)
 
     def bind(self, endpoint: str) -> None:
         """Also accept requests on ``endpoint`` (e.g. ``ipc://PATH`` for a local reader that
@@ -339,7 +324,7 @@ class DataServer:
         out.connect(self._outbox_addr)
         pushes = PushStreams(self._streams, self._authorize, self._check_member, self._incident,
                              self._stale_s)
-        pushes.seen = self._note_push
+        pushes.seen = self._push_conns.note
         self._push_streams = pushes
         purge_at = 0.0
         try:
@@ -414,7 +399,7 @@ class DataServer:
                 pull = True
             header, tensors = self._handler(msg)
             if msg.header.get("op") == "push":
-                self._note_push(ident, msg.header)
+                self._push_conns.note(ident, msg.header)
             reply = [ident, MSG, *encode(mk.key, header, tensors, encrypt=mk.encrypt)]
         except REFUSED as exc:
             pull = False

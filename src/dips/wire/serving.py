@@ -258,7 +258,38 @@ class PullLedger:
             return self._streams.get(member, 0)
 
 
+#: (cluster, round) pairs whose push connections a data server remembers.
+PUSH_ROUNDS_KEPT = 256
+
+
+class PushConnections:
+    """Distinct connections (ZeroMQ routing ids) that sent accepted push data, per (cluster,
+    round), the newest :data:`PUSH_ROUNDS_KEPT` kept: a member's stage workers each hold one
+    connection per follower (§5, §10), so this counts a cluster's stage workers on this
+    follower. Thread-safe."""
+
+    def __init__(self) -> None:
+        self._seen: dict[tuple[str, int], set[bytes]] = {}
+        self._lock = threading.Lock()
+
+    def note(self, ident: bytes, header: dict) -> None:
+        """Count ``ident`` among the connections of the accepted push ``header`` (its
+        ``cluster`` and ``round`` were checked by the stream handler)."""
+        key = (str(header.get("cluster")), int(header.get("round", -1)))
+        with self._lock:
+            self._seen.setdefault(key, set()).add(bytes(ident))
+            while len(self._seen) > PUSH_ROUNDS_KEPT:
+                self._seen.pop(next(iter(self._seen)))
+
+    def count(self, cluster: str, rnd: int) -> int:
+        """How many distinct connections sent push data of ``cluster`` for round ``rnd`` (0
+        if none, or forgotten)."""
+        with self._lock:
+            return len(self._seen.get((cluster, int(rnd)), ()))
+
+
 __all__ = ["MAX_OPEN_STREAMS", "MAX_PULLS_PER_MEMBER", "PULL_BYTES_PER_MEMBER",
-           "PULL_WINDOW_BYTES", "PULL_WINDOW_MESSAGES", "REFUSED", "SEND_HWM", "Authorize",
+           "PULL_WINDOW_BYTES", "PULL_WINDOW_MESSAGES", "PUSH_ROUNDS_KEPT", "REFUSED", "SEND_HWM",
+           "Authorize", "PushConnections",
            "Handler", "Incidents", "PullLedger", "PullSource", "PushSink", "StreamHandler",
            "allow_all", "error_reply", "streams_of"]
