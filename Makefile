@@ -20,8 +20,10 @@ install: $(STAMP)
 demo: install
 	$(VENV)/bin/dips launch --config configs/quickstart.yaml --run-dir $(RUN_DIR)
 
+# Two pytest-xdist workers, a test module to a worker (a module's shared run happens once): on
+# 2 cores the multi-process runs mostly wait on their processes, so two at a time halve the wall.
 test: install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadfile
 
 # Unit tests only (no multi-process runs).
 test-fast: install

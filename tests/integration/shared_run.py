@@ -1,10 +1,10 @@
 """One fault-free `dips launch` shared by two tests that each check a different property of it
-(the fixture ``quiet_run`` in conftest.py): the run is the expensive part (most of a minute
+(the fixture ``quiet_run`` of test_quiet_run.py): the run is the expensive part (most of a minute
 of process start-up and shut-down on 2 cores), the checks are cheap.
 
-- test_exactly_once.py, input 2 (a slow link sends its push ahead): configs/tiny.yaml with
+- exactly once (issue 10), input 2 (a slow link sends its push ahead): configs/tiny.yaml with
   cluster c uploading at 40 kbit/s (a push takes ~14 s) against a round push timeout of 6 s;
-- test_interrupt.py (SIGINT on `dips launch`, one leader at a time): once an outer step is
+- SIGINT on `dips launch` and one leader at a time (issue 11): once an outer step is
   accepted, a second leader started from a copy of the live leader's state steps down
   without changing a follower, the live leader goes on making outer steps, and the run is
   stopped with SIGINT. Neither depends on c's link.
