@@ -19,21 +19,24 @@ import threading
 
 import pytest
 
+from dips.algo.refusal import Refusal
+from dips.roles.client_sync import FOLLOWERS_CHANGED, StageFailures
 from tests.roles.test_protocol import Run, _perturb, _wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
 
-def _spy_pushes(client) -> list[str | None]:
-    """Record what each push through the stage workers returned (None: delivered)."""
-    seen: list[str | None] = []
-    real = client._run_stages
+def _spy_pushes(client) -> list[StageFailures | None]:
+    """Record how each run of the stage workers ended (None: delivered): the typed
+    StageFailures, so the checks read codes and the client's own reason, not messages."""
+    seen: list[StageFailures | None] = []
+    real = client._guard
 
-    def run_stages(grant, tokens):
-        seen.append(real(grant, tokens))
-        return seen[-1]
+    def guard(failures):
+        seen.append(failures)
+        return real(failures)
 
-    client._run_stages = run_stages
+    client._guard = guard
     return seen
 
 
@@ -69,10 +72,9 @@ def test_a_follower_restarted_mid_push_aborts_the_transfer(tmp_path):
         # surviving follower, which the leader told to drop the round the restart failed, while
         # or before a layer arrived (whichever reaches the client first); never by waiting
         # out the transfer deadline.
-        assert seen and any(why in seen[0] for why in (
-            "a follower went down or restarted", "round 1 closed while layer",
-            "round 1 is closed on this follower",
-            "the push's round closed while this layer")), seen
+        assert seen and seen[0] is not None, seen
+        assert (seen[0].aborted == FOLLOWERS_CHANGED
+                or Refusal.STALE_GRANT in seen[0].refusals()), str(seen[0])
         assert not out["result"].accepted, out["result"]
         c.close()
     finally:
@@ -94,7 +96,7 @@ def test_a_stop_request_ends_a_stalled_push_and_its_verdict_wait(tmp_path):
         stop.set()  # SIGTERM in a cluster process
         thread.join(90)
         assert not thread.is_alive(), "the sync never returned"
-        assert seen and "given up: stopping" in seen[0], seen
+        assert seen and seen[0] is not None and seen[0].aborted == "stopping", seen
         assert out["result"].reason == "stopping", out["result"]
         assert c._pending_verdict is not None  # asked again by push id, never guessed
         c.close(leave=False)

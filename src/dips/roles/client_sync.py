@@ -39,6 +39,9 @@ from dips.wire.control import CallCancelled, refusal_of
 from dips.wire.dataplane import DataPlaneError
 from dips.wire.pb import control_pb2 as pb
 
+#: Why a transfer is given up when the leader's ``followers_epoch`` moved (StageFailures.aborted).
+FOLLOWERS_CHANGED = "a follower went down or restarted"
+
 log = logging.getLogger(__name__)
 
 #: A transfer waits at most XFER_FLOOR_S + XFER_SLACK × its measured average (seconds).
@@ -241,7 +244,7 @@ class SyncMixin:
             if self._stop.is_set():
                 return "stopping"
             if epoch is not None and self._followers_epoch != epoch:
-                return "a follower went down or restarted"
+                return FOLLOWERS_CHANGED
             return None
 
         return why
