@@ -141,6 +141,13 @@ class StageWorker:
         timeout_s: deadline of each data-plane reply.
         limiter: called with each message's byte count before it is sent (link shaping).
         dtype: the wire dtype of pushes and pulls, "bf16" (§12) or "fp32".
+        staging: where a push gets each layer's image instead of the worker's own buffers
+            (``mode = "stream"`` only): ``staging.image(layer)`` returns ``[(name, host
+            tensor in the wire dtype)]`` and ``staging.release(layer)`` is called once that
+            layer's follower acknowledged it (or the push failed), after which the tensors
+            may be reused (:class:`dips.roles.cluster_shards.ShardedPush`: FSDP2 layers
+            gathered one at a time into a bounded set of buffers). None: the worker's own
+            reused buffers, one per parameter.
     """
 
     mode = "stream"
@@ -149,10 +156,12 @@ class StageWorker:
 
     def __init__(self, index: int, layers: dict[str, list[tuple[str, torch.nn.Parameter]]],
                  key: MemberKey, endpoints: dict[int, str], timeout_s: float,
-                 limiter: Callable[[int], Any] | None = None, dtype: str = "bf16") -> None:
+                 limiter: Callable[[int], Any] | None = None, dtype: str = "bf16",
+                 staging: Any = None) -> None:
         if dtype not in DTYPES:
             raise ValueError(f"wire dtype = {dtype!r} not one of {sorted(DTYPES)}")
         self.index = index
+        self.staging = staging
         self.dtype = dtype
         self.layers = layers
         self.timeout_s = timeout_s
@@ -233,20 +242,33 @@ class StageWorker:
                            for n, p in self.layers[layer]]
                 self._clients[follower].request({**head, "layer": layer}, tensors)
             return
-        flight: deque[tuple[int, Any, int]] = deque()
+        flight: deque[tuple[int, Any, int, str]] = deque()
         held: set[int] = set()
+        image = self.staging.image if self.staging is not None else self._image
+        staged: list[str] = []  # layers whose image is held (staging: released once acked)
+
+        def release(layer: str) -> None:
+            staged.remove(layer)
+            if self.staging is not None:
+                self.staging.release(layer)
 
         def finish_oldest() -> None:
-            f, pending, nbytes = flight.popleft()
+            f, pending, nbytes, layer = flight.popleft()
             self._clients[f].push_finish(pending)
             self.acked_bytes += nbytes
+            release(layer)
             failpoints.hit("push")  # fault injection: in the middle of a push
             if all(g != f for g, *_ in flight):
                 held.discard(f)
                 _LINKS.release(push_id, f)
 
+        def next_image(layer: str) -> list[tuple[str, torch.Tensor]]:
+            out = image(layer)
+            staged.append(layer)
+            return out
+
         try:
-            ready = self._image(transfers[0][0]) if transfers else []
+            ready = next_image(transfers[0][0]) if transfers else []
             for k, (layer, f, *_) in enumerate(transfers):
                 if f not in held and not _LINKS.acquire(push_id, f, None):
                     while flight:  # hold nothing while waiting for a busy link
@@ -256,18 +278,20 @@ class StageWorker:
                 held.add(f)
                 flight.append((f, self._clients[f].push_start({**head, "layer": layer}, ready,
                                                               self.chunk_bytes),
-                               sum(t.numel() * t.element_size() for _, t in ready)))
+                               sum(t.numel() * t.element_size() for _, t in ready), layer))
                 if k + 1 < len(transfers):  # overlaps libzmq sending layer k (§10)
-                    ready = self._image(transfers[k + 1][0])
+                    ready = next_image(transfers[k + 1][0])
                 while len(flight) >= self.depth:
                     finish_oldest()
             while flight:
                 finish_oldest()
         except BaseException:
-            for f, _, _ in flight:
+            for f, *_ in flight:
                 self._clients[f].close()  # drop the unread replies of abandoned streams
             for f in held:
                 _LINKS.release(push_id, f)
+            for layer in list(staged):  # the closed sockets no longer read them
+                release(layer)
             raise
 
     def pull(self, version: int, owner: dict[str, int],
@@ -303,6 +327,18 @@ class StageWorker:
                 if n not in out or tuple(out[n].shape) != tuple(p.shape):
                     raise ValueError(f"pull of version {version}: tensor {n!r} missing or mis-shaped")
         return DeviceLanding(out, self._devices(out))
+
+    def pull_layer(self, version: int, layer: str, follower: int,
+                   out: list[tuple[str, torch.Tensor]]) -> None:
+        """Fetch one ``layer`` of ``version`` from ``follower`` (one stream) into ``out``:
+        ``[(name, contiguous host tensor)]`` of the layer's parameters in the worker's wire
+        dtype, in the layer's order, which hold partial data if it raises (a staging area).
+        Raises as :meth:`dips.wire.dataclient.DataClient.pull`, and ValueError if the
+        follower sent another version."""
+        head = {"op": "pull", "version": version, "layers": [layer], "dtype": self.dtype}
+        got = self._clients[follower].pull(head, out, self.chunk_bytes).get("version")
+        if got != version:
+            raise ValueError(f"follower {follower} sent version {got}, expected {version}")
 
     def close(self) -> None:
         for c in self._clients.values():

@@ -27,11 +27,13 @@ it with its own :class:`RankWorker`:
 The other ranks wait in :meth:`RankWorker.serve` meanwhile, each wait bounded by the control
 group's timeout.
 
-Under FSDP2 (``fully_shard``; the parameters are DTensors sharded over the ranks) the owner of
-a block keeps it whole in host buffers: before a push every rank gathers each parameter in
-turn (``full_tensor()``, a collective) and the owner copies it in; after a pull the owner's
-buffers hold the pulled block, each parameter is broadcast whole from its owner and every rank
-keeps its own shard (``distribute_tensor`` without communication).
+Under FSDP2 (``fully_shard``; the parameters are DTensors sharded over the ranks) a layer is
+whole only inside a collective, and the owner of a block stages it one layer at a time in a
+bounded set of host buffers (:mod:`dips.roles.cluster_shards`): before a push every rank
+gathers the planned layers in one agreed order (``full_tensor()``) and each owner streams its
+own as they come; after a pull each owner fetches its layers one stream each and every rank
+takes its shard of each as it is broadcast from its owner. An owner's extra host memory is
+at most ``StageWorker.depth + 1`` of its largest layers in the wire dtype, not its block.
 """
 
 from __future__ import annotations
@@ -48,9 +50,11 @@ from dips.algo.refusal import Refusal
 from dips.roles.client import ClusterClient
 from dips.roles.client_sync import AHEAD_CAP_S, PullFailed, StageFailures, _in_threads
 from dips.roles.cluster import StageWorker
+from dips.roles.cluster_shards import LayerSlots, ShardedPull, ShardedPush, beside
 from dips.roles.follower import ShardHasher
 from dips.roles.rank_comm import Ranks, broadcast_params
 from dips.wire.dataclient import DataPlaneError
+from dips.wire.frames import DTYPES
 from dips.wire.keys import MemberKey
 from dips.wire.pb import control_pb2 as pb
 
@@ -97,16 +101,12 @@ class RankWorker:
         self.blocks = [[layers[i] for i in r] for r in blocks]
         own = dict(self.blocks[ranks.rank]) if ranks.rank < len(blocks) else {}
         #: FSDP2: the parameters are DTensors sharded over the ranks; the owner of a block
-        #: stages it whole in host buffers (``full``) to push it and after a pull.
+        #: stages one layer at a time in ``slots`` (:mod:`dips.roles.cluster_shards`).
         self.sharded = any(_is_dtensor(p) for _, ps in layers for _, p in ps)
-        self.full: dict[str, torch.Tensor] = {}
-        if self.sharded:
-            self.full = {n: torch.empty(tuple(p.shape), dtype=torch.float32)
-                         for ps in own.values() for n, p in ps}
-            own = {layer: [(n, self.full[n]) for n, _ in ps] for layer, ps in own.items()}
-        self.mine = own  # layer -> [(name, tensor the stage worker reads and the pull fills)]
+        self.mine = own  # layer -> [(name, parameter)] this rank pushes and pulls
         self.limiter = limiter
         self.wire_dtype = wire_dtype
+        self.slots: LayerSlots | None = self._slots() if self.sharded and own else None
         self.stop = stop or threading.Event()
         self.verify = verify
         self.stage: StageWorker | None = None
@@ -114,6 +114,12 @@ class RankWorker:
         self._connect_cmd: dict | None = None
         self._pulled: dict[str, torch.Tensor] = {}
         self.checksums: dict[str, str] = {}  # follower index -> checksum after the last pull
+
+    def _slots(self) -> LayerSlots:
+        """FSDP2: ``StageWorker.depth + 1`` host buffers as large as this rank's largest
+        layer in the wire dtype (one converted while ``depth`` are on the wire)."""
+        largest = max(sum(p.numel() for _, p in ps) for ps in self.mine.values())
+        return LayerSlots(StageWorker.depth + 1, largest, DTYPES[self.wire_dtype])
 
     # ----- commands --------------------------------------------------------------------
     def run(self, cmd: dict, abandon: Callable[[], str | None] | None = None) -> list[dict]:
@@ -123,10 +129,12 @@ class RankWorker:
         if op == "connect":
             self.connect(cmd)
             return []
+        if op == "push" and self.sharded:
+            return self.ranks.gather(self._sharded_push(cmd, abandon))
         if op == "push":
-            if self.sharded:
-                self._materialise()
             return self.ranks.gather(self._transfer(cmd, abandon, self._push))
+        if op == "pull" and self.sharded:
+            return self._sharded_pull(cmd, abandon)
         if op == "pull":
             results = self.ranks.gather(self._transfer(cmd, abandon, self._fetch))
             if all(r["error"] is None for r in results):
@@ -158,9 +166,7 @@ class RankWorker:
     def _transfer(self, cmd: dict, abandon: Callable[[], str | None] | None,
                   job: Callable[[dict], None]) -> dict:
         """Run ``job(cmd)`` on this rank's stage worker within ``cmd["limit"]`` seconds."""
-        out: dict[str, Any] = {"rank": self.ranks.rank, "error": None, "refusals": [],
-                               "overran": False, "aborted": None, "acked": 0,
-                               "layers": sorted(self.mine)}
+        out = self._outcome()
         if self.stage is None:
             return out
         self.stage.set_timeout(float(cmd["limit"]))
@@ -172,6 +178,11 @@ class RankWorker:
             if failures.overran and self._connect_cmd is not None:
                 self.connect(self._connect_cmd)  # the stuck thread keeps its own sockets
         return out
+
+    def _outcome(self) -> dict[str, Any]:
+        """This rank's outcome of a transfer that went well."""
+        return {"rank": self.ranks.rank, "error": None, "refusals": [], "overran": False,
+                "aborted": None, "acked": 0, "layers": sorted(self.mine)}
 
     def _push(self, cmd: dict) -> None:
         ticket = (cmd["ticket"], bytes.fromhex(cmd["ticket_mac"])) if cmd.get("ticket") else None
@@ -185,36 +196,65 @@ class RankWorker:
         assert self.stage is not None
         self._pulled = self.stage.pull(int(cmd["version"]), self.owner)
 
-    def _materialise(self) -> None:
-        """FSDP2: every parameter gathered whole (``full_tensor``, a collective on every rank,
-        one parameter at a time); the owner of its block keeps it in ``full``."""
-        for block in self.blocks:
-            for _, params in block:
-                for n, p in params:
-                    whole = p.full_tensor().detach()
-                    if n in self.full:
-                        self.full[n].copy_(whole)
+    def _joined(self, out: dict | None) -> dict:
+        """A sharded transfer's outcome (None: its thread hung); after an overrun the stuck
+        stage worker keeps its slots, so this rank takes fresh ones."""
+        out = out or dict(self._outcome(), error="transfer thread hung", overran=True)
+        if out["overran"] and self.slots is not None:
+            self.slots = self._slots()
+        return out
+
+    def _sharded_push(self, cmd: dict, abandon: Callable[[], str | None] | None) -> dict:
+        """FSDP2 push: the planned layers gathered one at a time on every rank, each owner's
+        streamed from a slot by its stage worker (:class:`ShardedPush`)."""
+        limit = float(cmd["limit"])
+        plans = [[layer for layer, _ in plan] for plan in cmd["plans"]]
+        push = ShardedPush(self.blocks, self.ranks.rank, plans, self.slots,
+                           time.monotonic() + limit)
+        if self.stage is not None:
+            self.stage.staging = push
+        wait = beside(lambda: self._transfer(cmd, abandon, self._push), push.done.set)
+        push.feed()
+        out = self._joined(wait(limit + MARGIN_S))
+        if not out["overran"]:
+            push.finish()
+        return out
+
+    def _sharded_pull(self, cmd: dict, abandon: Callable[[], str | None] | None) -> list[dict]:
+        """FSDP2 pull: each owner's layers fetched one stream each into slots and scattered
+        as they land (:class:`ShardedPull`), then (``verify``) checked; returns every rank's
+        outcome, with ``loaded`` (layers loaded: the model is partly the new version when
+        the pull failed after some)."""
+        limit, version = float(cmd["limit"]), int(cmd["version"])
+        pull = ShardedPull(self.blocks, self.ranks, self.slots, self.wire_dtype,
+                           time.monotonic() + limit)
+
+        def fetch(_: dict) -> None:
+            stage = self.stage
+            assert stage is not None
+            pull.fetch(lambda layer, out: stage.pull_layer(version, layer, self.owner[layer],
+                                                           out))
+
+        wait = beside(lambda: self._transfer(cmd, abandon, fetch), pull.fetched)
+        ok = pull.load()
+        out = dict(self._joined(wait(limit + MARGIN_S)), loaded=pull.loaded)
+        if pull.missing is not None and out["error"] is None:
+            out["error"] = f"layer {pull.missing!r} was not fetched within {limit:.0f} s"
+        results = self.ranks.gather(out)
+        if ok and all(r["error"] is None for r in results) and self.verify:
+            self.checksums = pull.verify(self._hash_shards)
+        return results
 
     def _load_and_share(self) -> None:
         """Widen this rank's pulled block into the replica, broadcast every block from its
-        rank (FSDP2: each parameter whole, one at a time, each rank keeping its own shard),
-        then (``verify``) check that every replica holds the same model."""
+        rank, then (``verify``) check that every replica holds the same model."""
         with torch.no_grad():
             for params in self.mine.values():
                 for n, p in params:
                     p.copy_(self._pulled[n])
         for src, block in enumerate(self.blocks):
-            params = [p for _, ps in block for _, p in ps]
-            if self.sharded:
-                names = [n for _, ps in block for n, _ in ps]
-                for n, p in zip(names, params):
-                    _scatter_into(p, self.full.get(n), src)
-            else:
-                broadcast_params(params, src)
+            broadcast_params([p for _, ps in block for _, p in ps], src)
         if not self.verify:
-            return
-        if self.sharded:
-            self._verify_shards()
             return
         self.checksums = {f: h.hexdigest() for f, h in self._hash_shards(
             lambda n, p: p.detach().float().cpu()).items()}
@@ -242,24 +282,6 @@ class RankWorker:
                     h.add(n, whole)
         return out
 
-    def _verify_shards(self) -> None:
-        """FSDP2: gather every parameter whole once more, one at a time; each owner checks it
-        equals the block it pulled, rank 0 keeps the per-shard checksums (one parameter on
-        its host at a time). Raises RuntimeError on every rank if some parameter differs."""
-        same = True
-
-        def host(n: str, p: torch.Tensor) -> torch.Tensor | None:
-            nonlocal same
-            whole = p.full_tensor().detach().float().cpu()  # type: ignore[attr-defined]
-            if n in self.full and not torch.equal(whole, self.full[n]):
-                same = False
-            return whole if self.ranks.lead else None
-
-        hashed = self._hash_shards(host)
-        self.checksums = {f: h.hexdigest() for f, h in hashed.items()} if self.ranks.lead else {}
-        if self.ranks.any(not same):
-            raise RuntimeError("after a pull, the sharded model differs from the pulled blocks")
-
     def close(self) -> None:
         """Close this rank's stage worker (if any)."""
         if self.stage is not None:
@@ -269,23 +291,6 @@ class RankWorker:
 
 def _is_dtensor(p: torch.Tensor) -> bool:
     return type(p).__name__ == "DTensor" or hasattr(p, "device_mesh")
-
-
-def _scatter_into(p: torch.Tensor, whole: torch.Tensor | None, src: int) -> None:
-    """FSDP2: the DTensor parameter ``p`` takes rank ``src``'s ``whole`` value (a full-size
-    host tensor there, None elsewhere): broadcast on the data group, then each rank copies
-    its own shard (``distribute_tensor`` without communication)."""
-    import torch.distributed as dist
-    from torch.distributed.tensor import distribute_tensor
-
-    device = p.to_local().device  # type: ignore[attr-defined]
-    buf = whole.to(device) if whole is not None else torch.empty(tuple(p.shape), dtype=p.dtype,
-                                                                 device=device)
-    dist.broadcast(buf, src=src)
-    local = distribute_tensor(buf, p.device_mesh, p.placements,  # type: ignore[attr-defined]
-                              src_data_rank=None).to_local()
-    with torch.no_grad():
-        p.to_local().copy_(local)  # type: ignore[attr-defined]
 
 
 def _failures(results: list[dict], limit: float) -> StageFailures | None:
@@ -371,9 +376,10 @@ class RankLeadClient(ClusterClient):
         limit = self._limit("pull_s", self.timeout_s)
         cmd = {"op": "pull", "version": version, "limit": limit}
         self.worker.ranks.broadcast(cmd)
-        failures = _failures(self.worker.run(cmd, self._abandoned()), limit)
-        if failures is not None:
-            raise PullFailed(version, failures)
+        results = self.worker.run(cmd, self._abandoned())
+        failures = _failures(results, limit)
+        if failures is not None:  # FSDP2 loads as it pulls: maybe partly loaded
+            raise PullFailed(version, failures, loading=any(r.get("loaded") for r in results))
         self._xfer.observe("pull_s", time.monotonic() - t0)
         self.version = version
         self.tokens_since_pull = 0
