@@ -279,10 +279,7 @@ def _train(cfg: Any, me: Any, trainer: Any, ranks: Any, worker: Any, sampler: An
             observed.attach(client)
             metrics = serve_metrics(observed.registry, metrics_port, metrics_host)
     sync: Any = RankSync(ranks, worker, sampler, DiPSSync(client) if client is not None else None)
-    if me.inner_checkpoint and me.parallel == "pipeline":
-        log.info("cluster %s: inner_checkpoint is not supported with parallel: pipeline yet; "
-                 "a restarted pipeline cluster starts its inner AdamW afresh", cluster_id)
-    elif me.inner_checkpoint:  # issue 14: the inner AdamW state across restarts (every rank)
+    if me.inner_checkpoint:  # issue 14: the inner AdamW state across restarts (every rank)
         from dips.roles.cluster_state import InnerStateStore
         from dips.train.dips_sync import InnerStateSync
 

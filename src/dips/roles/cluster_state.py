@@ -9,7 +9,9 @@ loads it back before the next join. Layout, under the cluster's own ``--state-di
     inner/v<version>-<id>/   one payload: ``optimizer.safetensors`` (a process of its own, or
                             rank 0 of DDP replicas: the whole state) or a
                             torch.distributed.checkpoint directory (FSDP2: every rank writes
-                            its own shards; all ranks must see the same directory)
+                            its own shards; pipeline: every stage rank the state of its own
+                            stage's parameters, a tied matrix held by two stages once; all
+                            ranks must see the same directory)
 
 A save writes the payload into a temporary directory (files fsynced), renames it into place,
 then replaces ``current.json`` atomically (write a temporary file, fsync, rename, fsync the
@@ -19,7 +21,8 @@ checkpoint whole. Nothing is pickled by dips (safetensors tensors, JSON metadata
 
 A load refuses, with :class:`InnerStateError` naming the file and the field, a pointer or
 payload that is not intact (JSON, sizes, SHA-256 of every file) or that belongs to another
-cluster id, another parallel layout, or a model whose parameter names or shapes differ; it
+cluster id, another parallel layout (safetensors or DCP; among DCP layouts, FSDP2 or
+pipeline), or a model whose parameter names or shapes differ; it
 then changes nothing (neither the optimizer nor the files). The operator removes
 ``<state-dir>/inner`` to start the inner optimizer afresh. The optimizer's hyperparameters
 (lr, betas, weight decay) stay the run config's; only the per-parameter state is loaded.
@@ -60,7 +63,9 @@ from dips.roles.rank_comm import Ranks, broadcast_params
 
 __all__ = ["InnerStateError", "InnerStateStore", "read_saved", "state_digest"]
 
-Mode = Literal["one", "ddp", "fsdp2"]
+Mode = Literal["one", "ddp", "fsdp2", "pipeline"]
+#: Modes whose ranks each save and load their own part through torch.distributed.checkpoint.
+DCP_MODES = ("fsdp2", "pipeline")
 
 
 class InnerStateStore:
@@ -72,23 +77,27 @@ class InnerStateStore:
         model: the cluster's model (the plain module: not the DDP wrapper; FSDP2: the
             ``fully_shard``-ed module); optimizer: its inner AdamW.
         mode: "one" (a process of its own), "ddp" (replicas: rank 0 saves the whole state,
-            at load it reads it and broadcasts it to the others) or "fsdp2" (sharded: every
-            rank saves and loads its shards through torch.distributed.checkpoint).
-        ranks: this rank's :class:`~dips.roles.rank_comm.Ranks` (modes ddp and fsdp2).
+            at load it reads it and broadcasts it to the others), "fsdp2" (sharded: every
+            rank saves and loads its shards through torch.distributed.checkpoint) or
+            "pipeline" (pipeline stages: ``optimizer`` holds this stage's parameters of the
+            whole ``model``; every stage rank saves and loads its own through
+            torch.distributed.checkpoint, by parameter name, so a restart with another
+            split of the stages still finds each parameter's state).
+        ranks: this rank's :class:`~dips.roles.rank_comm.Ranks` (all modes but "one").
 
-    Save and load are collectives in modes ddp and fsdp2: every rank calls them at the same
+    Save and load are collectives in the multi-rank modes: every rank calls them at the same
     point. Raises ValueError for a mode without its ranks.
     """
 
     def __init__(self, root: Path, cluster_id: str, model: torch.nn.Module,
                  optimizer: torch.optim.Optimizer, mode: Mode = "one",
                  ranks: Ranks | None = None) -> None:
-        if mode not in ("one", "ddp", "fsdp2") or (mode != "one") != (ranks is not None):
+        if mode not in ("one", "ddp", *DCP_MODES) or (mode != "one") != (ranks is not None):
             raise ValueError(f"inner state: mode = {mode!r} with ranks = {ranks!r}")
         self.root, self.cluster_id, self.mode, self.ranks = Path(root), cluster_id, mode, ranks
         self.model, self.optimizer = model, optimizer
         self.lead = ranks is None or ranks.lead
-        self.storage = "dcp" if mode == "fsdp2" else "safetensors"
+        self.storage = "dcp" if mode in DCP_MODES else "safetensors"
         self.params = param_table(model)
         name_of = {id(p): n for n, p in model.named_parameters()}
         self.names = [name_of[id(p)] for g in optimizer.param_groups for p in g["params"]]
@@ -117,9 +126,12 @@ class InnerStateStore:
 
     def digests(self) -> list[dict[str, Any]]:
         """Every rank's :meth:`digest`, in rank order (DDP: all-gathered, so that a replica
-        that resumed another state shows; FSDP2: the one state, gathered whole)."""
+        that resumed another state shows; pipeline: each stage's own; FSDP2: the one state,
+        gathered whole)."""
         mine = self.digest()
-        return self.ranks.gather(mine) if self.mode == "ddp" and self.ranks else [mine]
+        if self.mode in ("ddp", "pipeline") and self.ranks:
+            return self.ranks.gather(mine)
+        return [mine]
 
     # ----- save -------------------------------------------------------------------------
     def save(self, version: int, data: dict[str, Any], counters: dict[str, int]) -> Path | None:
@@ -140,13 +152,13 @@ class InnerStateStore:
                 tmp.mkdir()
             except OSError as exc:
                 failed = exc
-        if self.mode == "fsdp2":  # every rank writes into the lead's folder, or none does
+        if self.storage == "dcp":  # every rank writes into the lead's folder, or none does
             assert self.ranks is not None
             if self.ranks.any(failed is not None):
                 raise failed or OSError(f"inner state: rank 0 could not make {tmp}")
         elif failed is not None:
             raise failed
-        if self.mode == "fsdp2":
+        if self.storage == "dcp":
             self._save_dcp(tmp)
         elif self.lead:
             self._save_safetensors(tmp / SAFETENSORS)
@@ -199,7 +211,7 @@ class InnerStateStore:
         cluster's or this model's; the optimizer and the files are then left as they were.
         """
         meta, error = None, None
-        if self.lead or self.mode == "fsdp2":
+        if self.lead or self.storage == "dcp":
             try:
                 meta = read_pointer(self.root)
                 if meta is not None:
@@ -212,7 +224,7 @@ class InnerStateStore:
             assert self.ranks is not None
             msg = self.ranks.broadcast({"meta": meta, "error": error} if self.lead else None)
             meta, error = msg["meta"], msg["error"]
-        elif self.mode == "fsdp2":
+        elif self.storage == "dcp":
             assert self.ranks is not None
             if self.ranks.any(error is not None):
                 raise InnerStateError(error or "inner state: refused on another rank")
@@ -220,7 +232,7 @@ class InnerStateStore:
             raise InnerStateError(error)
         if meta is None:
             return None
-        if self.mode == "fsdp2":
+        if self.storage == "dcp":
             self._load_dcp(self.root / meta["payload"])
         else:
             self._load_whole()
@@ -232,7 +244,8 @@ class InnerStateStore:
             raise InnerStateError(f"inner state {where}: field 'cluster_id' = "
                                   f"{meta.get('cluster_id')!r}, this cluster is "
                                   f"{self.cluster_id!r}")
-        if meta.get("storage") != self.storage:
+        if meta.get("storage") != self.storage or (self.storage == "dcp"
+                                                   and meta.get("mode") != self.mode):
             raise InnerStateError(f"inner state {where}: field 'mode' = {meta.get('mode')!r} "
                                   f"({meta.get('storage')}), this cluster runs {self.mode!r}")
         saved = meta.get("params")
