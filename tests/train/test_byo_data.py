@@ -306,3 +306,42 @@ def test_the_data_digest_tells_copies_apart_and_names_both_figures():
                                          rf"{token_digest(TokenData(one, val, 512))[:16]}…, the "
                                          rf"run's {base[:16]}…"):
         check_run_data(TokenData(one, val, 512), len(train), base, "cluster a")
+
+
+def test_run_json_records_the_sizes_of_the_model_it_loaded(user, tmp_path):
+    """Issue 14: with ``model.pretrained`` run.json's ``model`` is the directory's model (its
+    class, width, blocks, vocabulary, parameters), and ``config.model`` leaves out the
+    built-in sizes it does not use, so no reader takes them for the model's; the leader's
+    restart check still finds the same config. A built-in model's facts are its config's."""
+    import json
+
+    import yaml
+
+    from dips.spec import RunSpec
+    from dips.train.prepare import prepare
+
+    saved = byo.make_model(tmp_path / "gpt2", "gpt2", seed=3)
+    bins = byo.write_bins(tmp_path / "bins", user["ids"], 4000)
+    cfg = yaml.safe_load((ROOT / "configs" / "tiny.yaml").read_text())
+    data = {"format": "tokens", "path": str(bins), "vocab_size": byo.VOCAB, "num_chunks": 8}
+    cfg.update(model={"pretrained": str(tmp_path / "gpt2"), "vocab_size": byo.VOCAB}, data=data)
+    run = RunConfig.model_validate(cfg)
+    prepare(run, tmp_path / "state")
+    doc = json.loads((tmp_path / "state" / "run.json").read_text())
+    assert doc["model"] == {
+        "architecture": "GPT2LMHeadModel", "model_type": "gpt2",
+        "pretrained": str(tmp_path / "gpt2"), "hidden_size": 32, "num_layers": 2,
+        "vocab_size": byo.VOCAB, "max_position_embeddings": 64,
+        "params": sum(p.numel() for p in saved.parameters())}
+    assert doc["params"] == doc["model"]["params"]
+    assert set(doc["config"]["model"]) == {"arch", "pretrained", "hf_config", "layer_pattern",
+                                           "vocab_size"}
+    assert RunSpec.read(tmp_path / "state" / "run.json").config == run
+
+    cfg["model"] = {**yaml.safe_load((ROOT / "configs" / "tiny.yaml").read_text())["model"],
+                    "vocab_size": byo.VOCAB, "hidden_size": 48, "num_layers": 3}
+    prepare(RunConfig.model_validate(cfg), tmp_path / "built")
+    spec = RunSpec.read(tmp_path / "built" / "run.json")
+    assert (spec.model.architecture, spec.model.hidden_size, spec.model.num_layers) == \
+        ("LlamaForCausalLM", 48, 3)
+    assert spec.config.model.hidden_size == 48 and spec.model.params == spec.params

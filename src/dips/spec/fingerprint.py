@@ -71,3 +71,21 @@ def mismatch(expected: str, got: str) -> str:
         if len(want.tensors) != len(have.tensors):
             diffs.append(f"tensors: run {len(want.tensors)}, cluster {len(have.tensors)}")
     return "; ".join(diffs)
+
+
+class ModelFacts(Strict):
+    """What the run's model is, as built (``run.json``'s ``model``): for ``model.pretrained``
+    or ``model.hf_config`` the sizes come from the loaded model, not from the config's
+    built-in defaults, which those architectures do not use (issue 14)."""
+
+    architecture: str = Field(description="the model's class (e.g. LlamaForCausalLM)")
+    model_type: str | None = Field(None, description="the transformers config's model_type")
+    pretrained: str | None = Field(None, description="the directory it was loaded from "
+                                                     "(model.pretrained; None: built)")
+    hidden_size: int | None = Field(None, ge=1, description="model width (features), from "
+                                                            "its config")
+    num_layers: int = Field(ge=0, description="decoder blocks found in its module tree")
+    vocab_size: int = Field(ge=1, description="embedding rows (tokens)")
+    max_position_embeddings: int | None = Field(None, ge=1, description="context (tokens), "
+                                                                        "from its config")
+    params: int = Field(ge=1, description="parameters (scalars; tied weights once)")

@@ -20,7 +20,7 @@ from pydantic import Field, field_validator, model_validator
 from dips.spec.base import Strict, load_yaml
 from dips.spec.cluster import ClusterConfig
 from dips.spec.evaluate import EvaluateConfig
-from dips.spec.fingerprint import Fingerprint
+from dips.spec.fingerprint import Fingerprint, ModelFacts
 from dips.spec.protocol import GraceConfig, MembershipConfig, Timeouts
 from dips.spec.training import (
     DataConfig,
@@ -207,6 +207,10 @@ class RunSpec(Strict):
                     "written before it existed, only the length is checked)")
     val_tokens: int = Field(ge=0, description="validation tokens (tokens)")
     params: int = Field(ge=1, description="model parameters")
+    model: ModelFacts | None = Field(
+        None, description="the model as built or loaded: architecture, sizes, parameters "
+                          "(for model.pretrained the directory's, not config.model's unused "
+                          "defaults; None: a spec written before it existed)")
     windows_per_chunk: int = Field(ge=0, description="windows (seq_len + 1 tokens) per chunk")
     fingerprint: Fingerprint | None = Field(None, description="the model's fingerprint "
                                                               "(None: not checked at join)")

@@ -20,7 +20,7 @@ import re
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, model_serializer, model_validator
 
 from dips.spec.base import Strict
 
@@ -126,6 +126,16 @@ class ModelConfig(Strict):
         if self.resolved_head_dim % 2:
             raise ValueError(f"head_dim={self.resolved_head_dim} must be even for RoPE")
         return self
+
+    @model_serializer(mode="wrap")
+    def _without_unused_sizes(self, handler: Any) -> dict[str, Any]:
+        # With ``pretrained`` the sizes are the directory's (run.json's ``model`` records
+        # them): their defaults here are not written, so no reader takes them for the model's.
+        data = handler(self)
+        if self.pretrained is not None and isinstance(data, dict):
+            for key in _SIZES:
+                data.pop(key, None)
+        return data
 
     @property
     def resolved_head_dim(self) -> int:

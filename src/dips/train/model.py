@@ -17,10 +17,10 @@ import torch
 
 from dips.roles.layers import layer_namer, layer_of, layer_table
 from dips.spec import ModelConfig
-from dips.spec.fingerprint import Fingerprint
+from dips.spec.fingerprint import Fingerprint, ModelFacts
 
 __all__ = ["build_model", "check_built", "fingerprint_of", "layer_namer", "layer_of", "layer_table",
-           "param_count"]
+           "model_facts", "param_count"]
 
 def _hf_config(cfg: ModelConfig):
     """The ``transformers`` config (``LlamaConfig`` / ``Qwen3Config``) for ``cfg``; FP32, SDPA."""
@@ -172,6 +172,30 @@ def check_built(model: torch.nn.Module, seq_len: int, followers: int,
 def param_count(model: torch.nn.Module) -> int:
     """Number of distinct parameters (scalars; tied weights counted once) of ``model``."""
     return sum(p.numel() for p in model.parameters())
+
+
+def model_facts(model: torch.nn.Module, cfg: ModelConfig,
+                table: list[tuple[str, list[str], int]]) -> ModelFacts:
+    """What ``model`` (built from ``cfg`` by :func:`build_model`) is, for ``run.json``:
+    its class, its transformers config's ``model_type``, ``hidden_size`` and
+    ``max_position_embeddings`` (read through the config, so GPT-2's ``n_embd`` counts; None
+    where it has none), its decoder blocks (the ``layers.*`` of its layer ``table``,
+    :func:`check_built`), embedding rows and parameters (:func:`param_count`)."""
+    config = getattr(model, "config", None)
+
+    def sized(key: str) -> int | None:
+        value = getattr(config, key, None)
+        return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+    return ModelFacts(
+        architecture=type(model).__name__,
+        model_type=getattr(config, "model_type", None) or None,
+        pretrained=str(cfg.pretrained) if cfg.pretrained is not None else None,
+        hidden_size=sized("hidden_size"),
+        num_layers=sum(1 for key, _, _ in table if key.startswith("layers.")),
+        vocab_size=int(model.get_input_embeddings().weight.shape[0]),
+        max_position_embeddings=sized("max_position_embeddings"),
+        params=param_count(model))
 
 
 def fingerprint_of(model: torch.nn.Module, vocab: dict[str, int]) -> Fingerprint:

@@ -1,8 +1,9 @@
 """Prepare a run once, on the host that holds the leader's state: the tokenizer, the token
 stream and its data chunks, version 0 of the model, the layer ownership, the fingerprint.
 
-Written into a directory (the leader's state directory): ``run.json`` (a :class:`RunSpec`)
-and ``init/model.safetensors`` (version 0 of θ, for a follower started with ``--init`` on the
+Written into a directory (the leader's state directory): ``run.json`` (a :class:`RunSpec`;
+its ``model`` is the model as built or loaded, :func:`dips.train.model.model_facts`) and
+``init/model.safetensors`` (version 0 of θ, for a follower started with ``--init`` on the
 same host; followers elsewhere build the same θ from the config's seed, or load it from
 ``model.pretrained`` on their own host).  A user's text / JSON / Parquet data is tokenised here,
 once, into the memmap cache (:mod:`dips.train.tokenize_files`); every id of the data is
@@ -46,7 +47,7 @@ def _prepare(cfg: RunConfig, out: Path, cache_dir: Path | None) -> RunSpec:
 
     from dips.train.datasource import load_data, load_vocab, token_digest
     from dips.train.loop import eval_loss
-    from dips.train.model import build_model, check_built, fingerprint_of
+    from dips.train.model import build_model, check_built, fingerprint_of, model_facts
     from dips.train.sampler import make_chunks
 
     cache = (cache_dir or cfg.data.cache_dir).resolve()
@@ -79,6 +80,7 @@ def _prepare(cfg: RunConfig, out: Path, cache_dir: Path | None) -> RunSpec:
         train_tokens=int(len(data.train)), val_tokens=int(len(data.val)),
         data_digest=token_digest(data),
         params=int(sum(p.numel() for p in model.parameters())),
+        model=model_facts(model, cfg.model, table),
         windows_per_chunk=windows, fingerprint=fingerprint_of(model, vocab))
     spec.write(out / "run.json")
     return spec
