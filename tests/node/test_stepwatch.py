@@ -60,3 +60,19 @@ def test_a_step_over_its_bound_calls_on_stall_once_and_a_normal_one_never():
     release.set()
     t.join(10)
     watch.close()
+
+
+def test_the_bound_is_a_cluster_setting_checked_by_name():
+    """``stall_factor`` and ``stall_floor_s`` of a cluster's entry are what rank 0's watch
+    takes (tests/node/test_stepwatch_sigstop.py runs one with a 5 s floor); a bad value is
+    refused naming the field."""
+    from pydantic import ValidationError
+
+    from dips.spec import ClusterConfig
+
+    me = ClusterConfig(id="a", stall_floor_s=5, stall_factor=10)
+    assert (me.stall_floor_s, me.stall_factor) == (5.0, 10.0)
+    assert (ClusterConfig(id="a").stall_floor_s, ClusterConfig(id="a").stall_factor) == (60.0, 20.0)
+    for field, value in (("stall_floor_s", 0.5), ("stall_factor", 0.9), ("stall_floor_s", "inf")):
+        with pytest.raises(ValidationError, match=field):
+            ClusterConfig(id="a", **{field: value})

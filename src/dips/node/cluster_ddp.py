@@ -313,7 +313,8 @@ def _train(cfg: Any, me: Any, trainer: Any, ranks: Any, worker: Any, sampler: An
         if ranks.lead and ranks.world > 1:  # a hung or stopped rank ends the cluster
             from dips.node.stepwatch import StepWatch
 
-            watch = StepWatch(first_s=collective_timeout(me.collective_timeout_s, cfg.timeouts))
+            watch = StepWatch(factor=me.stall_factor, floor_s=me.stall_floor_s,
+                              first_s=collective_timeout(me.collective_timeout_s, cfg.timeouts))
             trainer.step = watch.wrap(trainer.step)  # type: ignore[method-assign]
         try:
             run_loop(trainer, sync, stop, pacer, out, clock=lambda: time.time() - t_start)

@@ -13,6 +13,8 @@ median of the recent ones, at least ``floor_s``; ``first_s`` until ``warmup`` st
 measured: compilation, caches, the first collectives), it logs why and calls ``on_stall``
 (by default ``os._exit(1)``: the other ranks' collectives then fail at once, torchrun ends
 the job and the cluster is restarted like any failed cluster, resuming its inner state).
+The torchrun cluster takes ``factor`` and ``floor_s`` from its entry in the run config
+(``stall_factor``, ``stall_floor_s``: :class:`dips.spec.ClusterConfig`).
 """
 
 from __future__ import annotations

@@ -88,7 +88,8 @@ class LinkConfig(Strict):
 
 class ClusterConfig(Strict):
     """One cluster: identity, compute slowdown, stage workers, transients, link, in-cluster
-    parallelism, device, and whether its inner optimizer state is checkpointed."""
+    parallelism and its stall bound, device, and whether its inner optimizer state is
+    checkpointed."""
 
     id: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$",
                     description="cluster name (letters, digits, _ . -)")
@@ -124,6 +125,16 @@ class ClusterConfig(Strict):
         description="longest wait of one in-cluster collective (torch.distributed), seconds: "
                     "ranks wait this long for rank 0's talk with the leader (raised to at "
                     "least timeouts.startup_s + 60 and 2 × timeouts.push_s + 60 at start)")
+    stall_factor: float = Field(
+        20.0, ge=1.0, allow_inf_nan=False,
+        description="a multi-rank cluster's rank 0 exits (the cluster restarts) when an inner "
+                    "step runs longer than stall_factor × the median of the recent steps, "
+                    "at least stall_floor_s (dips.node.stepwatch: a hung or stopped rank)")
+    stall_floor_s: float = Field(
+        60.0, ge=1.0, allow_inf_nan=False,
+        description="the least an inner step may run before a multi-rank cluster counts it "
+                    "as stalled, seconds (see stall_factor; the first 3 steps may take "
+                    "collective_timeout_s). Lower it only where steps are steady (tests)")
 
     device: str | None = Field(
         None, pattern=r"^(cpu|cuda(:[0-9]+)?)$",
