@@ -9,7 +9,8 @@ in the same round. Then:
 * after the outer step, both ranks pull it back, and the sharded model gathered whole is
   the followers' new θ in the wire dtype (BF16), bit for bit;
 * a pull of a version the followers do not hold fails on every rank at its first layer and
-  leaves the model as it was;
+  leaves the model as it was; one rank failing its third layer stops both after the layers
+  of the first two steps, and every staging buffer is free again;
 * every host staging buffer either rank allocated, for the push and the pulls together
   (counted where they are allocated: ``dips.roles.cluster.host_buffer``), is at most
   ``StageWorker.depth + 1`` of its largest layers in the wire dtype — well below the rank's
@@ -78,8 +79,8 @@ def _rank(rank: int, tmp: str, setup: dict) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    import dips.roles.cluster as cluster
-    import dips.roles.cluster_shards as shards
+    from dips.roles import cluster
+    from dips.roles import cluster_shards as shards
     from dips.roles.cluster_ranks import RankWorker, rank_blocks
     from dips.roles.layers import group_layers
     from dips.roles.rank_comm import Ranks
@@ -126,9 +127,22 @@ def _rank(rank: int, tmp: str, setup: dict) -> None:
         gone = worker.run({"op": "pull", "version": 5, "limit": 30.0})
         unchanged = all(torch.equal(p.full_tensor(), whole[n])
                         for n, p in model.named_parameters())
+        # Rank 1 fails its third layer: both ranks stop after the first two steps' layers.
+        stage, fetched = worker.stage, []
+
+        def flaky(version, layer, follower, out):
+            fetched.append(layer)
+            if rank == 1 and len(fetched) == 3:
+                raise TimeoutError("injected: no reply")
+            return type(stage).pull_layer(stage, version, layer, follower, out)
+
+        stage.pull_layer = flaky
+        half = worker.run({"op": "pull", "version": 1, "limit": 30.0})
+        del stage.pull_layer
         mine = [p for _, ps in worker.mine.items() for _, p in ps]
-        report = {"pulled": pulled, "gone": gone, "unchanged": unchanged, "allocated": allocated,
-                  "slots": worker.slots.allocated_bytes,
+        report = {"pulled": pulled, "gone": gone, "unchanged": unchanged, "half": half,
+                  "allocated": allocated,
+                  "slots": worker.slots.allocated_bytes, "in_use": worker.slots.in_use,
                   "largest": max(sum(p.numel() for _, p in ps) for ps in worker.mine.values()) * 2,
                   "block": sum(p.numel() for p in mine) * 2, "wire": len(worker.stage._wire)}
         if rank == 0:
@@ -205,8 +219,10 @@ def test_fsdp2_ranks_stage_one_layer_at_a_time_and_push_what_one_process_pushes(
             assert [x["loaded"] for x in rep["pulled"]] == [LAYERS, LAYERS]
             assert all(x["refusals"] == [int(Refusal.VERSION_GONE)] for x in rep["gone"]), rep
             assert [x["loaded"] for x in rep["gone"]] == [0, 0] and rep["unchanged"]
+            assert [x["loaded"] for x in rep["half"]] == [4, 4]
+            assert rep["half"][0]["error"] is None and "injected" in rep["half"][1]["error"]
             assert rep["wire"] == 0  # no per-parameter buffers of the whole block
-            assert sum(rep["allocated"]) == rep["slots"] > 0
+            assert sum(rep["allocated"]) == rep["slots"] > 0 and rep["in_use"] == 0
             bound = (StageWorker.depth + 1) * rep["largest"]
             assert sum(rep["allocated"]) <= bound < rep["block"], rep
     finally:

@@ -238,6 +238,8 @@ class RankWorker:
         wait = beside(lambda: self._transfer(cmd, abandon, fetch), pull.fetched)
         ok = pull.load()
         out = dict(self._joined(wait(limit + MARGIN_S)), loaded=pull.loaded)
+        if not out["overran"]:
+            pull.finish()
         if pull.missing is not None and out["error"] is None:
             out["error"] = f"layer {pull.missing!r} was not fetched within {limit:.0f} s"
         results = self.ranks.gather(out)

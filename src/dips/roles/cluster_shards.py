@@ -128,6 +128,12 @@ class LayerSlots:
             offset += n
         return buf, views
 
+    @property
+    def in_use(self) -> int:
+        """Buffers taken and not given back."""
+        with self._cond:
+            return self._made - len(self._free)
+
     def give(self, buf: torch.Tensor) -> None:
         """Return a buffer from :meth:`take`."""
         with self._cond:
@@ -254,8 +260,9 @@ class ShardedPull:
         wire_dtype: "bf16" | "fp32". deadline: the pull's end (monotonic seconds).
 
     Attributes after :meth:`load`: ``loaded`` (layers scattered, on every rank alike),
-    ``missing`` (this rank's layer that did not land in time, or None) and ``digests`` (name -> :func:`_digest` of each pulled tensor of this rank's block, in the
-    wire dtype, for the check after the pull).
+    ``missing`` (this rank's layer that did not land in time, or None) and ``digests``
+    (name -> :func:`_digest` of each pulled tensor of this rank's block, in the wire dtype,
+    for :meth:`verify`).
     """
 
     def __init__(self, blocks: list[Block], ranks: Any, slots: LayerSlots | None,
@@ -294,6 +301,17 @@ class ShardedPull:
         """Stage worker side: no more layers will come (it returned, failed or never ran)."""
         self._landed.put(None)
 
+    def finish(self) -> None:
+        """After the stage worker returned (not while it may still run): free the slots of
+        layers it landed after :meth:`load` stopped (another rank failed)."""
+        while True:
+            try:
+                item = self._landed.get_nowait()
+            except queue.Empty:
+                return
+            if item is not None and self.slots is not None:
+                self.slots.give(item[1])
+
     def load(self) -> bool:
         """Main thread, every rank: scatter the layers in :func:`interleave` order of the
         blocks as their owners land them; returns whether every layer was loaded (the same on
@@ -315,7 +333,7 @@ class ShardedPull:
                 for r, block in enumerate(self.blocks):
                     if k >= len(block):
                         continue
-                    layer, params = block[k]
+                    _, params = block[k]
                     landed = dict(item[2]) if item is not None and r == self.ranks.rank else {}
                     for n, p in params:
                         scatter_param(p, landed.get(n), r)

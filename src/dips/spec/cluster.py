@@ -107,7 +107,8 @@ class ClusterConfig(Strict):
                            "WORLD_SIZE > 1) train, each rank a stage worker: ddp = one "
                            "replica per rank, gradients all-reduced each inner step; fsdp2 = "
                            "parameters sharded over the ranks (fully_shard per decoder block), "
-                           "a block's owner materialises it to push and after a pull; "
+                           "a block's owner materialises it one layer at a time to push "
+                           "and after a pull; "
                            "pipeline = rank r is pipeline stage r (torch.distributed."
                            "pipelining, GPipe over `microbatches`) and pushes and pulls its "
                            "own layers (issue 14; one process when WORLD_SIZE is 1 or unset)")
