@@ -15,10 +15,17 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Optional
+import os
 
-import typer
+# gRPC's C core logs at INFO to stderr (e.g. "I1202 ... ssl_transport_security.cc] Handshake
+# failed") unless told otherwise, and it reads this once, when grpc is first imported: so before
+# any import below. Every command says itself what failed; a user's own setting wins.
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+
+from pathlib import Path  # noqa: E402
+from typing import Optional  # noqa: E402
+
+import typer  # noqa: E402
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Di-PS: asynchronous two-level training across heterogeneous clusters.")

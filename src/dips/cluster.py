@@ -16,9 +16,13 @@ non-zero a failure (a rank lost: the cluster is restarted by torchrun or the ope
 
 from __future__ import annotations
 
-import typer
+import os
 
-from dips.node.cli import cluster
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # before grpc is imported: see dips.cli
+
+import typer  # noqa: E402
+
+from dips.node.cli import cluster  # noqa: E402
 
 __all__ = ["cluster", "main"]
 

@@ -1,0 +1,71 @@
+"""``dips status`` and the members as commands (review 15): gRPC's own log lines stay off
+stderr."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dips.wire.control import make_server
+from dips.wire.pb import control_pb2_grpc as pbg
+from dips.wire.pki import init_pki
+from dips.wire.security import Credentials
+from dips.wire.services import LeaderServicer
+from tests.roles.test_hostile_leader import make_leader
+
+pytestmark = pytest.mark.timeout(120)
+
+ROOT = Path(__file__).resolve().parents[2]
+#: A line of gRPC's C core (absl format): "I1202 16:11:26.664645   30999 file.cc:2563] ...".
+CORE_LINE = re.compile(r"^[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ \S+:\d+\]", re.M)
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory) -> Path:
+    """This run's PKI (one follower, cluster a) and another run's beside it (``other``)."""
+    root = tmp_path_factory.mktemp("pki")
+    init_pki(root / "run", 1, ["a"])
+    init_pki(root / "other", 1, ["a"])
+    return root
+
+
+def serve(servicer, creds: Credentials):
+    """A gRPC server on a free 127.0.0.1 port with ``servicer`` as its Leader service."""
+    server = make_server(max_workers=4)
+    pbg.add_LeaderServicer_to_server(servicer, server)
+    port = creds.add_port(server, "127.0.0.1:0")
+    server.start()
+    return server, port
+
+
+def status_process(args: list[str], **env: str) -> subprocess.CompletedProcess:
+    """``python -m dips.cli status ARGS`` as a process of its own (gRPC's C core writes to
+    the process's stderr, which an in-process runner cannot see)."""
+    base = {k: v for k, v in os.environ.items() if k != "GRPC_VERBOSITY"}
+    return subprocess.run([sys.executable, "-m", "dips.cli", "status", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60, env={**base, **env})
+
+
+def test_grpc_core_lines_stay_off_stderr_unless_the_user_asks(tmp_path, pki):
+    """Review 15, #5: a TLS handshake refused by the leader (another run's bundle) printed
+    gRPC's "I… ssl_transport_security.cc] Handshake failed" line above dips's own message."""
+    leader, _ = make_leader(tmp_path)
+    server, port = serve(LeaderServicer(leader, None), Credentials.tls(pki / "run" / "leader"))
+    try:
+        args = ["--leader", f"127.0.0.1:{port}", "--tls", str(pki / "other" / "admin"),
+                "--timeout", "5"]
+        quiet = status_process(args)
+        assert quiet.returncode == 2, quiet.stderr
+        assert quiet.stderr.strip().splitlines() == [
+            f"dips status: leader 127.0.0.1:{port}: its certificate is not signed by the CA "
+            "of this --tls bundle (another run's pki/?)"]
+        told = status_process(args, GRPC_VERBOSITY="INFO")  # the user's own setting wins
+        assert told.returncode == 2 and CORE_LINE.search(told.stderr), told.stderr
+    finally:
+        server.stop(0).wait(5)
+        leader.stop()
