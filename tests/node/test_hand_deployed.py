@@ -12,7 +12,9 @@ import time
 
 import pytest
 import yaml
+from typer.testing import CliRunner
 
+from dips.cli import app
 from dips.emu.launcher import free_port
 from dips.wire.security import INSECURE_WARNING
 
@@ -57,9 +59,11 @@ def test_a_hand_deployed_run_ends_at_its_limit_and_the_model_is_exported(tmp_pat
     procs = {"leader": _dips(["leader", "--config", str(tmp_path / "run.yaml"), "--listen",
                               leader, "--state-dir", str(tmp_path / "leader"), "--insecure"],
                              tmp_path / "leader.log")}
+    control = {}
     for i in (0, 1):
-        procs[f"f{i}"] = _dips(follower_args(leader, i, tmp_path / f"f{i}"),
-                               tmp_path / f"f{i}.log")
+        args = follower_args(leader, i, tmp_path / f"f{i}")
+        control[i] = args[args.index("--listen") + 1]
+        procs[f"f{i}"] = _dips(args, tmp_path / f"f{i}.log")
     procs["a"] = _dips(["cluster", "--leader", leader, "--cluster-id", "a", "--state-dir",
                         str(tmp_path / "a"), "--insecure"], tmp_path / "a.log")
     try:
@@ -74,6 +78,10 @@ def test_a_hand_deployed_run_ends_at_its_limit_and_the_model_is_exported(tmp_pat
         assert doc["eval_loss"] < doc["eval_loss_initial"]
         assert (tmp_path / "final" / "model.safetensors").exists()
         assert json.loads(out.strip().splitlines()[-1]) == doc
+        # Review 15, #6: a follower's control port given as the leader's is named as such.
+        wrong = CliRunner().invoke(app, ["status", "--leader", control[1], "--insecure"])
+        assert wrong.exit_code == 2 and (f"{control[1]}: this is follower 1's control service "
+                                         f"(its leader: {leader}), not the leader") in wrong.stderr
         stop_cleanly(procs, ("f0", "f1", "leader"))
     finally:
         kill_left(procs)

@@ -1,5 +1,6 @@
 """``dips status`` and the members as commands (review 15): gRPC's own log lines stay off
-stderr."""
+stderr, an address that is not the leader's is named as what it is (plaintext: the refusal
+NOT_LEADER of a follower's control server; TLS: the certificate the server holds)."""
 
 from __future__ import annotations
 
@@ -7,13 +8,18 @@ import os
 import re
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
+from typer.testing import CliRunner
 
+from dips.cli import app
+from dips.node.common import RoleError, fetch_spec
 from dips.wire.control import make_server
+from dips.wire.not_leader import NotLeaderServicer
 from dips.wire.pb import control_pb2_grpc as pbg
-from dips.wire.pki import init_pki
+from dips.wire.pki import Identity, init_pki
 from dips.wire.security import Credentials
 from dips.wire.services import LeaderServicer
 from tests.roles.test_hostile_leader import make_leader
@@ -69,3 +75,31 @@ def test_grpc_core_lines_stay_off_stderr_unless_the_user_asks(tmp_path, pki):
     finally:
         server.stop(0).wait(5)
         leader.stop()
+
+
+def test_a_followers_port_given_as_the_leaders_is_named_plaintext_and_tls(pki):
+    """Review 15, #6: `dips status` (or a member) at a follower's control port got gRPC's
+    UNIMPLEMENTED (plaintext) or a bare UNAVAILABLE (TLS) and no word of what it reached."""
+    what = "follower 0's control service (its leader: 127.0.0.1:7000)"
+    for creds, bundle in ((Credentials.insecure(Identity.follower(0)), None),
+                          (Credentials.tls(pki / "run" / "follower-0"), pki / "run")):
+        server, port = serve(NotLeaderServicer(what), creds)
+        addr = f"127.0.0.1:{port}"
+        try:
+            opts = ["--insecure"] if bundle is None else ["--tls", str(bundle / "admin")]
+            out = CliRunner().invoke(app, ["status", "--leader", addr, *opts, "--timeout", "5"])
+            assert out.exit_code == 2, out.output
+            says = (f"{addr}: this is {what}, not the leader (GetStatus refused)"
+                    if bundle is None else
+                    f"{addr} holds the certificate of 'follower-0', not the leader's")
+            assert f"dips status: {says}" in out.stderr
+            member = (Credentials.insecure(Identity.cluster("a")) if bundle is None
+                      else Credentials.tls(bundle / "cluster-a"))
+            with pytest.raises(RoleError) as info:  # at once, not after 60 s of retries
+                fetch_spec(addr, member, threading.Event(), 60.0)
+            assert str(info.value).startswith(f"--leader {addr}")
+            assert ("follower 0's control service" if bundle is None else "'follower-0'") \
+                in str(info.value)
+        finally:
+            server.stop(0).wait(5)
+

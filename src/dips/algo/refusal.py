@@ -60,6 +60,9 @@ class Refusal(enum.IntEnum):
     STALE_GRANT = 17
     #: The member is over its limit of concurrent calls or in-flight pushes: retry later.
     BUSY = 18
+    #: The server called is not the leader (a follower's control port given as the leader's
+    #: address): no retry helps; the message names what was reached.
+    NOT_LEADER = 19
 
 
 class Refused(Exception):

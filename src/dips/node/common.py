@@ -18,6 +18,7 @@ from typing import IO, Any
 import grpc
 
 from dips.spec import RunSpec
+from dips.wire.not_leader import wrong_leader
 from dips.wire.pb import control_pb2 as pb
 from dips.wire.pki import Identity
 from dips.wire.security import INSECURE_WARNING, Credentials
@@ -188,8 +189,10 @@ def advertised(listen: str, advertise: str | None, option: str) -> str:
 def fetch_spec(leader: str, creds: Credentials, stop: threading.Event,
                timeout_s: float) -> tuple[RunSpec, str]:
     """(run spec, fingerprint JSON) from the leader at ``leader``, retried until it answers
-    (it may be starting or restarting). Raises RoleError after ``timeout_s`` seconds or when
-    the leader refuses this identity; Stopped when ``stop`` is set first."""
+    (it may be starting or restarting). Raises RoleError after ``timeout_s`` seconds, when
+    the leader refuses this identity, and at once when ``leader`` is provably not the leader
+    (another role's port, another run's certificate: :func:`dips.wire.not_leader.wrong_leader`,
+    the message naming what it reached); Stopped when ``stop`` is set first."""
     client = leader_client(leader, creds, timeout_s=5.0)
     deadline = time.monotonic() + timeout_s
     last = "no answer"
@@ -203,6 +206,9 @@ def fetch_spec(leader: str, creds: Credentials, stop: threading.Event,
                 if exc.code() == grpc.StatusCode.PERMISSION_DENIED:
                     raise RoleError(f"leader {leader} refused {creds.identity.name!r}: "
                                     f"{exc.details()}") from None
+                wrong = wrong_leader(leader, creds, exc)
+                if wrong is not None:  # no retry reaches the leader there
+                    raise RoleError(f"--leader {wrong.message}") from None
                 last = f"{exc.code().name}: {exc.details()}"
                 unreachable.failed(last)
             stop.wait(0.5)

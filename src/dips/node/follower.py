@@ -80,6 +80,7 @@ def run_follower(leader_addr: str, index: int, listen: str, advertise: str, data
     from dips.wire.control import make_server, refusal_of
     from dips.wire.dataplane import DataServer
     from dips.wire.keys import Keyring
+    from dips.wire.not_leader import NotLeaderServicer
     from dips.wire.pb import control_pb2 as pb
     from dips.wire.pb import control_pb2_grpc as pbg
     from dips.wire.services import FollowerServicer, leader_client
@@ -145,6 +146,9 @@ def run_follower(leader_addr: str, index: int, listen: str, advertise: str, data
     server = make_server(max_workers=8)
     pbg.add_FollowerServicer_to_server(
         FollowerServicer(observed.timed(shard) if observed else shard, fence), server)
+    # A member or `dips status` given this port as the leader's is told what it reached.
+    pbg.add_LeaderServicer_to_server(NotLeaderServicer(
+        f"follower {index}'s control service (its leader: {leader_addr})"), server)
     if creds.add_port(server, listen) == 0:
         data.stop()
         if metrics is not None:

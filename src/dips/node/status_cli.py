@@ -28,11 +28,13 @@ _PUSH_STYLE = {"accepted": "green", "rejected": "red"}
 
 class NoStatus(RuntimeError):
     """The leader did not answer ``GetStatus`` or refused it; the message says which and why.
-    ``bad_credentials``: the leader's certificate is not of this bundle's CA (exit 2)."""
+    ``wrong_option``: no retry can help, ``--leader`` or ``--tls`` is wrong (exit 2): the
+    address is not the leader's (another role's port) or its certificate is not of this
+    bundle's CA (:func:`dips.wire.not_leader.wrong_leader`)."""
 
-    def __init__(self, message: str, bad_credentials: bool = False) -> None:
+    def __init__(self, message: str, wrong_option: bool = False) -> None:
         super().__init__(message)
-        self.bad_credentials = bad_credentials
+        self.wrong_option = wrong_option
 
 
 def _ago(now: float, then: float) -> str:
@@ -163,6 +165,7 @@ def looker(leader: str, creds: Any, timeout_s: float,
     import grpc
 
     from dips.wire.control import describe
+    from dips.wire.not_leader import wrong_leader
     from dips.wire.pb import control_pb2 as pb
     from dips.wire.services import leader_client
 
@@ -172,10 +175,9 @@ def looker(leader: str, creds: Any, timeout_s: float,
         try:
             reply = client.GetStatus(pb.StatusRequest())
         except grpc.RpcError as exc:
-            if exc.code() == grpc.StatusCode.UNAVAILABLE and _foreign_ca(leader, creds, timeout_s):
-                raise NoStatus(f"leader {leader}: its certificate is not signed by the CA of "
-                               "this --tls bundle (another run's pki/?)", bad_credentials=True
-                               ) from None
+            wrong = wrong_leader(leader, creds, exc, timeout_s)
+            if wrong is not None:
+                raise NoStatus(wrong.message, wrong_option=True) from None
             hint = ("" if exc.code() == grpc.StatusCode.PERMISSION_DENIED else
                     " (is it running, at this address, with the same --tls/--insecure choice?)")
             raise NoStatus(f"leader {leader} as {creds.identity.name!r}: {describe(exc)}"
@@ -185,21 +187,6 @@ def looker(leader: str, creds: Any, timeout_s: float,
         return doc
 
     return look, client.close
-
-
-def _foreign_ca(leader: str, creds: Any, timeout_s: float) -> bool:
-    """Whether ``leader`` (HOST:PORT) speaks TLS with a certificate that the CA of ``creds``
-    did not sign (False also when that cannot be told, or for unix: and --insecure)."""
-    from dips.node.common import RoleError, split_address
-    from dips.wire.security import server_cert_verifies
-
-    if creds.bundle is None or leader.startswith("unix:"):
-        return False
-    try:
-        host, port = split_address(leader, "--leader")
-    except RoleError:
-        return False
-    return server_cert_verifies(host, port, creds.bundle.ca, timeout_s) is False
 
 
 def watch(look: Callable[[], dict[str, Any]], show: Callable[[dict[str, Any] | None, str], None],
@@ -279,7 +266,7 @@ def status(leader: Annotated[str, typer.Option(
                     refresh=True), every, threading.Event())
     except NoStatus as exc:
         print(f"dips status: {exc}", file=sys.stderr, flush=True)
-        raise typer.Exit(2 if exc.bad_credentials else 1)
+        raise typer.Exit(2 if exc.wrong_option else 1)
     except KeyboardInterrupt:
         pass
     finally:

@@ -70,9 +70,10 @@ class LedgerData(Protocol):
     def wanted(self) -> int: ...
 
 
-#: Refusals no retry can change (a revoked or foreign certificate, a model that differs):
-#: a re-join refused so raises them as :class:`~dips.algo.refusal.Refused`.
-FINAL_REFUSALS = (Refusal.FORBIDDEN, Refusal.MODEL_MISMATCH)
+#: Refusals no retry can change (a revoked or foreign certificate, a model that differs, an
+#: address that is not the leader's): a re-join refused so raises them as
+#: :class:`~dips.algo.refusal.Refused`.
+FINAL_REFUSALS = (Refusal.FORBIDDEN, Refusal.MODEL_MISMATCH, Refusal.NOT_LEADER)
 
 
 class ClusterClient(SyncMixin):

@@ -56,6 +56,7 @@ _STATUS = {
     Refusal.RUN_FINISHED: grpc.StatusCode.FAILED_PRECONDITION,
     Refusal.STALE_GRANT: grpc.StatusCode.FAILED_PRECONDITION,
     Refusal.BUSY: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    Refusal.NOT_LEADER: grpc.StatusCode.FAILED_PRECONDITION,
 }
 
 #: Longest status details sent (characters): a message quoting a huge field value must not

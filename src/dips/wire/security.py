@@ -132,16 +132,33 @@ def require(who: Identity, role: str, what: str) -> None:
         raise Refused(Refusal.FORBIDDEN, f"{what}: only a {role} may call it, not {who.name!r}")
 
 
-def server_cert_verifies(host: str, port: int, ca_pem: bytes, timeout_s: float = 5.0) -> bool | None:
-    """Whether the TLS server at ``host:port`` shows a certificate chain that the CA
-    ``ca_pem`` (PEM bytes) signed: True, False (the handshake failed verifying it: a server of
-    another run's PKI), or None when that cannot be told (no connection, not TLS, another
-    handshake failure). Sends no client certificate and nothing after the handshake; for
-    diagnosing a refused call by a typed outcome, never by an error's text (``ssl``; the
-    server's name is not checked, dips checks identities, not host names). Waits at most
-    ``timeout_s`` seconds."""
+@dataclass(frozen=True)
+class ServerCertificate:
+    """What a TLS handshake of our own tells of a server (:func:`server_certificate`).
+
+    Attributes:
+        signed: True (the run CA signed its certificate chain), False (the handshake failed
+            verifying it: a server of another run's PKI), None (cannot be told: no
+            connection, not TLS, another handshake failure).
+        identity: the dips identity its certificate names (only when ``signed``; None when
+            the certificate names none).
+    """
+
+    signed: bool | None
+    identity: Identity | None = None
+
+
+def server_certificate(host: str, port: int, ca_pem: bytes,
+                       timeout_s: float = 5.0) -> ServerCertificate:
+    """Whose certificate the TLS server at ``host:port`` shows, checked against the CA
+    ``ca_pem`` (PEM bytes): :class:`ServerCertificate`. Sends no client certificate and
+    nothing after the handshake; for diagnosing a refused call by a typed outcome, never by an
+    error's text (``ssl``; the server's name is not checked, dips checks identities, not host
+    names). Waits at most ``timeout_s`` seconds; never raises."""
     import socket
     import ssl
+
+    from dips.wire.pki import PkiError, identity_of_pem
 
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     ctx.check_hostname = False
@@ -149,14 +166,18 @@ def server_cert_verifies(host: str, port: int, ca_pem: bytes, timeout_s: float =
     try:
         ctx.load_verify_locations(cadata=ca_pem.decode())
     except (ssl.SSLError, ValueError):
-        return None
+        return ServerCertificate(None)
     try:
         with socket.create_connection((host, port), timeout=timeout_s) as raw:
             with ctx.wrap_socket(raw, server_hostname=None, do_handshake_on_connect=False) as tls:
                 tls.settimeout(timeout_s)
                 tls.do_handshake()
-                return True
+                der = tls.getpeercert(binary_form=True)
     except ssl.SSLCertVerificationError:
-        return False
+        return ServerCertificate(False)
     except (OSError, ValueError):  # ssl.SSLError is an OSError: not a verdict on the chain
-        return None
+        return ServerCertificate(None)
+    try:
+        return ServerCertificate(True, identity_of_pem(ssl.DER_cert_to_PEM_cert(der).encode()))
+    except (PkiError, ValueError, TypeError):
+        return ServerCertificate(True)

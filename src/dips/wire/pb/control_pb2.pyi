@@ -28,6 +28,7 @@ class Refusal(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     RUN_FINISHED: _ClassVar[Refusal]
     STALE_GRANT: _ClassVar[Refusal]
     BUSY: _ClassVar[Refusal]
+    NOT_LEADER: _ClassVar[Refusal]
 REFUSAL_UNSPECIFIED: Refusal
 NOT_JOINED: Refusal
 PUSH_IN_FLIGHT: Refusal
@@ -47,6 +48,7 @@ MODEL_MISMATCH: Refusal
 RUN_FINISHED: Refusal
 STALE_GRANT: Refusal
 BUSY: Refusal
+NOT_LEADER: Refusal
 
 class Ack(_message.Message):
     __slots__ = ("ok", "error")
