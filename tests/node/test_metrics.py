@@ -244,6 +244,25 @@ def test_the_endpoint_serves_its_own_registry_on_a_free_port():
     assert isinstance(server, MetricsServer)
 
 
+def test_no_counter_or_histogram_has_a_created_series():
+    """Review 15, #12: every counter and histogram had a ``*_created`` series besides its
+    value (one more series per label set in each scrape)."""
+    registries = []
+    for kind in (LeaderMetrics, ClusterMetrics, FollowerMetrics):
+        reg = CollectorRegistry()
+        m = kind(reg)
+        registries.append(reg)
+        if kind is LeaderMetrics:
+            m.observe("outer_steps", DECISION)
+            m.observe("outer_steps", ROUND_END)
+        elif kind is ClusterMetrics:
+            m.observe({"step": 1, "loss": 3.0, "tokens": 64, "compute_s": 0.1, "time": 1.0})
+    names = [s.name for reg in registries for f in reg.collect() for s in f.samples]
+    assert "dips_pushes_total" in names and "dips_phase_seconds_count" in names
+    assert "dips_inner_steps_total" in names
+    assert [n for n in names if n.endswith("_created")] == []
+
+
 def test_json_log_lines_carry_time_level_logger_message_and_extras():
     fmt = JsonFormatter("follower-0")
     record = logging.LogRecord("dips.node.follower", logging.WARNING, __file__, 1,

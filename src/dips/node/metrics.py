@@ -21,6 +21,7 @@ on from where the previous process left them. A follower's and a cluster's count
 from the process start (Prometheus' ``rate()`` handles such resets).
 
 Units are in the names: seconds, bytes, tokens, versions; "sq" is a squared norm (units of θ²).
+No metric has a ``_created`` series (``prometheus_client.disable_created_metrics``).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from prometheus_client import (
     Counter,
     Gauge,
     Histogram,
+    disable_created_metrics,
     start_http_server,
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -43,6 +45,11 @@ from prometheus_client.registry import Collector
 
 from dips.algo.evaluation import perplexity
 from dips.algo.faultlog import REASONS, reason_class
+
+# No ``*_created`` series (a counter's or histogram's creation time, one more series per label
+# set): scrapes stay small and a counter is a plain count. Process-wide in prometheus_client:
+# every process that serves dips metrics imports this module (metrics_members does too).
+disable_created_metrics()
 
 __all__ = ["LeaderMetrics", "MetricsServer", "REASONS", "reason_class", "serve_metrics"]
 
