@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 
 # gRPC's C core logs at INFO to stderr (e.g. "I1202 ... ssl_transport_security.cc] Handshake
@@ -99,6 +100,27 @@ def launch(config: Path = typer.Option(..., "--config", exists=True, dir_okay=Fa
         raise typer.Exit(1)
     if summary.get("eval_loss_final") is None:
         raise typer.Exit(1)
+
+
+def _plain_help(typer_app: typer.Typer) -> None:
+    """Make every command's help of ``typer_app`` (and of its groups) read as written in its
+    docstring (review 15, #12): typer's rich help parses it as rich markup, so ``B[i,·]·p``
+    lost its ``[i,·]``, and keeps a docstring's single line breaks in the command list, so a
+    summary broke mid-sentence there. The docstring is escaped for markup, and the list
+    gets its first paragraph as one line (``short_help``)."""
+    from rich.markup import escape
+
+    for info in typer_app.registered_commands:
+        doc = info.help or (info.callback.__doc__ if info.callback is not None else None)
+        if doc:
+            info.help = escape(inspect.cleandoc(doc))
+            info.short_help = escape(" ".join(doc.strip().split("\n\n")[0].split()))
+    for group in typer_app.registered_groups:
+        if group.typer_instance is not None:
+            _plain_help(group.typer_instance)
+
+
+_plain_help(app)
 
 
 def main() -> None:

@@ -1,6 +1,7 @@
 """``dips status`` and the members as commands (review 15): gRPC's own log lines stay off
 stderr, an address that is not the leader's is named as what it is (plaintext: the refusal
-NOT_LEADER of a follower's control server; TLS: the certificate the server holds)."""
+NOT_LEADER of a follower's control server; TLS: the certificate the server holds), and `dips --help`
+lists each command's summary on one line, as its docstring reads."""
 
 from __future__ import annotations
 
@@ -103,3 +104,19 @@ def test_a_followers_port_given_as_the_leaders_is_named_plaintext_and_tls(pki):
         finally:
             server.stop(0).wait(5)
 
+
+def test_the_command_list_gives_each_summary_on_one_line():
+    """Review 15, #12: a summary whose docstring is wrapped broke mid-sentence in `dips
+    --help` (typer's rich help kept the docstring's line breaks), e.g. "whose ranks are" /
+    "the stage workers"; also `dips bench --help`."""
+    from dips.bench.cli import app as bench_app
+    from dips.cli import app as dips_app
+
+    for typer_app, argv in ((dips_app, ["--help"]), (bench_app, ["bench", "--help"])):
+        out = CliRunner().invoke(app, argv, env={"COLUMNS": "400", "TERMINAL_WIDTH": "400"})
+        assert out.exit_code == 0, out.output
+        lines = out.stdout.splitlines()
+        for info in typer_app.registered_commands:
+            doc = info.callback.__doc__ or ""
+            summary = " ".join(doc.strip().split("\n\n")[0].split())
+            assert any(summary in line for line in lines), (summary, out.stdout)

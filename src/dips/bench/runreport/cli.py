@@ -12,7 +12,7 @@ __all__ = ["report"]
 _SHOWN = 20  # skipped lines echoed on stderr (all of them are on the page)
 
 
-def report(run_dir: Path = typer.Argument(..., exists=True, file_okay=False,
+def report(run_dir: Path = typer.Argument(..., exists=True, file_okay=False, metavar="RUN_DIR",
                                           help="A run directory (dips launch, or copies of each "
                                                "host's state directory) or a dips bench compare "
                                                "output."),
