@@ -1,15 +1,18 @@
 """``dips status`` and the members as commands (review 15): gRPC's own log lines stay off
 stderr, an address that is not the leader's is named as what it is (plaintext: the refusal
-NOT_LEADER of a follower's control server; TLS: the certificate the server holds), and `dips --help`
-lists each command's summary on one line, as its docstring reads."""
+NOT_LEADER of a follower's control server; TLS: the certificate the server holds), `dips --help`
+lists each command's summary on one line, as its docstring reads, and off a terminal the
+screen is printed full width, once per look with ``--watch``."""
 
 from __future__ import annotations
 
 import os
+import queue
 import re
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -23,7 +26,7 @@ from dips.wire.pb import control_pb2_grpc as pbg
 from dips.wire.pki import Identity, init_pki
 from dips.wire.security import Credentials
 from dips.wire.services import LeaderServicer
-from tests.roles.test_hostile_leader import make_leader
+from tests.roles.test_hostile_leader import Site, make_leader
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -120,3 +123,47 @@ def test_the_command_list_gives_each_summary_on_one_line():
             doc = info.callback.__doc__ or ""
             summary = " ".join(doc.strip().split("\n\n")[0].split())
             assert any(summary in line for line in lines), (summary, out.stdout)
+
+
+CLUSTER_HEADER = ("cluster", "inner step", "tokens", "last loss", "last push",
+                  "pulled version", "staleness", "heartbeat")
+
+
+def whole_header(text: str) -> bool:
+    """Whether the clusters table's header row is on one line, every column named whole."""
+    return any(all(h in line for h in CLUSTER_HEADER) for line in text.splitlines())
+
+
+def test_off_a_terminal_the_screen_is_full_width_and_watch_prints_each_look(tmp_path):
+    """Review 15, #11: off a terminal (a pipe, a file) the screen was cut to 80 columns (the
+    clusters table's header wrapped), and `--watch` printed nothing until it ended."""
+    site = Site(tmp_path)
+    site.join("cluster-a")
+    addr = f"127.0.0.1:{site.port}"
+    proc = None
+    try:
+        once = CliRunner().invoke(app, ["status", "--leader", addr, "--insecure"],
+                                  env={"COLUMNS": None})
+        assert once.exit_code == 0 and whole_header(once.stdout), once.stdout
+        env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+        proc = subprocess.Popen([sys.executable, "-m", "dips.cli", "status", "--leader", addr,
+                                 "--insecure", "--watch", "--every", "0.2"], cwd=ROOT, env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                                start_new_session=True)
+        lines: queue.Queue = queue.Queue()
+        threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout], daemon=True).start()
+        seen, looks, deadline = [], 0, time.monotonic() + 60
+        while looks < 3 and time.monotonic() < deadline:  # the event: three looks printed
+            try:
+                line = lines.get(timeout=1.0)
+            except queue.Empty:
+                continue
+            seen.append(line)
+            looks += line.startswith("--- dips status at ")
+        assert looks == 3 and proc.poll() is None, "".join(seen)  # while it still runs
+        assert whole_header("".join(seen)), "".join(seen)
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        site.close()

@@ -8,6 +8,7 @@ refused this identity, 2 bad options or credentials (the message names the optio
 from __future__ import annotations
 
 import json
+import os
 import sys
 import threading
 import time
@@ -225,7 +226,8 @@ def status(leader: Annotated[str, typer.Option(
            insecure: Annotated[bool, typer.Option(
                "--insecure", help="no TLS (a leader started with --insecure)")] = False,
            keep: Annotated[bool, typer.Option(
-               "--watch", help="redraw in place (every --every seconds) until Ctrl-C")] = False,
+               "--watch", help="look again every --every seconds until Ctrl-C: redrawn in place on a "
+                          "terminal, each look printed as it comes off one")] = False,
            every: Annotated[float, typer.Option(
                "--every", min=0.2, help="seconds between looks with --watch")] = 2.0,
            as_json: Annotated[bool, typer.Option(
@@ -249,7 +251,7 @@ def status(leader: Annotated[str, typer.Option(
         print(f"dips status: {exc}", file=sys.stderr, flush=True)
         raise typer.Exit(2)
     look, close = looker(leader, creds, timeout, Faults(quiet_after))
-    console = Console()
+    console = screen_console()
     try:
         if not keep:
             doc = look()
@@ -259,6 +261,8 @@ def status(leader: Annotated[str, typer.Option(
                 console.print(render(doc))
         elif as_json:
             watch(look, _json_line, every, threading.Event())
+        elif not console.is_terminal:  # a pipe or a file: each look as it comes, one after another
+            watch(look, lambda doc, err: _snapshot(console, doc, err), every, threading.Event())
         else:
             with Live(Text("asking the leader..."), console=console, auto_refresh=False) as live:
                 watch(look, lambda doc, err: live.update(
@@ -271,6 +275,31 @@ def status(leader: Annotated[str, typer.Option(
         pass
     finally:
         close()
+
+
+#: Columns of the screen off a terminal: wide enough for any row of its tables (rich's default
+#: of 80 columns there cut them; review 15, #11).
+OFF_TERMINAL_WIDTH = 1000
+
+
+def screen_console() -> Console:
+    """The console the screen is drawn on: a terminal's own width; off a terminal (a pipe, a
+    file) :data:`OFF_TERMINAL_WIDTH` columns, so each line is printed whole (a table as wide
+    as its content, a text line unwrapped), unless ``COLUMNS`` sets the width."""
+    console = Console()
+    if not console.is_terminal and "COLUMNS" not in os.environ:
+        console = Console(width=OFF_TERMINAL_WIDTH)
+    return console
+
+
+def _snapshot(console: Console, doc: dict[str, Any] | None, error: str) -> None:
+    """One look of ``--watch`` off a terminal: a line with the local time, then the screen
+    (or why there is none yet), flushed at once (review 15, #11: rich's Live printed only at
+    the end there)."""
+    console.print(Text(f"--- dips status at {time.strftime('%Y-%m-%d %H:%M:%S')} ---",
+                       style="dim"))
+    console.print(render(doc, error) if doc else Text(f"no answer: {error}", style="bold red"))
+    console.file.flush()
 
 
 def _json_line(doc: dict[str, Any] | None, error: str) -> None:
