@@ -51,11 +51,12 @@ RECOVERY = {
     "kill-follower-in-update": [("events.jsonl", "restart", {"process": "follower-1"}),
                                 ("leader_events.jsonl", "reconciled", {})],
     "kill-cluster-in-push": [("events.jsonl", "restart", {"process": "cluster-c"}),
-                             ("leader_events.jsonl", "cluster_joined", {"cluster": "c"})],
+                             ("leader_events.jsonl", "cluster_joined",
+                              {"cluster": "c", "rejoin": True})],
     "hang-follower": [("leader_events.jsonl", "follower_down", {"follower": 0}),
                       ("leader_events.jsonl", "follower_up", {"follower": 0})],
     "cut-link": [("leader_events.jsonl", "cluster_removed", {"cluster": "a"}),
-                 ("leader_events.jsonl", "cluster_joined", {"cluster": "a"})],
+                 ("leader_events.jsonl", "cluster_joined", {"cluster": "a", "rejoin": True})],
 }
 
 
@@ -129,3 +130,9 @@ def test_faults_stay_local_and_invariants_hold(faults_run, run):
         assert _steps_after(run_dir, t_rec), f"no outer step completed after {name}'s recovery"
     # The other clusters kept training through the faults (no global pause).
     assert figures["summary"]["tokens_consumed"] > 0
+    # Each re-join has a line in the launcher's output (review 15, #9: it had none).
+    out = (run_dir.parent / f"{run_dir.name}.launch.log").read_text()
+    for name in RUNS[run]:
+        cid = TARGET[name].removeprefix("cluster-")
+        if TARGET[name].startswith("cluster-"):
+            assert f"cluster_joined: leader cluster={cid} rejoin=True" in out, out[-3000:]

@@ -173,13 +173,18 @@ class Membership:
                                             f"again in {wait:.1f} s "
                                             "(membership.rejoin_min_s)")
             self._joins[cluster_id] = joins
-            rejoin = cluster_id in self.clusters
+            # A re-join: this id joined the run before, in this leader or an earlier one,
+            # whether it is still a member (its process restarted fast) or was removed.
+            rejoin = cluster_id in self.clusters or cluster_id in self._joined
+            self._joined.add(cluster_id)
             self._drop_cluster(cluster_id, "cluster re-joined")
             self.clusters[cluster_id] = ClusterEntry(cluster_id, stages, last_seen=self._clock(),
                                                      floor_version=self.version)
             version, followers = self.version, list(self.followers.values())
             key = self._key(Identity.cluster(cluster_id))
         self.event("cluster_joined", cluster=cluster_id, rejoin=rejoin, version=version)
+        if not rejoin:
+            self.checkpoint()  # its first join: a restarted leader still calls the next a re-join
         return version, followers, key
 
     def heartbeat(self, cluster_id: str, inner_step: int, tokens: int,

@@ -50,6 +50,7 @@ class Records:
     ledger: ChunkLedger | None
     rounds_reserved: int
     _known_followers: dict[int, str]
+    _joined: set[str]
     #: Called with (``"outer_steps"``, ``"leader_events"`` or ``"eval"``, record) for every
     #: record the leader writes (also without a run directory; ``"eval"``:
     #: :mod:`dips.roles.leader_eval`): the metrics of ``dips leader`` are fed
@@ -153,6 +154,8 @@ class Records:
         self.clusters = {c: ClusterEntry(c, stages, last_seen=grace,
                                          floor_version=min(int(floors.get(c, 0)), self.version))
                          for c, stages in state["clusters"].items()}
+        # (an older leader.json lists no "joined": its members at least joined before)
+        self._joined = {str(c) for c in state.get("joined", [])} | set(self.clusters)
         self._member_keys = {str(k): str(v) for k, v in state.get("member_keys", {}).items()}
         self._eval_lineage_saved = state.get("eval_lineage")  # read by _init_evals
         self._key_seq = int(state.get("key_seq", 0))
@@ -184,6 +187,7 @@ class Records:
                      "training_started_at": self.training_started_at,
                      "penalty": self.penalty.to_dict(),
                      "clusters": {c.cluster_id: c.stages for c in self.clusters.values()},
+                     "joined": sorted(self._joined),
                      "floor_versions": {c.cluster_id: c.floor_version
                                         for c in self.clusters.values()},
                      "ledger": self.ledger.to_dict() if self.ledger else None,
