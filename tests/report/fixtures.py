@@ -115,3 +115,54 @@ def make_weak_scaling(root: Path) -> Path:
     (root / "compare.json").write_text(json.dumps(
         {"scenario": "ws", "kind": "weak-scaling", "mode": "virtual", "runs": runs}))
     return root
+
+
+def make_host_copies(root: Path, named: bool) -> Path:
+    """A hand-deployed run copied from its hosts, each host's state directory called
+    ``state`` (no launcher files: no ``summary.json``, no ``train_start``): the leader started
+    30 s before the first cluster joined (at T0), the evaluator reported version 0 at T0 - 5;
+    clusters a (host ``east``) and b (host ``west``), followers 0 and 1. ``named``: the files name their owner (a join
+    record's ``cluster``, an applied record's ``follower``), as this version writes them;
+    else they do not (older files), and only their folders tell them apart."""
+    leader = root / "host-leader" / "state"
+    _jsonl(leader / "leader_events.jsonl", [
+        {"time": T0 - 30.0, "event": "follower_up", "follower": 0},
+        {"time": T0 - 29.0, "event": "follower_up", "follower": 1},
+        {"time": T0, "event": "cluster_joined", "cluster": "a", "rejoin": False, "version": 0},
+        {"time": T0 + 0.5, "event": "cluster_joined", "cluster": "b", "rejoin": False,
+         "version": 0}])
+    _jsonl(leader / "eval.jsonl", [{"time": T0 - 5.0, "version": 0, "tokens_accepted": 0,
+                                    "eval_loss": 8.3}])
+    _jsonl(leader / "outer_steps.jsonl", [
+        {"round": r, "version": r, "clusters": ["a", "b"], "accepted": ["a", "b"],
+         "rejected": {}, "scores": {}, "tokens": {"a": 300, "b": 300},
+         "base_versions": {"a": r - 1, "b": r - 1}, "window_s": 0.5, "push_s": 0.1,
+         "update_s": 0.05, "time": T0 + 3.0 * r} for r in (1, 2, 3)])
+    for cid, host, t_join in (("a", "east", T0), ("b", "west", T0 + 0.5)):
+        join = {"event": "join", "version": 0, "time": t_join, **({"cluster": cid} if named else {})}
+        _jsonl(root / host / "state" / "train.jsonl",
+               [join] + _steps(1, 9, t_join, 0, {3: _push(1, 1), 6: _push(2, 2), 9: _push(3, 3)}))
+    for f in (0, 1):
+        _jsonl(root / f"host-f{f}" / "state" / "applied.jsonl",
+               [{"version": v, "round": v, "accepted": ["a", "b"], "time": T0 + 3.0 * v,
+                 **({"follower": f} if named else {})} for v in (1, 2, 3)])
+    return root
+
+
+def make_outage_run(root: Path) -> Path:
+    """A launch run (``train_start`` T0) of one cluster syncing every second from 0 to 20 s
+    and from 60 to 80 s, the leader's rounds with them, and nothing between: a 40 s outage in
+    the middle of the run."""
+    (root / "train_start").parent.mkdir(parents=True, exist_ok=True)
+    (root / "train_start").write_text(str(T0))
+    times = [float(t) for t in range(1, 21)] + [float(t) for t in range(61, 81)]
+    _jsonl(root / "outer_steps.jsonl", [
+        {"round": i + 1, "version": i + 1, "clusters": ["a"], "accepted": ["a"], "rejected": {},
+         "scores": {}, "tokens": {"a": 100}, "base_versions": {"a": i}, "window_s": 0.2,
+         "push_s": 0.05, "update_s": 0.05, "time": T0 + t + 0.3} for i, t in enumerate(times)])
+    steps: list[dict[str, Any]] = [{"event": "join", "cluster": "a", "version": 0, "time": T0}]
+    for i, t in enumerate(times):
+        steps.append({"step": i + 1, "loss": 5.0, "tokens": 100 * (i + 1), "compute_s": 0.5,
+                      "time": T0 + t + 0.5, "push": _push(i + 1, i + 1)})
+    _jsonl(root / "clusters" / "a" / "train.jsonl", steps)
+    return root

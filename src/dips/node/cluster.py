@@ -163,7 +163,8 @@ def _train(cluster_id: str, cfg: Any, me: Any, trainer: Any, client: Any, bucket
              client.stage_layers)
     out = TrainLog(state / "train.jsonl", stamp=time.time, delay=False,
                    observer=observed.observe if observed is not None else None)
-    out.write({"event": "join", "version": client.version, "stages": client.stage_layers})
+    out.write({"event": "join", "cluster": cluster_id, "version": client.version,
+               "stages": client.stage_layers})
     if getattr(sync, "resumed", None) is not None:
         out.write(sync.resumed)
     try:

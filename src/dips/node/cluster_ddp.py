@@ -304,8 +304,8 @@ def _train(cfg: Any, me: Any, trainer: Any, ranks: Any, worker: Any, sampler: An
                      client.version, ranks.world, client.stage_layers)
             out = TrainLog(state / "train.jsonl", stamp=time.time, delay=False,
                            observer=observed.observe if observed is not None else None)
-            out.write({"event": "join", "version": client.version, "ranks": ranks.world,
-                       "stages": client.stage_layers,
+            out.write({"event": "join", "cluster": cluster_id, "version": client.version,
+                       "ranks": ranks.world, "stages": client.stage_layers,
                        "replicas": {"version": client.version, "checksums": worker.checksums}})
             if getattr(sync, "resumed", None) is not None:
                 out.write(sync.resumed)  # issue 14: the inner state resumed

@@ -410,7 +410,7 @@ class FollowerShard(DataPlaneSide):
     def _record(self, rec: dict[str, Any]) -> None:
         if self._log:
             with open(self._log, "a") as f:
-                f.write(json.dumps({**rec, "time": time.time()}) + "\n")
+                f.write(json.dumps({**rec, "follower": self.index, "time": time.time()}) + "\n")
 
     def discard(self, rnd: int) -> None:
         """Drop everything staged for rounds <= ``rnd`` (a round with nothing accepted)."""

@@ -3,14 +3,20 @@
 A run directory of ``dips launch`` keeps every role's files in one tree (``outer_steps.jsonl``
 at the top, ``clusters/<id>/train.jsonl``, ``followers/<i>/applied.jsonl``); a run deployed by
 hand leaves them on several hosts, and a copy of it puts each host's state directory in a
-subfolder of its own.  So nothing here assumes a layout: files are found by name, recursively,
-and a cluster's or follower's id is read from the folders above its file (the nearest folder
-named like a cluster id the leader knows; else the file's own folder).
+subfolder of its own.  So nothing here assumes a layout: files are found by name, recursively.
+Whose file it is comes first from the file itself (a ``train.jsonl`` join record's
+``cluster``, an ``applied.jsonl`` record's ``follower``), else from the folders above it (the
+nearest folder named like a cluster id the leader knows), else from its own folder — as many
+of its folders as tell it apart from another host's copy (``host-a/state``,
+``host-b/state``): files from different hosts never merge because their folders share a name
+(review 15, #4).
 
 Reading never raises on bad content: a line that is not a JSON object is skipped and reported
 as ``path:line: reason`` in :attr:`RunFiles.problems`; a missing file is simply absent.
 Times in the files are epoch seconds (``dips launch``) or seconds since the start (the
-real-time baselines); :meth:`RunFiles.origin` is the epoch second every plot counts from.
+real-time baselines); :meth:`RunFiles.origin` is the epoch second every plot counts from: the
+run's training start, as ``dips launch`` defines it (its ``train_start`` file, else the
+leader's first ``cluster_joined``), not the earliest record of any process.
 """
 
 from __future__ import annotations
@@ -139,20 +145,37 @@ class RunFiles:
     train_start: float | None = None
     sources: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
+    _origin: float | None = field(default=None, repr=False, compare=False)
 
     def origin(self) -> float:
-        """Epoch second that relative times count from: ``train_start``, else the earliest
-        epoch time of any record, else 0 (the files hold relative times already)."""
+        """Epoch second that relative times count from, the training start: ``train_start``
+        (the launcher's: when the first cluster had joined), else the time of the first
+        ``cluster_joined`` of ``leader_events.jsonl`` (the same moment, for a run without the
+        launcher's files: deployed by hand, or copied from its hosts), else the earliest epoch
+        time of any record, else 0 (the files hold relative times already). Not the earliest
+        record of all: the leader's and followers' start-up comes before the training.
+        Computed once (call it after the files are read)."""
+        if self._origin is None:
+            self._origin = self._find_origin()
+        return self._origin
+
+    def _find_origin(self) -> float:
         if self.train_start is not None:
             return self.train_start
+        joined = [t for r in self.leader_events if r.get("event") == "cluster_joined"
+                  and (t := num(r, "time")) is not None and t > _EPOCH_MIN]
+        if joined:
+            return min(joined)
         times = [t for recs in (self.outer_steps, self.leader_events, *self.clusters.values(),
                                 *self.followers.values())
                  for r in recs if (t := num(r, "time")) is not None and t > _EPOCH_MIN]
         return min(times, default=0.0)
 
     def rel(self, t: float) -> float:
-        """Seconds since :meth:`origin` of a record's ``time`` (relative times pass through)."""
-        return t - self.origin() if t > _EPOCH_MIN else t
+        """Seconds since :meth:`origin` of a record's ``time`` (relative times pass through);
+        a record from before the training start (a process's start-up: a follower's version
+        0, a cluster's join) is at 0, never at a negative time."""
+        return max(0.0, t - self.origin()) if t > _EPOCH_MIN else t
 
     def cluster_ids(self) -> list[str]:
         """Cluster ids known to the leader's files (summary, outer steps), then any others."""
@@ -163,16 +186,46 @@ class RunFiles:
         return list(dict.fromkeys(str(i) for i in ids))
 
 
-def _owner(path: Path, root: Path, known: set[str]) -> str:
-    """The id a role's file belongs to: the nearest folder above it named like a known id
-    (also ``<anything>-<id>`` or ``<anything>_<id>``, e.g. ``cluster-c0``), else the file's
-    own folder."""
-    parts = path.relative_to(root).parts[:-1]
-    for part in reversed(parts):
+def _known_folder(path: Path, root: Path, known: set[str]) -> str | None:
+    """The nearest folder above ``path`` named like a known id (also ``<anything>-<id>`` or
+    ``<anything>_<id>``, e.g. ``cluster-c0``), or None."""
+    for part in reversed(path.relative_to(root).parts[:-1]):
         for cid in sorted(known, key=len, reverse=True):
             if part == cid or (part.endswith(cid) and part[-len(cid) - 1] in "-_"):
                 return cid
-    return parts[-1] if parts else root.name
+    return None
+
+
+def _named(records: list[dict[str, Any]], key: str) -> str | None:
+    """The id the file's own records give (the first ``key`` that is a string or an int)."""
+    for rec in records:
+        v = rec.get(key)
+        if isinstance(v, str) and v or isinstance(v, int) and not isinstance(v, bool):
+            return str(v)
+    return None
+
+
+def owners(files: dict[Path, list[dict[str, Any]]], root: Path, key: str,
+           known: set[str]) -> dict[Path, str]:
+    """Whose each of ``files`` (path -> its records) is (module docstring): the id its records
+    name in ``key``, else a known id from its folders, else its folders — the last one, or as
+    many of the last ones as it takes to tell the files apart from one another and from the
+    ids found so far (``host-a/state`` and ``host-b/state``; ``followers/0`` stays ``0``)."""
+    out: dict[Path, str] = {}
+    for path, recs in files.items():
+        if (who := _named(recs, key) or _known_folder(path, root, known)) is not None:
+            out[path] = who
+    rest = [p for p in files if p not in out]
+    taken = set(out.values())
+    folders = {p: p.relative_to(root).parts[:-1] or (root.name,) for p in rest}
+    for n in range(1, max((len(f) for f in folders.values()), default=0) + 1):
+        names = {p: "/".join(f[-n:]) for p, f in folders.items()}
+        clash = [p for p in rest if list(names.values()).count(names[p]) > 1
+                 or names[p] in taken]
+        if not clash or n == max(len(f) for f in folders.values()):
+            out.update(names)
+            break
+    return out
 
 
 def _rel(path: Path, root: Path) -> str:
@@ -202,15 +255,14 @@ def load_run(root: Path) -> RunFiles:
                 continue
             run.sources.append(_rel(p, root))
             target += read_jsonl(p, run.problems)
-    known = set(run.cluster_ids())
-    for p in find(root, "train.jsonl"):
-        cid = _owner(p, root, known)
-        run.sources.append(_rel(p, root))
-        run.clusters.setdefault(cid, []).extend(read_jsonl(p, run.problems))
-    for p in find(root, "applied.jsonl"):
-        fid = _owner(p, root, set())
-        run.sources.append(_rel(p, root))
-        run.followers.setdefault(fid, []).extend(read_jsonl(p, run.problems))
+    for name, key, known, target in (("train.jsonl", "cluster", set(run.cluster_ids()),
+                                      run.clusters),
+                                     ("applied.jsonl", "follower", set(), run.followers)):
+        files = {p: read_jsonl(p, run.problems) for p in find(root, name)}
+        who = owners(files, root, key, known)
+        for p, recs in files.items():
+            run.sources.append(_rel(p, root))
+            target.setdefault(who[p], []).extend(recs)
     for name in _EVAL_NAMES:
         for p in find(root, name):
             run.sources.append(_rel(p, root))

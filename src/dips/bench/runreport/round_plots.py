@@ -8,7 +8,8 @@
   each round's grace window, push phase and update, from ``outer_steps.jsonl`` (its line's
   ``time`` is when every follower had prepared: update before it, push phase and window before
   that).  Top: the whole run; bottom (when it is under half the run): a zoom on four median
-  inner-step periods in the middle of it.
+  inner-step periods around the busiest rounds near the middle of it (:func:`zoom_start`:
+  never an outage).
 * ``staleness.png``: how many versions behind the global model each push's base version was
   (the version before the round minus ``base_versions[c]``), per cluster;
 * ``scores.png``: each scored push's penalty score E (§8) by round with the rejection threshold
@@ -21,13 +22,15 @@ The staleness and score plots take decision records, so they serve a comparison'
 
 from __future__ import annotations
 
+from bisect import bisect_left, bisect_right
 from statistics import median
 from typing import Any
 
 from dips.bench.runreport.figs import Plot, empty_plot, finish, new_figure, time_axis
 from dips.bench.runreport.files import RunFiles, num
 
-__all__ = ["plot_scores", "plot_staleness", "plot_timeline", "staleness_of", "sync_bars"]
+__all__ = ["plot_scores", "plot_staleness", "plot_timeline", "staleness_of", "sync_bars",
+           "zoom_start"]
 
 _KINDS = (("inner steps", "#9ecae1"), ("push", "#e6550d"), ("wait", "#fdd0a2"), ("pull", "#31a354"))
 _LEADER = (("grace window", "#bcbddc"), ("push phase", "#e6550d"), ("update", "#756bb1"))
@@ -88,6 +91,23 @@ def _leader_bars(run: RunFiles) -> dict[str, list[tuple[float, float]]]:
     return bars
 
 
+def zoom_start(leader: dict[str, list[tuple[float, float]]],
+               rows: dict[str, dict[str, list[tuple[float, float]]]], span: float,
+               width: float) -> float:
+    """Where the timeline's zoom of ``width`` seconds starts: centred on the round (the
+    leader's update bars; the clusters' pushes without them) whose window of ``width``
+    holds the most rounds, the one nearest the middle of the run among equals; the middle
+    itself when there is no round. Never in an outage, however long (review 15, #10: the
+    middle of a run with a leader outage was an empty zoom)."""
+    marks = sorted(s for s, _ in leader["update"]) or sorted(
+        s for b in rows.values() for s, _ in b["push"])
+    if not marks:
+        return span / 2 - width / 2
+    best = max(marks, key=lambda c: (bisect_right(marks, c + width / 2)
+                                     - bisect_left(marks, c - width / 2), -abs(c - span / 2)))
+    return best - width / 2
+
+
 def plot_timeline(run: RunFiles) -> Plot:
     """Bars of each cluster's inner steps / push / wait / pull and the leader's rounds."""
     title = "Timeline of rounds"
@@ -101,7 +121,8 @@ def plot_timeline(run: RunFiles) -> Plot:
     ends = [s + w for b in [*rows.values(), leader] for bs in b.values() for s, w in bs]
     span = max(ends + [1.0])
     zoom_w = 4 * median(inner) if inner else span / 10
-    panels = [(0.0, span)] + [(span / 2 - zoom_w / 2, span / 2 + zoom_w / 2)] * (zoom_w < span / 2)
+    lo = zoom_start(leader, rows, span, zoom_w)
+    panels = [(0.0, span)] + [(lo, lo + zoom_w)] * (zoom_w < span / 2)
     fig, axes = new_figure(nrows=len(panels), width_in=10.0,
                            height_in=(1.0 + 0.45 * (len(rows) + 1)) * len(panels) + 1.0)
     seen: set[str] = set()  # each kind labelled once, in the top panel (the whole run)
@@ -124,7 +145,8 @@ def plot_timeline(run: RunFiles) -> Plot:
         ax.set_xlabel(f"wall time since the training start ({unit})")
     axes[0].set_title("whole run")
     for ax in axes[1:]:
-        ax.set_title(f"zoom: {zoom_w:.1f} s in the middle of the run")
+        ax.set_title(f"zoom: {zoom_w:.1f} s from {lo:.1f} s, the busiest rounds near the "
+                     "middle of the run")
     plot = finish("timeline.png", title, fig, None if rows else
                   "no cluster train.jsonl with sync steps: only the leader's rounds")
     for ax, keep in zip(axes, (True, False)):  # one legend, beside the plot: bars fill the axes

@@ -4,7 +4,8 @@
   inner steps) and the global model's held-out loss against seconds since the training start;
 * ``loss_vs_tokens.png``: left, each cluster's training loss against the tokens it trained on
   (across restarts of its process); right, the held-out loss against tokens accepted into the
-  global model;
+  global model; a cluster's line breaks between two of its processes (:meth:`ClusterSteps.
+  lines`);
 * ``tokens_per_cluster.png``: tokens each cluster trained on and tokens accepted from it;
 * ``followers.png``: each follower's utilisation (% busy) if its ``applied.jsonl`` records
   carry ``idle_fraction`` or ``utilisation``; otherwise the version it applied over time.
@@ -18,7 +19,8 @@ summary's points are left out where the series has their version (0, ``final_ver
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 from typing import Any
 
 from dips.bench.runreport.figs import (
@@ -39,23 +41,46 @@ __all__ = ["ClusterSteps", "cluster_steps", "heldout_points", "plot_followers", 
 @dataclass
 class ClusterSteps:
     """One cluster's inner steps: seconds since the start, cumulative tokens (across process
-    restarts: a count that falls back starts a new lifetime on top of the last), loss."""
+    restarts: a count that falls back starts a new lifetime on top of the last), loss; and
+    ``lifetimes``, the index of each process's first step (a ``join`` record starts one)."""
 
     time_s: list[float]
     tokens: list[float]
     loss: list[float]
+    lifetimes: list[int] = field(default_factory=list)
+
+    def lines(self, xs: list[float], window: int) -> tuple[list[float], list[float]]:
+        """(x, trailing-mean loss) to plot against ``xs`` (one x per step), each process's
+        steps smoothed on their own and NaN between processes, so that the line breaks where
+        a process died and its successor started (review 15, #10), never drawn across it."""
+        out_x: list[float] = []
+        out_y: list[float] = []
+        bounds = [*self.lifetimes, len(self.loss)]
+        for lo, hi in zip(bounds, bounds[1:]):
+            if hi <= lo:
+                continue
+            if out_x:
+                out_x.append(math.nan)
+                out_y.append(math.nan)
+            out_x += xs[lo:hi]
+            out_y += smooth(self.loss[lo:hi], window)
+        return out_x, out_y
 
 
 def cluster_steps(run: RunFiles, records: list[dict[str, Any]]) -> ClusterSteps:
     """The inner-step records of one ``train.jsonl`` (records without ``loss`` skipped)."""
-    out = ClusterSteps([], [], [])
+    out = ClusterSteps([], [], [], [0])
     offset = last = 0.0
     for rec in records:
+        if rec.get("event") == "join" and out.loss and out.lifetimes[-1] < len(out.loss):
+            out.lifetimes.append(len(out.loss))  # a new process of this cluster
         loss, t, tok = num(rec, "loss"), num(rec, "time"), num(rec, "tokens")
         if loss is None or t is None or tok is None:
             continue
         if tok < last:  # a restarted process counts from 0 again
             offset += last
+            if out.lifetimes[-1] < len(out.loss):
+                out.lifetimes.append(len(out.loss))
         last = tok
         out.time_s.append(run.rel(t))
         out.tokens.append(offset + tok)
@@ -113,7 +138,7 @@ def plot_loss_vs_time(run: RunFiles) -> Plot:
     div, unit = time_axis(span)
     fig, (ax,) = new_figure()
     for cid, s in steps.items():
-        ax.plot([t / div for t in s.time_s], smooth(s.loss, _window(len(s.loss))),
+        ax.plot(*s.lines([t / div for t in s.time_s], _window(len(s.loss))),
                 linewidth=1.0, label=f"{cid} training loss")
     if held:
         ax.plot([t / div for t, _ in held], [v for _, v in held], "k-o", markersize=5,
@@ -135,7 +160,7 @@ def plot_loss_vs_tokens(run: RunFiles) -> Plot:
         return _no_losses("loss_vs_tokens.png", title)
     fig, (left, right) = new_figure(ncols=2, width_in=10.0)
     for cid, s in steps.items():
-        left.plot(s.tokens, smooth(s.loss, _window(len(s.loss))), linewidth=1.0, label=cid)
+        left.plot(*s.lines(s.tokens, _window(len(s.loss))), linewidth=1.0, label=cid)
     left.set_xlabel("tokens trained by the cluster")
     tokens_axis(left.xaxis)
     tokens_axis(right.xaxis)
