@@ -133,6 +133,30 @@ def test_a_leader_killed_after_its_decision_re_serves_the_verdicts(kills_run):
     assert state["counts"]["tokens_accepted"] <= state["counts"]["tokens_pushed"]
 
 
+def test_the_clusters_hold_while_the_leader_is_down(kills_run):
+    """Review 15, #2: after a leader outage each cluster's next push carried the whole
+    outage's training (rejected by the penalty) or a lost push's re-join threw it away. Now
+    from the leader's kill to its resumption (it can decide nothing meanwhile) no cluster
+    trains more than ``inner.hold_after`` (1) sync intervals of H steps, and the clusters of
+    the round it was killed in, waiting for their verdicts, hold at once (the run of
+    ``kills_run``)."""
+    run_dir = kills_run
+    H = json.loads((run_dir / "config.json").read_text())["inner"]["H"]
+    killed = next(e.get("fired_at", e["time"]) for e in jsonl(run_dir / "events.jsonl")
+                  if e["event"] == "fault" and e["process"] == "leader")
+    resumed = next(e["time"] for e in jsonl(run_dir / "leader_events.jsonl")
+                   if e["event"] == "leader_resumed" and e["time"] >= killed)
+    holds = []
+    for c in ("a", "b", "c"):
+        recs = [r for r in jsonl(run_dir / "clusters" / c / "train.jsonl") if r["time"] < resumed]
+        synced = max([i for i, r in enumerate(recs) if (r.get("push") or {}).get("ok")],
+                     default=0)  # its last completed sync before the leader was back
+        trained = [r for r in recs[synced + 1:] if "step" in r]
+        assert len(trained) <= H, (c, len(trained), resumed - killed)
+        holds += [r for r in recs if r.get("event") == "hold" and r["time"] >= killed]
+    assert any(h["reason"] == "verdict pending" for h in holds), holds
+
+
 def test_a_follower_killed_mid_transfer_does_not_stall_the_round(kills_run):
     """Input 3: follower-0 killed while clusters push to it, then follower-1 killed while they
     pull from it. Each round in flight ends when its follower is marked down or comes back,

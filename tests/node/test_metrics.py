@@ -196,6 +196,20 @@ class FakeShard:
         raise ValueError("nothing prepared")
 
 
+def test_a_clusters_hold_is_a_gauge_and_its_seconds_a_counter():
+    """Review 15, #2: a cluster that cannot sync holds its training (dips.algo.hold)."""
+    reg = CollectorRegistry()
+    m = ClusterMetrics(reg)
+    m.observe({"event": "hold", "reason": "sync overdue", "steps_since_sync": 8, "time": 1.0})
+    assert value(reg, "dips_holding") == 1 and value(reg, "dips_hold_seconds_total") == 0
+    m.observe({"event": "hold_end", "reason": "sync overdue", "held_s": 3.5, "time": 4.5,
+               "push": {"accepted": True, "ok": True, "push_s": 0.1, "wait_s": 0.2,
+                        "pull_s": 0.1}})
+    assert value(reg, "dips_holding") == 0 and value(reg, "dips_hold_seconds_total") == 3.5
+    assert value(reg, "dips_cluster_events_total", event="hold") == 1
+    assert value(reg, "dips_syncs_total", result="accepted") == 1  # the sync that ended it
+
+
 def test_follower_calls_checkpoints_and_state(tmp_path):
     reg = CollectorRegistry()
     m = FollowerMetrics(reg)

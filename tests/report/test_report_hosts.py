@@ -5,6 +5,7 @@ restarted, a run with a long outage in its middle. Inputs are synthetic
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -62,3 +63,21 @@ def test_the_timeline_zoom_shows_rounds_not_the_outage_in_the_middle(tmp_path):
     assert hi - lo < 10.0
     rounds = [t + 0.3 for t in [*range(1, 21), *range(61, 81)]]
     assert sum(lo <= t <= hi for t in rounds) >= 2, (lo, hi)
+
+
+def test_a_hold_is_drawn_as_held_and_not_as_inner_steps(tmp_path):
+    """Review 15, #2: a cluster that could not sync held its training; the timeline showed
+    the hold as inner steps up to the push that ended it."""
+    run_dir = make_outage_run(tmp_path / "run")
+    path = run_dir / "clusters" / "a" / "train.jsonl"
+    recs = [json.loads(line) for line in path.read_text().splitlines()]
+    at = next(i for i, r in enumerate(recs) if r.get("step") == 21)  # the first after the outage
+    sync = recs[at]
+    recs[at:at + 1] = [{"event": "hold", "reason": "sync overdue", "time": T0 + 21.0},
+                       {"event": "hold_end", "held_s": 40.0, "time": sync["time"],
+                        "push": sync.pop("push")}, sync]
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    run = load_run(run_dir)
+    bars = sync_bars(run, run.clusters["a"])
+    assert bars["held"] == [(21.0, 40.5)]
+    assert not [b for b in bars["inner steps"] if b[0] < 60.0 and b[0] + b[1] > 21.0 + 1e-9]

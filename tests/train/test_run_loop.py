@@ -67,6 +67,9 @@ class _RoundSync:
             self.synced_at.append(trainer.steps)
         return len(self.synced_at) < self.rounds
 
+    def held(self, trainer, stop) -> None:
+        return None
+
     def after_step(self, trainer, result, stop) -> dict:
         self.after.append((trainer.steps, trainer.tokens, result.tokens))
         return {"fake": trainer.steps % self.H == 0}
@@ -120,6 +123,9 @@ class _GradSync:
 
     def before_step(self, trainer, stop) -> bool:
         return trainer.steps < self.steps
+
+    def held(self, trainer, stop) -> None:
+        return None
 
     def after_step(self, trainer, result, stop) -> dict:
         self.seen.append(trainer.steps)
@@ -211,9 +217,13 @@ class _Client:
         self.results, self.calls, self.maintained = results, [], 0
         self.flushed, self.flush_result = 0, None
 
-    def step_done(self, tokens, loss):
+    def step_done(self, tokens, loss, wait=True):
+        assert not wait  # the loop holds between steps (DiPSSync.held), never inside one
         self.calls.append((tokens, loss))
         return self.results.pop(0)
+
+    def hold_tick(self):
+        return True, None
 
     def maintain(self):
         self.maintained += 1
@@ -254,3 +264,27 @@ def test_dips_sync_reports_pushes_and_leases_when_starved(tiny_cfg, tokens, tmp_
     client.flush_result = res
     assert DiPSSync(client).starved(trainer, stop)["push"]["version"] == 4  # type: ignore[arg-type]
     assert not DiPSSync(client).before_step(trainer, stop)  # type: ignore[arg-type]
+
+
+def test_no_inner_step_while_the_sync_holds_and_its_records_are_written(tiny_cfg, tokens,
+                                                                        tmp_path):
+    """Review 15, #2: while a Di-PS cluster cannot sync, the loop trains nothing (the sync's
+    ``held`` says so); the hold's start and end are event records of train.jsonl."""
+    trainer = _trainer(tiny_cfg, tokens)
+    ticks = [{"event": "hold", "reason": "sync overdue"}, {}, {}, {"event": "hold_end"}]
+
+    class Holds(_RoundSync):
+        def held(self, trainer, stop):
+            if trainer.steps == 2 and ticks:  # after the 2nd step: four ticks of a hold
+                return ticks.pop(0)
+            return None
+
+        def before_step(self, trainer, stop) -> bool:
+            return trainer.steps < 4
+
+    log = TrainLog(tmp_path / "train.jsonl", stamp=lambda: 0.0)
+    assert run_loop(trainer, Holds(3, 1), threading.Event(), None, log, clock=lambda: 0.0) == 4
+    log.close()
+    recs = _records(tmp_path / "train.jsonl")
+    assert [r.get("event", r.get("step")) for r in recs] == [1, 2, "hold", "hold_end", 3, 4]
+    assert recs[2]["tokens"] == 2 * TPB and not ticks

@@ -65,6 +65,10 @@ class AllReduceDiLoCo:
                 self._sync(trainer, flag)
         return not self.finished
 
+    def held(self, trainer: ClusterTrainer, stop: threading.Event) -> None:
+        """Never holds: a baseline trains every step (its sync is a barrier of its own)."""
+        return None
+
     def after_step(self, trainer: ClusterTrainer, result: StepResult,
                    stop: threading.Event) -> dict[str, Any]:
         """Count the round's step; nothing to add to the step's record."""

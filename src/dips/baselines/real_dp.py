@@ -74,6 +74,10 @@ class GradientAllReduce:
         self._snapshot = None
         return not self.finished
 
+    def held(self, trainer: ClusterTrainer, stop: threading.Event) -> None:
+        """Never holds: a baseline trains every step (its sync is a barrier of its own)."""
+        return None
+
     def after_step(self, trainer: ClusterTrainer, result: StepResult,
                    stop: threading.Event) -> dict[str, Any]:
         """The step's sync fields; the run ends after the budget's step or a stop flag."""

@@ -99,7 +99,8 @@ def run_cluster(leader_addr: str, cluster_id: str, state: Path, creds: Credentia
                            heartbeat_interval_s=cfg.membership.heartbeat_interval_s,
                            data=trainer.batches,
                            limiter=bucket.consume if bucket is not None else None, stop=stop,
-                           fingerprint=fingerprint.to_json(), wire_dtype=cfg.outer.wire_dtype)
+                           fingerprint=fingerprint.to_json(), wire_dtype=cfg.outer.wire_dtype,
+                           hold_after=cfg.inner.hold_after)
     observed = metrics = None
     if metrics_port is not None:
         from prometheus_client import CollectorRegistry

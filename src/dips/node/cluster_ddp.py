@@ -267,7 +267,8 @@ def _train(cfg: Any, me: Any, trainer: Any, ranks: Any, worker: Any, sampler: An
             admit_timeout_s=cfg.timeouts.admit_s,
             heartbeat_interval_s=cfg.membership.heartbeat_interval_s, data=sampler,
             limiter=bucket.consume if bucket is not None else None, stop=stop,
-            fingerprint=fingerprint, wire_dtype=cfg.outer.wire_dtype)
+            fingerprint=fingerprint, wire_dtype=cfg.outer.wire_dtype,
+            hold_after=cfg.inner.hold_after)
         assert client.stage_layers == [[k for k, _ in b] for b in worker.blocks]
         if metrics_port is not None:
             from prometheus_client import CollectorRegistry

@@ -142,14 +142,21 @@ class ClusterJob:
                 layer_of=layer_of, admit_timeout_s=cfg.timeouts.admit_s,
                 heartbeat_interval_s=cfg.membership.heartbeat_interval_s, data=self._data,
                 stop=self.stop, wire_dtype=cfg.outer.wire_dtype,
+                hold_after=cfg.inner.hold_after,
                 fingerprint=fingerprint_of(model, load_vocab(*self._vocab)).to_json())
             lead = DiPSSync(client)
         self._sync = RankSync(self.ranks, self._worker, self._data, lead)
         return self._sync.join(self.stop, cfg.timeouts.startup_s)
 
     def running(self) -> bool:
-        """Whether to train another step: no rank was stopped and the run goes on."""
-        return self._sync.before_step(None, self.stop)
+        """Whether to train another step: no rank was stopped and the run goes on. While the
+        cluster holds (it cannot sync: the leader unreachable for ``inner.hold_after`` sync
+        intervals, a verdict or a re-join pending; :mod:`dips.algo.hold`) it waits here, on
+        every rank, and tries again, until it may train or stops."""
+        while self._sync.before_step(None, self.stop):
+            if self._sync.held(_Batches(self._data), self.stop) is None:
+                return True
+        return False
 
     def step_done(self, tokens: int, loss: float | None = None) -> dict[str, Any] | None:
         """Count one inner step of the cluster (``tokens``: all ranks', e.g.

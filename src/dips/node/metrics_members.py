@@ -152,6 +152,11 @@ class ClusterMetrics:
                            "push (dimensionless)", registry=r)
         self.events = Counter("dips_cluster_events", "Event records of train.jsonl, by kind "
                               "(join, ...)", ["event"], registry=r)
+        self.holding = Gauge("dips_holding", "1 while the cluster holds its training: it "
+                             "cannot sync and trains nothing a push could not carry "
+                             "(dips.algo.hold), else 0", registry=r)
+        self.held_s = Counter("dips_hold_seconds", "Seconds the cluster held its training, "
+                              "over the holds ended (s)", registry=r)
         self._tokens = 0
         self._recent: deque[tuple[float, int]] = deque(maxlen=RATE_WINDOW)
 
@@ -160,6 +165,10 @@ class ClusterMetrics:
         event) into the metrics."""
         if "event" in rec:
             self.events.labels(event=str(rec["event"])).inc()
+            if rec["event"] in ("hold", "hold_end"):
+                self.holding.set(1 if rec["event"] == "hold" else 0)
+            if rec["event"] == "hold_end" and isinstance(rec.get("held_s"), (int, float)):
+                self.held_s.inc(max(0.0, rec["held_s"]))
             if rec["event"] == "resume" and isinstance(rec.get("tokens"), int):
                 self._tokens = rec["tokens"]  # the saved count: trained by an earlier process
         if "step" in rec:

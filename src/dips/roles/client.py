@@ -17,9 +17,12 @@ in the order of the leader's §10 schedule; followers form Δ = θ_server − θ
 server's current θ (§6). After the verdict the cluster pulls the new global θ; all tensors are
 fetched and checked to carry one version before any parameter is overwritten.
 
-Faults stay local (§12): no call blocks training for long. If the leader or a follower is
-unreachable, :meth:`ClusterClient.sync` returns ``ok=False`` at once, the local model is kept,
-training goes on and the sync is retried with exponential backoff (0.5 s doubling to 10 s).
+Faults stay local (§12). If the leader or a follower is unreachable,
+:meth:`ClusterClient.sync` returns ``ok=False`` at once, the local model is kept, training goes
+on and the sync is retried with exponential backoff (0.5 s doubling to 10 s), for up to
+``hold_after`` sync intervals; then, and while a verdict or a re-join is pending, the cluster
+holds (:mod:`dips.roles.client_hold`, :mod:`dips.algo.hold`): ``step_done`` returns only once
+it may train again, so no inner step is trained that no push could carry.
 If the leader forgot this cluster (heartbeat timeout, leader restart without it), the client
 re-joins: it pulls a complete model of one version and starts from freshly leased data.
 
@@ -43,6 +46,7 @@ import torch
 from dips.algo import partition_contiguous
 from dips.algo.refusal import Refusal, Refused
 from dips.roles import failpoints
+from dips.roles.client_hold import HoldMixin
 from dips.roles.client_sync import (
     REASK_S,
     PendingVerdict,
@@ -76,7 +80,7 @@ class LedgerData(Protocol):
 FINAL_REFUSALS = (Refusal.FORBIDDEN, Refusal.MODEL_MISMATCH, Refusal.NOT_LEADER)
 
 
-class ClusterClient(SyncMixin):
+class ClusterClient(SyncMixin, HoldMixin):
     """One cluster's connection to the Di-PS leader and followers.
 
     Args:
@@ -102,9 +106,12 @@ class ClusterClient(SyncMixin):
             a leader with a fingerprint then refuses the join).
         wire_dtype: "bf16" (§12) or "fp32", the dtype of pushes and pulls
             (``OuterConfig.wire_dtype``; the run's followers accept either).
+        hold_after: sync intervals it trains past its last completed sync before it holds
+            (``InnerConfig.hold_after``, :mod:`dips.algo.hold`; default 1; None: never).
 
     Raises:
-        ValueError: H < 1, or ``stages`` not in [1, number of layers].
+        ValueError: H < 1, ``stages`` not in [1, number of layers], or ``hold_after`` not
+            an int >= 1 or None.
     """
 
     def __init__(self, model: torch.nn.Module, leader: str, cluster_id: str,
@@ -114,9 +121,14 @@ class ClusterClient(SyncMixin):
                  heartbeat_interval_s: float | None = None, data: LedgerData | None = None,
                  limiter: Callable[[int], object] | None = None,
                  stop: threading.Event | None = None, fingerprint: str = "",
-                 wire_dtype: str = "bf16") -> None:
+                 wire_dtype: str = "bf16", hold_after: int | None = 1) -> None:
         if H < 1:
             raise ValueError(f"H = {H} must be >= 1")
+        if hold_after is not None and (isinstance(hold_after, bool)
+                                       or not isinstance(hold_after, int) or hold_after < 1):
+            raise ValueError(f"hold_after = {hold_after!r} must be an int >= 1 or None")
+        self.hold_after = hold_after
+        self.last_failure = ""  # why the last call failed (for the hold's log line)
         self.model = model
         self.cluster_id = cluster_id
         self.H = H
@@ -230,11 +242,15 @@ class ClusterClient(SyncMixin):
         return True
 
     # ----- the inner loop's hook ---------------------------------------------------------
-    def step_done(self, tokens: int, loss: float | None = None) -> SyncResult | None:
+    def step_done(self, tokens: int, loss: float | None = None,
+                  wait: bool = True) -> SyncResult | None:
         """Count one finished inner step of ``tokens`` tokens; sync when H steps have passed
-        since the last sync (and any backoff has expired).
+        since the last sync (and any backoff has expired). With ``wait`` (default), then hold
+        while it must (:meth:`wait_while_held`: the leader unreachable for ``hold_after``
+        sync intervals, a verdict or a re-join pending), so the next inner step is one a push
+        can carry; ``wait=False``: return at once (the caller runs :meth:`hold_tick` itself).
 
-        Returns the :class:`SyncResult` when a sync was attempted, else None.
+        Returns the :class:`SyncResult` of the last sync attempted, else None.
         """
         if tokens < 0:
             raise ValueError(f"tokens = {tokens} must be >= 0")
@@ -243,6 +259,18 @@ class ClusterClient(SyncMixin):
         self.tokens_since_pull += tokens
         if loss is not None:
             self.last_loss = float(loss)
+        res = self._try_sync(idle_failpoint=True)
+        if wait:
+            res = self.wait_while_held() or res
+        return res
+
+    def retry(self) -> SyncResult | None:
+        """One try of a held cluster (:mod:`dips.roles.client_hold`): what :meth:`maintain`
+        does, then the sync if one is due and the backoff allows, counting no inner step.
+        Returns the result of a sync attempted or of a verdict that arrived, else None."""
+        return self._try_sync(idle_failpoint=False)
+
+    def _try_sync(self, idle_failpoint: bool) -> SyncResult | None:
         ready = self.maintain()
         if self._resolved is not None:  # a verdict asked again has arrived: report it
             res, self._resolved = self._resolved, None
@@ -251,7 +279,8 @@ class ClusterClient(SyncMixin):
             return None
         if self.inner_step - self._last_sync_step >= self.H and time.monotonic() >= self._retry_at:
             return self.sync()
-        failpoints.hit("idle")  # fault injection: between syncs
+        if idle_failpoint:
+            failpoints.hit("idle")  # fault injection: between syncs
         return None
 
     def flush(self) -> SyncResult | None:
@@ -316,6 +345,7 @@ class ClusterClient(SyncMixin):
         return True
 
     def _fail(self, reason: str) -> None:
+        self.last_failure = reason
         self._retry_at = time.monotonic() + self._backoff_s
         self._backoff_s = min(10.0, self._backoff_s * 2)
         log.info("cluster %s: %s; retrying in %.1f s", self.cluster_id, reason, self._backoff_s)

@@ -95,9 +95,14 @@ class Ranks:
 
     def any(self, flag: bool) -> bool:
         """Whether ``flag`` is true on some rank (all-reduce MAX on the control group)."""
-        t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+        return bool(self.most(1 if flag else 0))
+
+    def most(self, value: int) -> int:
+        """The largest of every rank's ``value`` (an int32; all-reduce MAX on the control
+        group)."""
+        t = torch.tensor([int(value)], dtype=torch.int32)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.control)
-        return bool(t.item())
+        return int(t.item())
 
 
 def _decode(data: bytes) -> dict:

@@ -238,6 +238,15 @@ class InnerConfig(Strict):
     weight_decay: float = Field(0.1, ge=0, description="AdamW weight decay")
     grad_clip: float | None = Field(1.0, description="gradient-norm clip of each inner step; "
                                                      "None: no clip")
+    hold_after: int | None = Field(
+        1, ge=1, strict=True,
+        description="sync intervals (of H inner steps) a Di-PS cluster trains past its last "
+                    "completed sync before it holds: no further inner step, its data position "
+                    "kept, the sync tried again until it completes (the leader back, the "
+                    "followers ready); it also holds while a verdict or a re-join is pending, "
+                    "whose outcome throws away what it would train (dips.algo.hold). None: "
+                    "never hold (the next push carries the whole outage; the penalty may "
+                    "reject it)")
 
 
 class OuterConfig(Strict):

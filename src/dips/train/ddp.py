@@ -230,9 +230,28 @@ class RankSync:
                 raise
         return bool(self._lead(go))
 
+    #: What :meth:`before_step` found on all ranks: 2 stop, 1 rank 0 holds, 0 train.
+    _GO, _HOLD, _DONE = 0, 1, 2
+    _agreed = 0
+
     def before_step(self, trainer: ClusterTrainer, stop: threading.Event) -> bool:
-        done = stop.is_set() or bool(self.lead is not None and self.lead.client.finished)
-        return not self.ranks.any(done)
+        """Go on unless some rank was stopped or the run finished; whether rank 0 holds
+        (:mod:`dips.algo.hold`) comes with the same all-reduce, for :meth:`held`."""
+        client = self.lead.client if self.lead is not None else None
+        done = stop.is_set() or bool(client is not None and client.finished)
+        holds = client is not None and (client.holding or client.held() is not None)
+        self._agreed = self.ranks.most(self._DONE if done else self._HOLD if holds else self._GO)
+        return self._agreed != self._DONE
+
+    def held(self, trainer: ClusterTrainer, stop: threading.Event) -> dict[str, Any] | None:
+        """Rank 0's hold tick (:meth:`DiPSSync.held`) while every other rank follows its
+        commands (a sync tried meanwhile moves every rank's blocks), when :meth:`before_step`
+        found rank 0 holding; else None at once, with no collective. Each tick waits about a
+        second at most, so the ranks meet in a collective that often, far within the control
+        group's timeout, however long the hold."""
+        if self._agreed != self._HOLD:
+            return None
+        return self._lead(lambda: self._record(self.lead.held(trainer, stop)))
 
     def after_step(self, trainer: ClusterTrainer, result: StepResult,
                    stop: threading.Event) -> dict[str, Any]:
@@ -241,10 +260,10 @@ class RankSync:
     def starved(self, trainer: ClusterTrainer, stop: threading.Event) -> dict[str, Any]:
         return self._lead(lambda: self._record(self.lead.starved(trainer, stop))) or {}
 
-    def _record(self, fields: dict[str, Any]) -> dict[str, Any]:
+    def _record(self, fields: dict[str, Any] | None) -> dict[str, Any] | None:
         """Add what each rank pushed (layers, bytes the followers acknowledged) and the
         replicas' per-shard checksums after the pull to a sync step's record."""
-        if "push" in fields:
+        if fields is not None and "push" in fields:
             client = self.lead.client  # type: ignore[union-attr]
             fields["push"]["ranks"] = [{"rank": r["rank"], "layers": r["layers"],
                                         "bytes": r["acked"], "error": r["error"]}

@@ -6,7 +6,10 @@
 pulls once H inner steps have passed since the last sync (and any retry backoff expired); the
 outcome goes into that step's ``train.jsonl`` record as ``push``.  When the leased chunks are
 used up it leases more (:meth:`~dips.roles.client.ClusterClient.maintain`); faults stay local:
-training goes on with the local model while the leader or a follower is unreachable.
+training goes on with the local model while the leader or a follower is unreachable, for up
+to ``inner.hold_after`` sync intervals; then, and while a verdict or a re-join is pending,
+the cluster holds between steps (:meth:`DiPSSync.held`, :mod:`dips.algo.hold`) instead of
+training what no push could carry.
 
 :class:`InnerStateSync` wraps a cluster's sync (this one, or a torchrun cluster's
 :class:`dips.train.ddp.RankSync`) to checkpoint its inner AdamW state and data position
@@ -90,9 +93,29 @@ class DiPSSync:
     def after_step(self, trainer: ClusterTrainer, result: StepResult,
                    stop: threading.Event) -> dict[str, Any]:
         """Count the step; sync when H steps have passed.  Returns ``{"push": ...}`` after a
-        sync attempt, else nothing."""
-        res = self.client.step_done(result.tokens, result.loss)
+        sync attempt, else nothing.  Never holds here (:meth:`held` does, between steps)."""
+        res = self.client.step_done(result.tokens, result.loss, wait=False)
         return {} if res is None else {"push": push_record(res)}
+
+    def held(self, trainer: ClusterTrainer, stop: threading.Event) -> dict[str, Any] | None:
+        """One short step of the cluster's hold (:meth:`~dips.roles.client_hold.HoldMixin.
+        hold_tick`, :mod:`dips.algo.hold`): None when it may train; else the fields of an
+        event record to write (``{}``: none), and no inner step now. The hold's start is
+        ``{"event": "hold", "reason", "steps_since_sync", "last_failure"}``, its end
+        ``{"event": "hold_end", "reason", "held_s", "push": ...}`` (``push``: the sync that
+        ended it, if one did)."""
+        go, event = self.client.hold_tick()
+        if event is None:
+            return None if go else {}
+        rec: dict[str, Any] = {"event": event.kind, "reason": event.reason,
+                               "steps_since_sync": event.steps_since_sync}
+        if event.kind == "hold":
+            rec["last_failure"] = event.last_failure
+        else:
+            rec["held_s"] = round(event.held_s, 3)
+            if event.sync is not None:
+                rec["push"] = push_record(event.sync)
+        return rec
 
     def starved(self, trainer: ClusterTrainer, stop: threading.Event) -> dict[str, Any]:
         """Every leased window is trained: push what was trained since the last sync even if
@@ -168,6 +191,11 @@ class InnerStateSync:
 
     def before_step(self, trainer: ClusterTrainer, stop: threading.Event) -> bool:
         return self.inner.before_step(trainer, stop)
+
+    def held(self, trainer: ClusterTrainer, stop: threading.Event) -> dict[str, Any] | None:
+        """The inner sync's hold; a sync that ended it saves the state as after a step."""
+        fields = self.inner.held(trainer, stop)
+        return None if fields is None else self._saved(trainer, fields)
 
     def after_step(self, trainer: ClusterTrainer, result: StepResult,
                    stop: threading.Event) -> dict[str, Any]:

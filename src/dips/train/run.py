@@ -53,9 +53,12 @@ class Sync(Protocol):
     """How a cluster synchronises with the others; the loop calls, for every inner step:
 
     1. :meth:`before_step` — may synchronise (H steps done) and says whether to go on;
-    2. the inner step, with :attr:`grad_hook` (if not None) between backward and the optimizer
+    2. :meth:`held` — None to train now; else no inner step this time round (the fields of an
+       event record to write, ``{}`` for none), e.g. Di-PS holding while it cannot sync
+       (:mod:`dips.algo.hold`); it waits a little, never long, so the loop checks again;
+    3. the inner step, with :attr:`grad_hook` (if not None) between backward and the optimizer
        step (after the step's injected delay);
-    3. :meth:`after_step` — may synchronise; returns fields for the step's record.
+    4. :meth:`after_step` — may synchronise; returns fields for the step's record.
 
     ``stop`` is the process's local stop request (signal, time limit).  A sync whose peers wait
     for it (an all-reduce) goes on until it has told them; the others end at once.
@@ -65,6 +68,11 @@ class Sync(Protocol):
 
     def before_step(self, trainer: ClusterTrainer, stop: threading.Event) -> bool:
         """False ends the loop (before this step)."""
+        ...
+
+    def held(self, trainer: ClusterTrainer, stop: threading.Event) -> dict[str, Any] | None:
+        """None: train the next step now; else skip it (fields of an event record, maybe
+        empty). Waits at most a second or so."""
         ...
 
     def after_step(self, trainer: ClusterTrainer, result: StepResult,
@@ -140,7 +148,7 @@ def run_loop(trainer: ClusterTrainer, sync: Sync, stop: threading.Event, pacer: 
              log: TrainLog, clock: Callable[[], float]) -> int:
     """Train until ``sync`` says to stop; returns the inner steps run.
 
-    Each step: ``trainer.step`` (with the sync's gradient hook), the injected delay
+    Each step: unless :meth:`Sync.held` says not now, ``trainer.step`` (with the sync's gradient hook), the injected delay
     ``pacer.delay(compute_s, clock())`` waited on ``stop`` (so a stop request cuts it short),
     the sync's :meth:`Sync.after_step`, one :meth:`TrainLog.step` record.  With a gradient
     hook the delay comes before the hook (after backward): a slow cluster reaches the
@@ -163,6 +171,11 @@ def run_loop(trainer: ClusterTrainer, sync: Sync, stop: threading.Event, pacer: 
 
     steps = 0
     while sync.before_step(trainer, stop):
+        held = sync.held(trainer, stop)
+        if held is not None:  # no inner step now (e.g. a Di-PS cluster that cannot sync)
+            if held:
+                log.write({**held, "tokens": trainer.tokens})
+            continue
         delay_s = 0.0
         hook = None
         if sync.grad_hook is not None:

@@ -4,7 +4,8 @@
   pull as horizontal bars, from the ``push`` field of its sync steps in ``train.jsonl`` (the
   step's ``time`` is when the pull ended; push, wait and pull lie before it, back to back, and
   the inner steps run from the previous sync's end or the join, and after a process's last
-  sync until its last step); one row for the leader with
+  sync until its last step), and its holds (``hold`` to ``hold_end`` records: it could not
+  sync and trained nothing, :mod:`dips.algo.hold`) as ``held``; one row for the leader with
   each round's grace window, push phase and update, from ``outer_steps.jsonl`` (its line's
   ``time`` is when every follower had prepared: update before it, push phase and window before
   that).  Top: the whole run; bottom (when it is under half the run): a zoom on four median
@@ -32,7 +33,8 @@ from dips.bench.runreport.files import RunFiles, num
 __all__ = ["plot_scores", "plot_staleness", "plot_timeline", "staleness_of", "sync_bars",
            "zoom_start"]
 
-_KINDS = (("inner steps", "#9ecae1"), ("push", "#e6550d"), ("wait", "#fdd0a2"), ("pull", "#31a354"))
+_KINDS = (("inner steps", "#9ecae1"), ("held", "#bdbdbd"), ("push", "#e6550d"),
+          ("wait", "#fdd0a2"), ("pull", "#31a354"))
 _LEADER = (("grace window", "#bcbddc"), ("push phase", "#e6550d"), ("update", "#756bb1"))
 
 
@@ -41,15 +43,26 @@ def sync_bars(run: RunFiles, records: list[dict[str, Any]]) -> dict[str, list[tu
     bars: dict[str, list[tuple[float, float]]] = {k: [] for k, _ in _KINDS}
     seg_start: float | None = None
     last_step: float | None = None
+    hold_at: float | None = None  # a hold in progress (dips.algo.hold): nothing trained
     for rec in records:
         t = num(rec, "time")
         if t is None:
             continue
         t = run.rel(t)
         if rec.get("event") == "join":
-            _close(bars, seg_start, last_step)
+            _close(bars, seg_start, hold_at if hold_at is not None else last_step)
             seg_start = last_step = t
+            hold_at = None
             continue
+        if rec.get("event") == "hold":
+            hold_at = t
+            continue
+        if rec.get("event") == "hold_end" and hold_at is not None:
+            bars["held"].append((hold_at, max(0.0, t - hold_at)))
+            if not isinstance(rec.get("push"), dict):  # ended without a sync (a re-join)
+                _close(bars, seg_start, hold_at)
+                seg_start, hold_at = t, None
+                continue
         if num(rec, "step") is not None:
             last_step = t
         if seg_start is None and num(rec, "step") is not None:
@@ -61,12 +74,13 @@ def sync_bars(run: RunFiles, records: list[dict[str, Any]]) -> dict[str, list[tu
         pull_at = t - pull
         wait_at = pull_at - wait
         push_at = wait_at - push_s
-        bars["inner steps"].append((seg_start, max(0.0, push_at - seg_start)))
+        trained_to = push_at if hold_at is None else min(push_at, hold_at)
+        bars["inner steps"].append((seg_start, max(0.0, trained_to - seg_start)))
         bars["push"].append((push_at, push_s))
         bars["wait"].append((wait_at, wait))
         bars["pull"].append((pull_at, pull))
-        seg_start = t
-    _close(bars, seg_start, last_step)
+        seg_start, hold_at = t, None
+    _close(bars, seg_start, hold_at if hold_at is not None else last_step)
     return bars
 
 
