@@ -37,8 +37,8 @@ class HoldEvent:
         reason: why it held (:class:`dips.algo.hold.Hold`'s reason), for people.
         steps_since_sync: inner steps since the last completed sync when it began.
         held_s: seconds it lasted (``hold_end`` only; 0.0 at the start).
-        sync: the sync that ended it (``hold_end``; None: it ended otherwise, e.g. a re-join
-            or the stop request).
+        sync: the sync (or verdict asked again) of the try that ended it (``hold_end``; None:
+            it ended otherwise, e.g. by a re-join or the stop request).
         last_failure: the last failure that made it retry (for people).
     """
 
@@ -68,7 +68,7 @@ class HoldMixin:
     retry: Callable[[], SyncResult | None]
     _hold: HoldEvent | None = None       # the hold in progress (its start)
     _hold_t0: float = 0.0                 # when it began (monotonic seconds)
-    _hold_sync: SyncResult | None = None  # the last sync tried meanwhile
+    _hold_sync: SyncResult | None = None  # what the last try gave (a sync, a verdict, None)
 
     def held(self) -> Hold | None:
         """Whether this cluster must hold now (:func:`dips.algo.hold.hold` of its counters, its
@@ -116,9 +116,7 @@ class HoldMixin:
             return False, self._hold
         if h.wait_s > 0:
             self._stop.wait(h.wait_s)
-        res = self.retry()
-        if res is not None:
-            self._hold_sync = res
+        self._hold_sync = self.retry()  # the hold's end names it if this try ended it
         return False, None
 
     def wait_while_held(self) -> SyncResult | None:
