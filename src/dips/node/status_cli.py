@@ -226,8 +226,8 @@ def status(leader: Annotated[str, typer.Option(
            insecure: Annotated[bool, typer.Option(
                "--insecure", help="no TLS (a leader started with --insecure)")] = False,
            keep: Annotated[bool, typer.Option(
-               "--watch", help="look again every --every seconds until Ctrl-C: redrawn in place on a "
-                          "terminal, each look printed as it comes off one")] = False,
+               "--watch", help="look again every --every seconds until Ctrl-C: redrawn in "
+                          "place on a terminal, each look printed as it comes off one")] = False,
            every: Annotated[float, typer.Option(
                "--every", min=0.2, help="seconds between looks with --watch")] = 2.0,
            as_json: Annotated[bool, typer.Option(

@@ -23,8 +23,8 @@ asked of the modelled followers' reports, and the ledger's
   (``leader.json``: taken where the leader checkpoints — a round number block reserved, a step
   decided, a round ended, followers reconciled, a member removed) is all its restart has. While
   it is down, clusters finish the sync interval they are in and their push requests wait for
-  it (the real clusters' hold, :mod:`dips.algo.hold` with ``inner.hold_after = 1``). It resumes (the followers not
-  ready until reconciled, a step decided before its death rolled forward), re-serves the
+  it (the real clusters' hold, :mod:`dips.algo.hold` with ``inner.hold_after = 1``). It
+  resumes (the followers not ready until reconciled, a step decided before its death rolled forward), re-serves the
   verdicts it persisted, and a cluster whose push it no longer knows (``UNKNOWN_PUSH``) re-joins,
   as :mod:`dips.roles.client_sync` does; a request still waiting for admission is made again.
 

@@ -148,9 +148,9 @@ def run_loop(trainer: ClusterTrainer, sync: Sync, stop: threading.Event, pacer: 
              log: TrainLog, clock: Callable[[], float]) -> int:
     """Train until ``sync`` says to stop; returns the inner steps run.
 
-    Each step: unless :meth:`Sync.held` says not now, ``trainer.step`` (with the sync's gradient hook), the injected delay
-    ``pacer.delay(compute_s, clock())`` waited on ``stop`` (so a stop request cuts it short),
-    the sync's :meth:`Sync.after_step`, one :meth:`TrainLog.step` record.  With a gradient
+    Each step: unless :meth:`Sync.held` says not now, ``trainer.step`` (with the sync's
+    gradient hook), the injected delay ``pacer.delay(compute_s, clock())`` waited on ``stop``
+    (so a stop request cuts it short), the sync's :meth:`Sync.after_step`, one :meth:`TrainLog.step` record.  With a gradient
     hook the delay comes before the hook (after backward): a slow cluster reaches the
     all-reduce late, as its compute would.  When the batch source raises NoData nothing is
     trained and :meth:`Sync.starved` is called.
