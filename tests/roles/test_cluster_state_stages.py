@@ -14,12 +14,13 @@ with torch.distributed.checkpoint into one payload, and
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
+
+from tests.train.ranks import run_ranks
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -134,19 +135,7 @@ def _rank(rank: int, tmp: str) -> None:
 def test_each_pipeline_stage_saves_and_resumes_its_own_inner_state(tmp_path):
     from dips.roles.cluster_state import read_saved, state_digest
 
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_rank, args=(r, str(tmp_path))) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        for p in procs:
-            p.join(100)
-            assert p.exitcode == 0
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(10)
+    run_ranks(_rank, [(r, str(tmp_path)) for r in range(2)], timeout_s=100)
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for rep in reports:
         assert rep["exact"] and rep["resplit"] and set(rep["lr"]) == {5e-3}

@@ -6,10 +6,11 @@ dtype) that leave every rank with the owner's exact values."""
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 from pathlib import Path
 
 import pytest
+
+from tests.train.ranks import run_ranks
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -43,21 +44,8 @@ def _rank(rank: int, store: str, out: str) -> None:
 
 
 def test_control_messages_and_parameter_broadcast_between_two_ranks(tmp_path):
-    ctx = mp.get_context("spawn")
     outs = [tmp_path / f"rank{r}.json" for r in range(2)]
-    procs = [ctx.Process(target=_rank, args=(r, str(tmp_path / "store"), str(outs[r])))
-             for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        for p in procs:
-            p.join(90)
-            assert p.exitcode == 0
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(10)
+    run_ranks(_rank, [(r, str(tmp_path / "store"), str(outs[r])) for r in range(2)])
     r0, r1 = (json.loads(o.read_text()) for o in outs)
     assert r0["got"] == r1["got"] == {"op": "push", "plans": [["embed", 0]], "é": "ü"}
     assert r0["gathered"] == r1["gathered"] == [{"rank": 0, "pad": ""},
@@ -143,21 +131,8 @@ def _rank_hold(rank: int, store: str, out: str) -> None:
 def test_every_rank_waits_out_rank_0s_hold_in_step(tmp_path):
     """Review 15, #2: a torchrun cluster's rank 0 holds (it cannot sync); every rank skips
     the same steps, tick by tick, and trains again with it."""
-    ctx = mp.get_context("spawn")
     outs = [tmp_path / f"rank{r}.json" for r in range(2)]
-    procs = [ctx.Process(target=_rank_hold, args=(r, str(tmp_path / "store"), str(outs[r])))
-             for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        for p in procs:
-            p.join(90)
-            assert p.exitcode == 0
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(10)
+    run_ranks(_rank_hold, [(r, str(tmp_path / "store"), str(outs[r])) for r in range(2)])
     got = [json.loads(o.read_text()) for o in outs]
     assert got[0]["most"] == got[1]["most"] == [3, 0]
     assert got[0]["seen"] == got[1]["seen"] == [
