@@ -20,7 +20,7 @@ scenarios of ``configs/compare/large/`` (a 5.2M-parameter model; η = 100 and we
 only). Writes ``OUT/<sweep>[-large].json`` (every run) and ``.md`` (the table).
 
 Usage: python benchmarks/compare/bench_sweep.py --sweep clip [--counts 1,8,16] [--etas 100]
-       [--size small|large] [--seed N] [--jobs 2] [--reuse] [--replot] [--out runs/sweep]
+       [--size small|large] [--seed N] [--eval-batches N] [--jobs 2] [--reuse] [--replot] [--out runs/sweep]
 """
 
 from __future__ import annotations
@@ -162,6 +162,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--jobs", type=int, default=1, help="runs in parallel (one core each)")
     ap.add_argument("--seed", type=int, default=None,
                     help="the scenarios' seed (model initialisation, data order); default theirs")
+    ap.add_argument("--eval-batches", type=int, default=None,
+                    help="held-out batches per evaluation (default the scenario's; 16 = 8x the "
+                         "weak-scaling set, 4x the eta scenarios')")
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "sweep")
     ap.add_argument("--reuse", action="store_true",
                     help="take runs already in OUT/runs/ (keyed by scenario and method; virtual "
@@ -172,7 +175,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     help="only redraw the table and plots from OUT/<sweep>[-large].json")
     args = ap.parse_args(argv)
     name = args.sweep + ("-large" if args.size == "large" else "") + \
-        (f"-seed{args.seed}" if args.seed is not None else "")
+        (f"-seed{args.seed}" if args.seed is not None else "") + \
+        (f"-eval{args.eval_batches}" if args.eval_batches is not None else "")
     if args.replot:
         doc = json.loads((args.out / f"{name}.json").read_text())
         write_outputs(doc, args.out, name)
@@ -181,6 +185,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     cases = _cases(args.size, ints(args.counts), ints(args.etas))
     if args.seed is not None:
         cases = [(c, sc.model_copy(update={"seed": args.seed})) for c, sc in cases]
+    if args.eval_batches is not None:
+        cases = [(c, sc.model_copy(update={"eval_batches": args.eval_batches})) for c, sc in cases]
     # Every distinct run once: DiLoCo per (case, the part of the setting it uses).
     jobs: dict[str, tuple[Any, str]] = {}
     plan = []
