@@ -30,7 +30,7 @@ from typing import Any, Callable
 
 from dips.algo import ScheduleBook
 from dips.algo.ledger import ChunkLedger
-from dips.algo.limits import JoinHistory, stop_reason
+from dips.algo.limits import stop_reason
 from dips.algo.penalty import PenaltyState
 from dips.algo.reconcile import FollowerReport, reconcile_target
 from dips.algo.round import (
@@ -125,8 +125,7 @@ class Leader(Membership, Records, Pushes, EvalReports):
         self._ended: list[RoundEnded] = []           # rounds whose record the loop must write
         self._reports: dict[int, UpdateReport] = {}  # round -> its update, until it is logged
         self._holdings: dict[str, list[tuple[int, int]]] = {}  # push id -> ledger positions
-        self._joins: dict[str, JoinHistory] = {}  # cluster -> its joins (re-join backoff)
-        self._joined: set[str] = set()  # every cluster that joined this run (leader.json)
+        self._init_membership()  # joins, the monitor's own lag (dips.roles.leader_members)
         self._decided = 0                            # the last round recorded by _decide
         self._recorded: dict[str, Any] = {}          # its verdicts, until the machine has them
         self._leaving: set[str] = set()              # removed; ledger release after the verdicts

@@ -12,7 +12,8 @@ import logging
 import math
 
 from dips.algo.ledger import ChunkLedger
-from dips.algo.limits import INT64_MAX, join_allowed, lease_allowed
+from dips.algo.limits import INT64_MAX, JoinHistory, join_allowed, lease_allowed
+from dips.algo.liveness import OwnLag, silent_s, ticked
 from dips.algo.refusal import Refusal, Refused
 from dips.algo.round import MemberGone, Phase
 from dips.roles.leader_types import (
@@ -24,6 +25,7 @@ from dips.roles.leader_types import (
 from dips.spec.fingerprint import mismatch
 from dips.wire import keys
 from dips.wire.keys import MemberKey
+from dips.wire.ratelog import RateLimitedLog
 from dips.wire.pki import Identity
 
 log = logging.getLogger(__name__)
@@ -39,6 +41,14 @@ class Membership:
     """Membership methods of the leader (see the module docstring)."""
 
     ledger: ChunkLedger | None
+
+    def _init_membership(self) -> None:
+        """The membership's own state (called once by the leader's constructor)."""
+        self._joins: dict[str, JoinHistory] = {}  # cluster -> its joins (re-join backoff)
+        self._joined: set[str] = set()  # every cluster that joined this run (leader.json)
+        self._lag = OwnLag()  # the monitor's own ticks and stalls (dips.algo.liveness)
+        self._stalls = RateLimitedLog(log, 60.0)  # one line a minute of the leader's stalls
+        self._waiting = RateLimitedLog(log, 10.0)  # and one per 10 s of followers missing
 
     def register_follower(self, entry: FollowerEntry) -> RegisterAnswer:
         """Add a follower or refresh its heartbeat. A new incarnation (restart) or a follower
@@ -144,10 +154,18 @@ class Membership:
         the current version, the followers to pull from and the cluster's new data-plane
         key. Raises ValueError if the stages do not cover every layer exactly once or the id
         is empty; Refused(MODEL_MISMATCH) naming the differing fields; Refused(NOT_READY)
-        while followers are missing; Refused(RUN_FINISHED) once the run ended.
+        while followers are missing; Refused(RUN_FINISHED) once the run ended; Refused(BUSY)
+        when it joins too often (:func:`dips.algo.limits.join_allowed`).
+
+        The join rate limit counts every attempt that passes the cheap checks, refused ones
+        included, *before* the fingerprint is read (review 21, F2: a malformed fingerprint
+        cost seconds of the leader's GIL each, ahead of the limit), and the fingerprint's
+        check is bounded work (:func:`dips.spec.fingerprint.mismatch`), done outside the lock.
         """
         if not cluster_id:
             raise ValueError("join field 'cluster_id' is empty")
+        with self._cond:
+            self._may_join(cluster_id, stages)
         if self.issued.fingerprint:
             diff = mismatch(self.issued.fingerprint, fingerprint)
             if diff:
@@ -157,22 +175,6 @@ class Membership:
             if self._state.finished:
                 raise Refused(Refusal.RUN_FINISHED, f"the run finished ({self._state.finished}) "
                                                     f"at version {self.version}")
-            if len(self.followers) < self.cfg.followers:
-                raise Refused(Refusal.NOT_READY, f"{len(self.followers)}/{self.cfg.followers} "
-                                                 "followers registered")
-            flat = [l for s in stages for l in s]
-            if sorted(flat) != sorted(self._layer_owner) or len(flat) != len(set(flat)):
-                raise ValueError(f"cluster {cluster_id!r}: stage layers {flat} do not cover the "
-                                 f"model's layers {sorted(self._layer_owner)} exactly once")
-            members = self.cfg.membership
-            wait, joins = join_allowed(self._joins.get(cluster_id), self._clock(),
-                                       members.rejoin_min_s, members.rejoin_max_s)
-            if wait > 0:
-                raise Refused(Refusal.BUSY, f"cluster {cluster_id!r} joined "
-                                            f"{joins[1] + 1} times in a row: it may join "
-                                            f"again in {wait:.1f} s "
-                                            "(membership.rejoin_min_s)")
-            self._joins[cluster_id] = joins
             # A re-join: this id joined the run before, in this leader or an earlier one,
             # whether it is still a member (its process restarted fast) or was removed.
             rejoin = cluster_id in self.clusters or cluster_id in self._joined
@@ -186,6 +188,29 @@ class Membership:
         if not rejoin:
             self.checkpoint()  # its first join: a restarted leader still calls the next a re-join
         return version, followers, key
+
+    def _may_join(self, cluster_id: str, stages: list[list[str]]) -> None:
+        """The cheap checks of a join, and its place in the join rate limit (lock held):
+        raises as :meth:`join_cluster` does; on return the attempt is counted."""
+        if self._state.finished:
+            raise Refused(Refusal.RUN_FINISHED, f"the run finished ({self._state.finished}) "
+                                                f"at version {self.version}")
+        if len(self.followers) < self.cfg.followers:
+            raise Refused(Refusal.NOT_READY, f"{len(self.followers)}/{self.cfg.followers} "
+                                             "followers registered")
+        flat = [l for s in stages for l in s]
+        if sorted(flat) != sorted(self._layer_owner) or len(flat) != len(set(flat)):
+            raise ValueError(f"cluster {cluster_id!r}: stage layers {flat} do not cover the "
+                             f"model's layers {sorted(self._layer_owner)} exactly once")
+        members = self.cfg.membership
+        wait, joins = join_allowed(self._joins.get(cluster_id), self._clock(),
+                                   members.rejoin_min_s, members.rejoin_max_s)
+        if wait > 0:
+            raise Refused(Refusal.BUSY, f"cluster {cluster_id!r} joined "
+                                        f"{joins[1] + 1} times in a row: it may join "
+                                        f"again in {wait:.1f} s "
+                                        "(membership.rejoin_min_s)")
+        self._joins[cluster_id] = joins
 
     def heartbeat(self, cluster_id: str, inner_step: int, tokens: int,
                   loss: float | None) -> HeartbeatAnswer:
@@ -275,31 +300,48 @@ class Membership:
         return self.clusters[cluster_id]
 
     def _monitor(self) -> None:
-        """Remove silent clusters; mark silent followers down (§12: 3 missed heartbeats)."""
+        """Remove silent clusters; mark silent followers down (§12: 3 missed heartbeats),
+        counting silence only while the leader itself ran (:meth:`_watch`)."""
+        period = min(0.25, self.cfg.membership.heartbeat_interval_s / 2)
+        while not self._stop.wait(period):
+            self._watch(period)
+
+    def _watch(self, period_s: float) -> list[tuple[str, dict]]:
+        """One tick of the monitor, meant every ``period_s`` seconds; returns the events it
+        wrote. A member is silent for the time since its last heartbeat less the leader's own
+        stalls (:func:`dips.algo.liveness.silent_s`: a late tick of this monitor, its lock or
+        GIL held by something else, is the leader's fault, not the member's; review 21, F2)."""
         members = self.cfg.membership
         limit = members.missed_heartbeats * members.heartbeat_interval_s
-        said = -10.0
-        while not self._stop.wait(min(0.25, members.heartbeat_interval_s / 2)):
-            events = []
-            with self._cond:
-                now = self._clock()
-                missing = sorted(set(range(self.cfg.followers)) - set(self.followers))
-                if missing and now - said >= 10.0:  # nothing trains until they register
-                    said = now
-                    log.info("waiting for follower(s) %s to register", missing)
-                for c in [c for c in self.clusters.values() if now - c.last_seen > limit]:
+        events: list[tuple[str, dict]] = []
+        with self._cond:
+            now = self._clock()
+            seen = [c.last_seen for c in self.clusters.values()]
+            seen += [f.last_seen for f in self.followers.values() if f.up]
+            self._lag, stalled = ticked(self._lag, now, period_s, min(seen, default=now))
+            if stalled > 0:
+                self._stalls.warning("stall", "the leader did not run for %.2f s: members' "
+                                     "silence in it is not counted against them", stalled)
+            missing = sorted(set(range(self.cfg.followers)) - set(self.followers))
+            if missing:  # nothing trains until they register
+                self._waiting.info("missing", "waiting for follower(s) %s to register", missing)
+            for c in list(self.clusters.values()):
+                silent = silent_s(c.last_seen, now, self._lag)
+                if silent > limit:
                     self._drop_cluster(c.cluster_id, "heartbeat timeout")
                     events.append(("cluster_removed", {"cluster": c.cluster_id,
-                                                       "silent_s": round(now - c.last_seen, 3)}))
-                for f in self.followers.values():
-                    if f.up and now - f.last_seen > limit:
-                        f.up = False
-                        self.followers_epoch += 1
-                        self.needs_reconcile = True
-                        events.append(("follower_down", {"follower": f.index,
-                                                         "silent_s": round(now - f.last_seen, 3)}))
-                self._sync_ready(now)
-            for kind, extra in events:
-                self.event(kind, **extra)
-            if events:
-                self.checkpoint()  # removals returned chunks: durable before a restart
+                                                       "silent_s": round(silent, 3)}))
+            for f in self.followers.values():
+                silent = silent_s(f.last_seen, now, self._lag)
+                if f.up and silent > limit:
+                    f.up = False
+                    self.followers_epoch += 1
+                    self.needs_reconcile = True
+                    events.append(("follower_down", {"follower": f.index,
+                                                     "silent_s": round(silent, 3)}))
+            self._sync_ready(now)
+        for kind, extra in events:
+            self.event(kind, **extra)
+        if events:
+            self.checkpoint()  # removals returned chunks: durable before a restart
+        return events

@@ -11,11 +11,11 @@ itself (a ``cluster_id`` in the body must be its own) and only while its id is n
 only follower *i* registers as follower *i*; only the leader calls a follower's control
 service, and only with a term the follower's fence admits (:mod:`dips.algo.fencing`).
 
-Hostile members (issue 13): after the caller is known, every request passes the check of its
-message in :mod:`dips.wire.fields` before any field is used (a bad field: refusal
-INVALID_ARGUMENT naming it); the leader's calls pass a :class:`dips.wire.inflight.CallGate`
-(a member over its limits: refusal BUSY, at once), and its waiting calls end when their caller
-cancels. Every exception of a call ends that call only (:func:`dips.wire.control.grpc_errors`).
+Hostile members (issue 13): after the caller is known, the leader's calls pass a
+:class:`dips.wire.inflight.CallGate` (a member over its limits: refusal BUSY, at once) before
+any work on the request (review 21, F2), then the check of its message in
+:mod:`dips.wire.fields` before any field is used (a bad field: refusal INVALID_ARGUMENT naming
+it); its waiting calls end when their caller cancels. Every exception of a call ends that call only (:func:`dips.wire.control.grpc_errors`).
 """
 
 from __future__ import annotations
@@ -99,8 +99,8 @@ class LeaderServicer(pbg.LeaderServicer):
         if who.index != request.index:
             raise Refused(Refusal.FORBIDDEN, f"RegisterFollower: field 'index' = {request.index}, "
                                              f"but the caller's certificate is {who.name!r}")
-        info = fields.follower_info(request, self.leader.cfg.followers)
         with self.gate.enter(who.name, "RegisterFollower"):
+            info = fields.follower_info(request, self.leader.cfg.followers)
             reply = self.leader.register_follower(self._entry(info))
         return pb.RegisterReply(term=reply.term, data_secret=reply.data_secret,
                                 encrypt=reply.encrypt, member_keys=list(reply.member_keys),
@@ -131,8 +131,8 @@ class LeaderServicer(pbg.LeaderServicer):
     @grpc_errors
     def RequestPush(self, request: pb.PushRequest, context: Any) -> pb.PushGrant:
         cid = self._cluster(context, request.cluster_id, "RequestPush")
-        req = fields.push_request(request)
         with self.gate.enter(f"cluster-{cid}", "RequestPush"):
+            req = fields.push_request(request)
             grant = self.leader.request_push(cid, req.base_version, req.tokens,
                                              _time_left(context), req.progress, req.expected_s,
                                              cancelled=_cancelled(context))
@@ -146,8 +146,8 @@ class LeaderServicer(pbg.LeaderServicer):
     @grpc_errors
     def PushDone(self, request: pb.PushDoneRequest, context: Any) -> pb.PushVerdict:
         cid = self._cluster(context, request.cluster_id, "PushDone")
-        _, push_id, ok, error = fields.push_done_request(request)
         with self.gate.enter(f"cluster-{cid}", "PushDone"):
+            _, push_id, ok, error = fields.push_done_request(request)
             reply = self.leader.push_done(cid, push_id, ok, error, _time_left(context),
                                           cancelled=_cancelled(context))
         v = reply.verdict
@@ -162,16 +162,16 @@ class LeaderServicer(pbg.LeaderServicer):
     @grpc_errors
     def PullDone(self, request: pb.PullDoneRequest, context: Any) -> pb.Ack:
         cid = self._cluster(context, request.cluster_id, "PullDone")
-        _, version = fields.pull_done_request(request)
         with self.gate.enter(f"cluster-{cid}", "PullDone"):
+            _, version = fields.pull_done_request(request)
             self.leader.pull_done(cid, version)
         return pb.Ack(ok=True)
 
     @grpc_errors
     def Heartbeat(self, request: pb.HeartbeatRequest, context: Any) -> pb.HeartbeatReply:
         cid = self._cluster(context, request.cluster_id, "Heartbeat")
-        _, inner_step, tokens, loss = fields.heartbeat_request(request)
         with self.gate.enter(f"cluster-{cid}", "Heartbeat"):
+            _, inner_step, tokens, loss = fields.heartbeat_request(request)
             a = self.leader.heartbeat(cid, inner_step, tokens, loss)
         return pb.HeartbeatReply(version=a.version, known=a.known,
                                  followers_epoch=a.followers_epoch, finished=a.finished)
@@ -179,8 +179,8 @@ class LeaderServicer(pbg.LeaderServicer):
     @grpc_errors
     def LeaveCluster(self, request: pb.LeaveRequest, context: Any) -> pb.Ack:
         cid = self._cluster(context, request.cluster_id, "LeaveCluster")
-        fields.leave_request(request)
         with self.gate.enter(f"cluster-{cid}", "LeaveCluster"):
+            fields.leave_request(request)
             self.leader.leave(cid)
         return pb.Ack(ok=True)
 
@@ -197,15 +197,15 @@ class LeaderServicer(pbg.LeaderServicer):
     def ReportEval(self, request: pb.EvalReport, context: Any) -> pb.EvalRecord:
         who = self._caller(context, "ReportEval")  # the operator's only (issue 15)
         heldout.require_evaluator(who)
-        report = fields.eval_report(request)
         with self.gate.enter(who.name, "ReportEval"):
+            report = fields.eval_report(request)
             return heldout.encode(self.leader.report_eval(report))
 
     @grpc_errors
     def Lease(self, request: pb.LeaseRequest, context: Any) -> pb.LeaseReply:
         cid = self._cluster(context, request.cluster_id, "Lease")
-        _, n = fields.lease_request(request)
         with self.gate.enter(f"cluster-{cid}", "Lease"):
+            _, n = fields.lease_request(request)
             holdings, windows, epoch = self.leader.lease(cid, n)
         return pb.LeaseReply(holdings=[pb.ChunkPos(chunk=c, position=p) for c, p in holdings],
                              windows_per_chunk=windows, epoch=epoch)
