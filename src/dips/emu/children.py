@@ -207,3 +207,38 @@ def wait_for(cond: Any, timeout_s: float, what: str, launch: Launch) -> Any:
         time.sleep(0.2)
     launch.interrupts.check()
     raise TimeoutError(f"{what} not reached within {timeout_s} s")
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """CPU seconds (user + system, every thread) process ``pid`` has used, from
+    ``/proc/PID/stat``; None where that cannot be read (gone, or no /proc)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) ": state is first
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class CpuWindow:
+    """The CPU a process used over the last ``window_s`` seconds, from samples (the launcher's
+    liveness probe of the leader: a silent leader that uses CPU is busy, not hung;
+    :func:`dips.algo.liveness.leader_hung`)."""
+
+    def __init__(self, window_s: float) -> None:
+        self.window_s = window_s
+        self._pid: int | None = None
+        self._samples: list[tuple[float, float]] = []  # (monotonic s, CPU s), oldest first
+
+    def sample(self, pid: int | None, now: float) -> float | None:
+        """Take a sample of ``pid`` at ``now`` (monotonic seconds); returns its CPU use since
+        the oldest sample within ``window_s`` (CPUs), None without two samples of it."""
+        cpu = cpu_seconds(pid) if pid is not None else None
+        if pid != self._pid or cpu is None:
+            self._pid, self._samples = pid, []
+            if cpu is None:
+                return None
+        self._samples = [s for s in self._samples if now - s[0] <= self.window_s]
+        self._samples.append((now, cpu))
+        (t0, c0), (t1, c1) = self._samples[0], self._samples[-1]
+        return (c1 - c0) / (t1 - t0) if t1 > t0 else None

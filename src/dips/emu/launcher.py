@@ -33,9 +33,9 @@ from typing import Any
 import grpc
 from rich.console import Console
 
-from dips.algo import limits
+from dips.algo import limits, liveness
 from dips.algo.round import Phase
-from dips.emu.children import EVALUATOR, Interrupted, Launch, free_port, wait_for
+from dips.emu.children import EVALUATOR, CpuWindow, Interrupted, Launch, free_port, wait_for
 from dips.emu.faults import FaultInjector, FaultPlan
 from dips.emu.link_schedule import LinkSchedule
 from dips.emu.progress import Progress
@@ -274,6 +274,7 @@ def _train(run: Launch, client: Any, progress: Progress, t_train: float,
     liveness_s = max(3.0, cfg.membership.missed_heartbeats * cfg.membership.heartbeat_interval_s)
     last_ok = time.monotonic()
     answered: int | None = None
+    cpu = CpuWindow(liveness_s)
     next_status = 0.0
     status = None
     try:
@@ -292,16 +293,17 @@ def _train(run: Launch, client: Any, progress: Progress, t_train: float,
                 next_status = time.monotonic() + 0.5
                 status, alive = _probe(client)
                 leader_pid = run.pid_of("leader")
+                busy = cpu.sample(leader_pid, time.monotonic())
                 if alive:
                     last_ok, answered = time.monotonic(), leader_pid
                 progress.log(status)
                 if status is not None:
                     live.update(progress.render(status, elapsed))
                 elif (cfg.supervise and leader_pid is not None and answered == leader_pid
-                      and time.monotonic() - last_ok > liveness_s):
-                    # A leader that answered before and then stayed silent for 3 heartbeat
-                    # intervals is hung: kill and restart it (a liveness probe, §12).
-                    run.event("unresponsive", "leader", silent_s=round(time.monotonic() - last_ok, 2))
+                      and liveness.leader_hung(time.monotonic() - last_ok, busy, liveness_s)):
+                    # Answered before, then hung by leader_hung's rule: kill and restart (§12).
+                    run.event("unresponsive", "leader", cpu=busy,
+                              silent_s=round(time.monotonic() - last_ok, 2))
                     os.kill(leader_pid, signal.SIGKILL)
                 reason = stop_reason(status, elapsed, max_time_s)
                 if reason is not None:
