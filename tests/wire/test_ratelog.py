@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from dips.wire.ratelog import OVERFLOW, RateLimitedLog
+from dips.wire.ratelog import OVERFLOW, RateLimitedLog, Tally
 
 
 class Clock:
@@ -69,3 +69,15 @@ def test_a_disabled_level_costs_nothing(caplog: pytest.LogCaptureFixture) -> Non
 def test_bad_limits_are_refused(interval: float, keys: int) -> None:
     with pytest.raises(ValueError):
         RateLimitedLog(logging.getLogger("t"), interval, max_keys=keys)
+
+
+def test_a_tally_counts_per_key_within_its_bound():
+    tally = Tally(max_keys=3)
+    for i in range(100):
+        tally.add(("cluster-c", "RequestPush", "NOTHING_TRAINED"))
+        tally.add(("member", i))  # keys beyond the bound share one
+    counts = tally.counts()
+    assert counts[("cluster-c", "RequestPush", "NOTHING_TRAINED")] == 100
+    assert counts[OVERFLOW] == 98 and len(counts) == 3 + 1
+    with pytest.raises(ValueError):
+        Tally(0)

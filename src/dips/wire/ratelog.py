@@ -10,6 +10,9 @@ says how many were left out. Used by the leader's control plane and the follower
     limited = RateLimitedLog(log, interval_s=60.0)
     limited.warning(("cluster-c", "NOTHING_TRAINED"), "refused %s: %s", who, why)
 
+:class:`Tally` counts them for the metric (``dips_refusals_total`` at the leader), under the
+same bound on its keys.
+
 The keys it remembers are bounded (:data:`MAX_KEYS`, plus the overflow key): once full, keys
 whose interval has passed are forgotten, and a new key while none has shares one overflow key
 (:data:`OVERFLOW`), so a peer that varies its key cannot grow the memory or the
@@ -23,7 +26,7 @@ import threading
 import time
 from typing import Any, Callable, Hashable
 
-__all__ = ["MAX_KEYS", "OVERFLOW", "RateLimitedLog"]
+__all__ = ["MAX_KEYS", "OVERFLOW", "RateLimitedLog", "Tally"]
 
 #: Keys remembered at once (besides :data:`OVERFLOW`).
 MAX_KEYS = 1024
@@ -92,3 +95,31 @@ class RateLimitedLog:
     def warning(self, key: Hashable, msg: str, *args: Any) -> bool:
         """:meth:`log` at WARNING."""
         return self.log(logging.WARNING, key, msg, *args)
+
+
+class Tally:
+    """Counts per key (e.g. ``(member, method, reason)`` of refused calls), thread-safe; at
+    most ``max_keys`` keys, the counts of any further key go to :data:`OVERFLOW` (one more).
+
+    Raises:
+        ValueError: ``max_keys`` < 1.
+    """
+
+    def __init__(self, max_keys: int = MAX_KEYS) -> None:
+        if max_keys < 1:
+            raise ValueError(f"max_keys = {max_keys} must be >= 1")
+        self._max = max_keys
+        self._lock = threading.Lock()
+        self._counts: dict[Hashable, int] = {}
+
+    def add(self, key: Hashable, n: int = 1) -> None:
+        """Count ``n`` more of ``key``."""
+        with self._lock:
+            if key not in self._counts and len(self._counts) >= self._max:
+                key = OVERFLOW
+            self._counts[key] = self._counts.get(key, 0) + n
+
+    def counts(self) -> dict[Hashable, int]:
+        """A copy of the counts (key -> count since this tally was made)."""
+        with self._lock:
+            return dict(self._counts)
