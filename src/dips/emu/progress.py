@@ -21,6 +21,7 @@ from rich.table import Table
 from rich.text import Text
 
 from dips.spec import RunConfig
+from dips.wire.ratelog import printable
 
 # Leader events (leader_events.jsonl) that are faults or recoveries (also: a cluster's re-join,
 # a follower's restart, a reconciliation that changed or lost versions; not a graceful leave).
@@ -114,7 +115,8 @@ class Progress:
         return None
 
     def _say(self, line: str) -> None:
-        self.console.print(line, soft_wrap=True, markup=False, highlight=False)
+        # Lines quote members' text (a rejected push's reason): printable, never markup.
+        self.console.print(printable(line), soft_wrap=True, markup=False, highlight=False)
 
     def render(self, status: Any, elapsed_s: float) -> Group:
         """The live table of ``status`` (the leader's ``StatusReply``) after ``elapsed_s``
@@ -132,9 +134,9 @@ class Progress:
             table.add_column(col, justify="right")
         for c in sorted(status.clusters, key=lambda c: c.cluster_id):
             loss = "-" if math.isnan(c.last_loss) else f"{c.last_loss:.3f}"
-            push = {"accepted": "[green]accepted[/]", "rejected": "[red]rejected[/]"}.get(
-                c.last_push, c.last_push)
-            table.add_row(c.cluster_id, f"{self._slow.get(c.cluster_id, 1.0):.2f}",
+            push = Text(printable(c.last_push), style={"accepted": "green",
+                                                       "rejected": "red"}.get(c.last_push, ""))
+            table.add_row(Text(printable(c.cluster_id)), f"{self._slow.get(c.cluster_id, 1.0):.2f}",
                           str(self._stages.get(c.cluster_id, 1)), str(c.inner_step),
                           f"{c.tokens:,}", loss, push, str(c.pulled_version))
         return Group(head, table)

@@ -23,6 +23,7 @@ from rich.table import Table
 from rich.text import Text
 
 from dips.node.status import QUIET_AFTER_S, Faults, snapshot
+from dips.wire.ratelog import printable
 
 _PUSH_STYLE = {"accepted": "green", "rejected": "red"}
 
@@ -43,6 +44,12 @@ def _ago(now: float, then: float) -> str:
     return f"{s:.0f} s ago" if s < 120 else f"{s / 60:.0f} min ago"
 
 
+def _t(v: Any, style: str = "") -> Text:
+    """``v`` as a table cell or line part: printable text, never markup (the leader's answer
+    holds members' text: ``[/x]`` crashed rich's markup parser; review 21, F4)."""
+    return Text(printable(str(v)), style=style)
+
+
 def _num(v: Any, fmt: str = "{:,}") -> str:
     return "-" if v is None else fmt.format(v)
 
@@ -58,10 +65,10 @@ def render(doc: dict[str, Any], error: str = "") -> Group:
     """One screen of ``doc`` (a :func:`dips.node.status.snapshot` with its faults); ``error``:
     why the latest look failed (the screen then shows the last answer under it)."""
     n = doc["counts"]
-    state = (Text(f"finished: {doc['finished_reason']}", style="bold yellow") if doc["finished"]
+    state = (_t(f"finished: {doc['finished_reason']}", "bold yellow") if doc["finished"]
              else Text("running", style="bold green"))
     head = Text.assemble(
-        ("leader ", "bold"), f"{doc['leader']}  version {doc['version']}  outer steps "
+        ("leader ", "bold"), f"{printable(doc['leader'])}  version {doc['version']}  outer steps "
         f"{doc['outer_steps']}  rounds {doc['rounds']}  phase {doc['phase']}  ", state)
     counts = Text.assemble(
         f"pushed {n['updates_pushed']}  ", ("accepted ", "green"), f"{n['updates_accepted']}  ",
@@ -73,8 +80,8 @@ def render(doc: dict[str, Any], error: str = "") -> Group:
                 "staleness", "heartbeat"):
         clusters.add_column(col, justify="left" if col == "cluster" else "right")
     for c in doc["clusters"]:
-        push = Text(c["last_push"], style=_PUSH_STYLE.get(c["last_push"], ""))
-        clusters.add_row(c["cluster_id"], _num(c["inner_step"]), _num(c["tokens"]),
+        push = _t(c["last_push"], _PUSH_STYLE.get(c["last_push"], ""))
+        clusters.add_row(_t(c["cluster_id"]), _num(c["inner_step"]), _num(c["tokens"]),
                          _num(c["last_loss"], "{:.3f}"), push, _num(c["pulled_version"], "{}"),
                          _num(c["staleness"], "{}"), _hb(c.get("heartbeat_age_s")))
     followers = Table(title=f"followers ({doc['followers_ready']} of {doc['followers_total']} "
@@ -87,12 +94,12 @@ def render(doc: dict[str, Any], error: str = "") -> Group:
     for f in doc["followers"]:
         followers.add_row(str(f["index"]), up[f["up"]], _num(f["version"], "{}"),
                           _hb(f.get("heartbeat_age_s")), str(f["incarnation"]),
-                          f["control_endpoint"], f["data_endpoint"], str(f["layers"]))
+                          _t(f["control_endpoint"]), _t(f["data_endpoint"]), str(f["layers"]))
     parts: list[Any] = [head, counts, _heldout(doc), clusters, followers, _faults(doc),
                         _conditions(doc)]
     if error:
-        parts.insert(0, Text(f"no answer: {error} (showing the answer of "
-                             f"{_ago(time.time(), doc['time'])})", style="bold red"))
+        parts.insert(0, _t(f"no answer: {error} (showing the answer of "
+                           f"{_ago(time.time(), doc['time'])})", "bold red"))
     return Group(*parts)
 
 
@@ -132,13 +139,14 @@ def _faults(doc: dict[str, Any]) -> Group | Text:
     window = f"{doc['fault_window_s'] / 60:.0f} min"
     if not doc["faults"]:
         return Text(f"faults in the last {window}: none recorded by the leader", style="dim")
-    head = Text.assemble((f"faults in the last {window}: ", "bold red"), _fault_summary(doc))
+    head = Text.assemble((f"faults in the last {window}: ", "bold red"),
+                         printable(_fault_summary(doc)))
     table = Table(show_edge=False, pad_edge=False)
     for col in ("when", "kind", "member", "reason", "detail"):
         table.add_column(col)
     for f in doc["faults"][:FAULTS_SHOWN]:
-        table.add_row(_ago(doc["time"], f["time"]), Text(f["kind"], style="red"), f["member"],
-                      f["reason"] or "-", f["detail"])
+        table.add_row(_ago(doc["time"], f["time"]), _t(f["kind"], "red"), _t(f["member"]),
+                      _t(f["reason"] or "-"), _t(f["detail"]))
     more = len(doc["faults"]) - FAULTS_SHOWN
     return Group(head, table, *([Text(f"... and {more} more (--json)", style="dim")]
                                 if more > 0 else []))
@@ -155,7 +163,8 @@ def _conditions(doc: dict[str, Any]) -> Table | Text:
     for f in doc["conditions"]:
         now = (Text("yes", style="red") if f["active"]
                else Text(f"ended, seen {_ago(doc['time'], f['last'])}", style="dim"))
-        table.add_row(f["kind"], f["member"], f["detail"], _ago(doc['time'], f["since"]), now)
+        table.add_row(_t(f["kind"]), _t(f["member"]), _t(f["detail"]),
+                      _ago(doc['time'], f["since"]), now)
     return table
 
 
@@ -266,7 +275,7 @@ def status(leader: Annotated[str, typer.Option(
         else:
             with Live(Text("asking the leader..."), console=console, auto_refresh=False) as live:
                 watch(look, lambda doc, err: live.update(
-                    render(doc, err) if doc else Text(f"no answer: {err}", style="bold red"),
+                    render(doc, err) if doc else _t(f"no answer: {err}", "bold red"),
                     refresh=True), every, threading.Event())
     except NoStatus as exc:
         print(f"dips status: {exc}", file=sys.stderr, flush=True)

@@ -8,7 +8,8 @@ before it uses any field; the function returns plain Python values and raises
 its value (cut to :data:`SHOWN` characters). Integers arrive within int64/int32 (protobuf
 guarantees it) and are checked against their meaning here (no negative version, round or
 count); identifiers against their pattern; strings and repeated fields against a length;
-doubles must be finite. Free text (an error description) is cut, not refused. What the run
+doubles must be finite. Free text (an error description) is cut and made printable
+(:func:`text`), not refused. What the run
 itself bounds (chunks held, T_j, layer keys owned) the role checks against its state.
 """
 
@@ -24,6 +25,7 @@ from dips.algo.refusal import Refusal, Refused
 from dips.wire.pb import control_pb2 as pb
 from dips.wire.admission import PUSH_ID
 from dips.wire.pki import CLUSTER_ID
+from dips.wire.ratelog import printable
 
 INT64_MAX = 2**63 - 1
 #: Characters of a bad value quoted in a refusal.
@@ -88,9 +90,13 @@ def finite_or_none(v: Any) -> float | None:
 
 
 def text(v: Any, limit: int = MAX_TEXT) -> str:
-    """Free text cut to ``limit`` characters."""
+    """Free text from a peer, cut to ``limit`` characters and made printable
+    (:func:`dips.wire.ratelog.printable`; review
+    21, F4: a member's ``PushDone.error`` reached the operator's terminal as escapes and
+    markup)."""
     s = v if isinstance(v, str) else str(v)
-    return s if len(s) <= limit else s[:limit] + "..."
+    cut = printable(s[:limit])
+    return cut if len(s) <= limit else cut + "..."
 
 
 def cluster_id(msg: str, v: Any, empty: bool = True, field: str = "cluster_id") -> str:

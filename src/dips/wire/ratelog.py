@@ -10,7 +10,8 @@ says how many were left out. Used by the leader's control plane and the follower
     limited = RateLimitedLog(log, interval_s=60.0)
     limited.warning(("cluster-c", "NOTHING_TRAINED"), "refused %s: %s", who, why)
 
-:class:`Tally` counts them for the metric (``dips_refusals_total`` at the leader), under the
+:func:`printable` makes a peer's text safe to write to a log or a terminal (review 21, F4).
+:class:`Tally` counts refusals for the metric (``dips_refusals_total`` at the leader), under the
 same bound on its keys.
 
 The keys it remembers are bounded (:data:`MAX_KEYS`, plus the overflow key): once full, keys
@@ -26,12 +27,23 @@ import threading
 import time
 from typing import Any, Callable, Hashable
 
-__all__ = ["MAX_KEYS", "OVERFLOW", "RateLimitedLog", "Tally"]
+__all__ = ["MAX_KEYS", "OVERFLOW", "RateLimitedLog", "Tally", "printable"]
 
 #: Keys remembered at once (besides :data:`OVERFLOW`).
 MAX_KEYS = 1024
 #: The key of every line whose own key found no room.
 OVERFLOW = ("(other keys)",)
+
+
+def printable(s: str) -> str:
+    """``s`` with every character that is not printable replaced: whitespace (newline, tab)
+    by a space, anything else (control characters incl. ESC, so no terminal escape sequence
+    survives; format characters such as bidirectional overrides; unassigned code points) by
+    U+FFFD. Rich markup such as ``[/x]`` is left as it is: renderers show it as text
+    (``rich.text.Text``), never as markup. Linear in ``len(s)``; cut long text first."""
+    if s.isprintable():
+        return s
+    return "".join(c if c.isprintable() else " " if c.isspace() else "\ufffd" for c in s)
 
 
 class RateLimitedLog:

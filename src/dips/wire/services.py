@@ -334,7 +334,8 @@ class FollowerControlClient:
               push_ids: list[str] | None = None) -> list[tuple[str, bool, float, str]]:
         reply = self._c.Score(pb.ScoreRequest(round=rnd, cluster_ids=clusters,
                                               push_ids=push_ids or []))
-        return [(n.cluster_id, n.valid, n.sq_norm, n.error) for n in reply.norms]
+        # A follower's error text may quote what a member sent it: printable, bounded.
+        return [(n.cluster_id, n.valid, n.sq_norm, fields.text(n.error)) for n in reply.norms]
 
     def aggregate(self, rnd: int, clusters: list[str], weights: list[float]) -> float:
         return self._c.Aggregate(pb.AggregateRequest(round=rnd, cluster_ids=clusters,

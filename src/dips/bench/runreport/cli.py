@@ -21,6 +21,7 @@ def report(run_dir: Path = typer.Argument(..., exists=True, file_okay=False, met
                                                    "(default: RUN_DIR).")) -> None:
     """Write report.html (self-contained, plots embedded) and the plots as PNGs."""
     from dips.bench.runreport.build import write_report
+    from dips.wire.ratelog import printable  # the files quote members' text (review 21, F4)
 
     try:
         rep = write_report(run_dir, out)
@@ -28,7 +29,7 @@ def report(run_dir: Path = typer.Argument(..., exists=True, file_okay=False, met
         typer.echo(f"dips report: {exc}", err=True)
         raise typer.Exit(2)
     for line in rep.problems[:_SHOWN]:
-        typer.echo(f"skipped: {line}", err=True)
+        typer.echo(f"skipped: {printable(line)}", err=True)
     if len(rep.problems) > _SHOWN:
         typer.echo(f"... and {len(rep.problems) - _SHOWN} more (listed in the report)", err=True)
     typer.echo(f"{rep.html} ({rep.mode}: {len(rep.pngs)} plots)")
