@@ -133,6 +133,7 @@ def run_leader(cfg: RunConfig, listen: str, state: Path, creds: Credentials,
     from dips.wire.control import make_server
     from dips.wire.inflight import CallGate
     from dips.wire.pb import control_pb2_grpc as pbg
+    from dips.wire.ratelog import Tally
     from dips.wire.services import FollowerControlClient, LeaderServicer
 
     StateDir(state).acquire()
@@ -163,6 +164,7 @@ def run_leader(cfg: RunConfig, listen: str, state: Path, creds: Credentials,
                     state, ledger=ledger, tokens_per_window=cfg.inner.seq_len, issued=issued)
     holder["leader"] = leader
     metrics = None
+    refusals = Tally()  # refused calls by caller, method and code (dips_refusals_total)
     if metrics_port is not None:  # before the leader acts: no record is missed
         from prometheus_client import CollectorRegistry
 
@@ -171,7 +173,7 @@ def run_leader(cfg: RunConfig, listen: str, state: Path, creds: Credentials,
         registry = CollectorRegistry()
         observed = LeaderMetrics(registry)
         observed.replay(state)  # counters go on from the previous process's records
-        observed.attach(leader)
+        observed.attach(leader, refusals=refusals)
         leader.observer = observed.observe
         metrics = serve_metrics(registry, metrics_port, metrics_host)
 
@@ -192,7 +194,8 @@ def run_leader(cfg: RunConfig, listen: str, state: Path, creds: Credentials,
     server = make_server(max_workers=workers)
     # Waiting calls (push admission, verdicts) leave threads free for heartbeats (issue 13).
     pbg.add_LeaderServicer_to_server(LeaderServicer(leader, entry, revoked,
-                                                    CallGate.for_server(workers)), server)
+                                                    CallGate.for_server(workers), refusals),
+                                     server)
     if creds.add_port(server, listen) == 0:
         if metrics is not None:
             metrics.close()

@@ -248,9 +248,12 @@ class LeaderMetrics:
                         n += 1
         return n
 
-    def attach(self, leader: Any, clock: Callable[[], float] = time.monotonic) -> None:
-        """Serve the state of ``leader`` (a :class:`dips.roles.leader.Leader` on ``clock``)."""
-        self.registry.register(_LeaderState(leader, clock))
+    def attach(self, leader: Any, clock: Callable[[], float] = time.monotonic,
+               refusals: Any = None) -> None:
+        """Serve the state of ``leader`` (a :class:`dips.roles.leader.Leader` on ``clock``)
+        and the counts of ``refusals`` (the servicer's :class:`dips.wire.ratelog.Tally` of
+        refused calls by caller, method and refusal; None: not served)."""
+        self.registry.register(_LeaderState(leader, clock, refusals))
 
 
 def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
@@ -266,10 +269,18 @@ class _LeaderState(Collector):
     """The leader's state at scrape time: counts from its status (checkpointed in
     ``leader.json``: they survive restarts), version, members, heartbeat ages, ledger."""
 
-    def __init__(self, leader: Any, clock: Callable[[], float]) -> None:
-        self.leader, self.clock = leader, clock
+    def __init__(self, leader: Any, clock: Callable[[], float], refusals: Any = None) -> None:
+        self.leader, self.clock, self.refusals = leader, clock, refusals
 
     def collect(self) -> Iterator[Any]:
+        if self.refusals is not None:
+            refused = CounterMetricFamily("dips_refusals", "Calls the leader refused, by caller "
+                                          "(its certificate's name), method and refusal code; "
+                                          "each (caller, code) is logged once a minute at "
+                                          "most", labels=["member", "method", "reason"])
+            for key, n in sorted(self.refusals.counts().items(), key=str):
+                refused.add_metric([str(k) for k in (*key, "", "", "")[:3]], n)
+            yield refused
         s = self.leader.status()
         c = s.counts
         lost = c.get("outer_steps_lost", 0)

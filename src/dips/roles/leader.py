@@ -126,6 +126,7 @@ class Leader(Membership, Records, Pushes, EvalReports):
         self._reports: dict[int, UpdateReport] = {}  # round -> its update, until it is logged
         self._holdings: dict[str, list[tuple[int, int]]] = {}  # push id -> ledger positions
         self._init_membership()  # joins, the monitor's own lag (dips.roles.leader_members)
+        self._init_pushes()  # its rate-limited lines (dips.roles.leader_push)
         self._decided = 0                            # the last round recorded by _decide
         self._recorded: dict[str, Any] = {}          # its verdicts, until the machine has them
         self._leaving: set[str] = set()              # removed; ledger release after the verdicts

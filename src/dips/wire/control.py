@@ -156,13 +156,26 @@ def _refuse(context: grpc.ServicerContext, code: Refusal, message: str) -> None:
     context.abort(_STATUS[code], _short(message))
 
 
+def _noted(servicer: Any, context: Any, method: str, code: Refusal, message: str) -> None:
+    """Tell ``servicer.on_refused(context, method, code, message)``, where it has one, of a
+    refusal (counted and logged by it, at most a line per member and reason per interval:
+    review 21, F3). Its own failure never changes the refusal."""
+    hook = getattr(servicer, "on_refused", None)
+    if hook is not None:
+        try:
+            hook(context, method, code, message)
+        except Exception:  # a bug of the hook: the call is still refused as it would be
+            log.exception("on_refused of %s failed", method)
+
+
 def grpc_errors(method: Callable) -> Callable:
     """Decorate a servicer method: every exception of one call ends that call only.
 
     :class:`Refused` -> its code's status (``_STATUS``) with the code in the ``dips-refusal``
     trailing metadata; ``ValueError`` -> INVALID_ARGUMENT (refusal INVALID_ARGUMENT), as is
     a :class:`Malformed` request; anything else -> INTERNAL (a bug; logged). Details longer
-    than :data:`MAX_DETAILS` characters are cut.
+    than :data:`MAX_DETAILS` characters are cut. A servicer with an ``on_refused`` method is
+    told of every refusal (:func:`_noted`) before it is sent.
     """
 
     @functools.wraps(method)
@@ -174,8 +187,10 @@ def grpc_errors(method: Callable) -> Callable:
                                                         f"({request.error})")
             return method(self, request, context)
         except Refused as exc:
+            _noted(self, context, method.__name__, exc.code, exc.message)
             _refuse(context, exc.code, exc.message)
         except ValueError as exc:
+            _noted(self, context, method.__name__, Refusal.INVALID_ARGUMENT, str(exc))
             _refuse(context, Refusal.INVALID_ARGUMENT, str(exc))
         except Exception as exc:
             log.exception("%s failed", method.__name__)
