@@ -1,7 +1,7 @@
 """Review 21, F2: one member's malformed fingerprint in ``JoinCluster`` held the leader's GIL for
 3.5 s per call, ahead of the join rate limit; the monitor then blamed every honest member for
 the leader's own stall. In process: a leader whose loop and monitor threads are not started
-(the test ticks the monitor itself, on a clock it moves), its servicer called directly."""
+(the test ticks the monitor itself, on a clock it moves: its scheduling clock too), its servicer called directly."""
 
 from __future__ import annotations
 
@@ -42,6 +42,7 @@ def leader_on(clock: Clock, tmp_path) -> Leader:
                                                                 missed_heartbeats=3))
     leader = Leader(cfg, connect=lambda e: None, run_dir=tmp_path, clock=clock,
                     issued=Issued(term=1, fingerprint=RUN))
+    leader._tick_clock = clock  # the monitor's thread "runs" on it too: a jump is a stall
     leader.register_follower(FollowerEntry(0, "tcp://127.0.0.1:1", "", ["l0"], [4]))
     leader.register_follower(FollowerEntry(1, "tcp://127.0.0.1:2", "", ["l1"], [4]))
     return leader
@@ -120,21 +121,36 @@ def test_a_member_silent_while_the_leader_runs_is_still_removed(tmp_path):
 
 
 def test_silence_counts_only_the_judges_running_time():
-    lag = liveness.OwnLag()
-    lag, stall = liveness.ticked(lag, 10.0, 0.25, since=0.0)
+    def tick(lag, t, since=0.0):
+        return liveness.ticked(lag, t, t, 0.25, since)
+
+    lag, stall = tick(liveness.OwnLag(), 10.0)
     assert stall == 0.0  # the first tick
-    lag, stall = liveness.ticked(lag, 10.5, 0.25, since=0.0)
+    lag, stall = tick(lag, 10.5)
     assert stall == 0.0 and lag.stalls == ()  # two periods late at most: on time
-    lag, stall = liveness.ticked(lag, 14.0, 0.25, since=0.0)
+    lag, stall = tick(lag, 14.0)
     assert stall == pytest.approx(3.25) and lag.stalls == ((10.75, 14.0),)
     assert liveness.silent_s(9.0, 14.0, lag) == pytest.approx(5.0 - 3.25)
     assert liveness.silent_s(12.0, 14.0, lag) == 0.0  # heard inside the stall
     assert liveness.silent_s(14.5, 14.0, lag) == 0.0
-    lag, _ = liveness.ticked(lag, 14.25, 0.25, since=14.1)  # nobody is older than the stall
+    lag, _ = tick(lag, 14.25, since=14.1)  # nobody is older than the stall
     assert lag.stalls == ()
     for i in range(200):  # stalls are bounded
-        lag, _ = liveness.ticked(lag, 20.0 + 2 * i, 0.25, since=0.0)
+        lag, _ = tick(lag, 20.0 + 2 * i)
     assert len(lag.stalls) == liveness.MAX_STALLS
+
+
+def test_a_jump_of_the_decision_clock_alone_is_no_stall():
+    """A test's hand-moved clock (or one synchronised forward) is not the judge's own lag: only
+    lateness on the clock its thread is scheduled by is."""
+    lag, _ = liveness.ticked(liveness.OwnLag(), 5.0, 1000.0, 0.25, 0.0)
+    lag, stall = liveness.ticked(lag, 5.25, 1061.0, 0.25, 0.0)
+    assert stall == 0.0 and lag.stalls == ()
+    assert liveness.silent_s(1000.0, 1061.0, lag) == 61.0
+    lag, stall = liveness.ticked(lag, 9.0, 1065.0, 0.25, 0.0)  # 3.5 s late on its own clock
+    assert stall == pytest.approx(3.5) and lag.stalls == ((1061.5, 1065.0),)
+    lag, stall = liveness.ticked(lag, None, 2000.0, 0.25, 0.0)  # no scheduling clock
+    assert stall == 0.0 and lag.stalls == ((1061.5, 1065.0),)
 
 
 @pytest.mark.parametrize("silent, cpu, hung", [

@@ -10,7 +10,8 @@ down, honest outer steps fell to 0.040×).
 
 The rule: silence counts only the time the judge itself was running. The monitor ticks every
 ``period_s``; a tick later than two periods after the one before shows a stall of the judge
-from one period after that tick to now (:func:`ticked`), and a member's silence is the time
+from one period after that tick to now (:func:`ticked`, on the clock the judge is scheduled
+by), and a member's silence is the time
 since its last heartbeat less the stalls inside it (:func:`silent_s`). A member that really
 went silent is still removed, after the limit measured in the leader's running time.
 
@@ -38,27 +39,32 @@ Stall = tuple[float, float]  # (start, end), seconds on the judge's clock
 
 @dataclass(frozen=True)
 class OwnLag:
-    """The judge's record of its own ticks: the last one (None before the first) and the
-    stalls found since the oldest silence still judged, oldest first."""
+    """The judge's record of its own ticks: the last one on its tick clock (None before the
+    first) and the stalls found since the oldest silence still judged, oldest first, on the
+    clock of its judgements."""
 
     last_tick: float | None = None
     stalls: tuple[Stall, ...] = ()
 
 
-def ticked(lag: OwnLag, now: float, period_s: float, since: float) -> tuple[OwnLag, float]:
-    """The record after a tick at ``now`` (seconds) of a judge that means to tick every
-    ``period_s`` (> 0) seconds, and the stall this tick shows (seconds; 0.0: on time).
+def ticked(lag: OwnLag, tick: float | None, now: float, period_s: float,
+           since: float) -> tuple[OwnLag, float]:
+    """The record after a tick of a judge that means to tick every ``period_s`` (> 0)
+    seconds, and the stall this tick shows (seconds; 0.0: on time).
 
-    A tick more than ``2 × period_s`` after the previous one shows a stall from one period
-    after it to ``now``. Stalls that ended before ``since`` (the oldest last-heard time of
-    any member still judged) are forgotten, and at most :data:`MAX_STALLS` are kept."""
+    ``tick`` is the time of this tick on the clock the judge is scheduled by (the process's
+    monotonic clock: a stall is real time it could not run), ``now`` on the clock of its
+    judgements (the same one, except in tests that move the latter by hand; None: no lag is
+    measured, e.g. a test's clock moved by hand, and no stall is found). A tick more than
+    ``2 × period_s`` after the previous one shows a stall of the judge: the time beyond one
+    period, ending at ``now``. Stalls that ended before ``since`` (the oldest last-heard time
+    of any member still judged) are forgotten, and at most :data:`MAX_STALLS` are kept."""
     stall = 0.0
     stalls = tuple(s for s in lag.stalls if s[1] > since)
-    if lag.last_tick is not None and now - lag.last_tick > 2 * period_s:
-        start = lag.last_tick + period_s
-        stall = now - start
-        stalls = (*stalls, (start, now))[-MAX_STALLS:]
-    return OwnLag(now, stalls), stall
+    if tick is not None and lag.last_tick is not None and tick - lag.last_tick > 2 * period_s:
+        stall = tick - lag.last_tick - period_s
+        stalls = (*stalls, (now - stall, now))[-MAX_STALLS:]
+    return OwnLag(tick, stalls), stall
 
 
 def silent_s(last_seen: float, now: float, lag: OwnLag) -> float:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 
 from dips.algo.ledger import ChunkLedger
 from dips.algo.limits import INT64_MAX, JoinHistory, join_allowed, lease_allowed
@@ -46,7 +47,10 @@ class Membership:
         """The membership's own state (called once by the leader's constructor)."""
         self._joins: dict[str, JoinHistory] = {}  # cluster -> its joins (re-join backoff)
         self._joined: set[str] = set()  # every cluster that joined this run (leader.json)
-        self._lag = OwnLag()  # the monitor's own ticks and stalls (dips.algo.liveness)
+        self._lag = OwnLag()  # the monitor's own ticks and stalls (dips.algo.liveness),
+        # timed by the clock its thread is scheduled by; a leader on an injected clock (a
+        # test's, moved by hand) has no lag of its own to measure on it.
+        self._tick_clock = time.monotonic if self._clock is time.monotonic else None
         self._stalls = RateLimitedLog(log, 60.0)  # one line a minute of the leader's stalls
         self._waiting = RateLimitedLog(log, 10.0)  # and one per 10 s of followers missing
 
@@ -310,7 +314,9 @@ class Membership:
         """One tick of the monitor, meant every ``period_s`` seconds; returns the events it
         wrote. A member is silent for the time since its last heartbeat less the leader's own
         stalls (:func:`dips.algo.liveness.silent_s`: a late tick of this monitor, its lock or
-        GIL held by something else, is the leader's fault, not the member's; review 21, F2)."""
+        GIL held by something else, is the leader's fault, not the member's; review 21, F2),
+        found by the tick's lateness on ``_tick_clock`` (the process's monotonic clock, which
+        its thread is scheduled by; None on a leader whose clock a test moves by hand)."""
         members = self.cfg.membership
         limit = members.missed_heartbeats * members.heartbeat_interval_s
         events: list[tuple[str, dict]] = []
@@ -318,7 +324,8 @@ class Membership:
             now = self._clock()
             seen = [c.last_seen for c in self.clusters.values()]
             seen += [f.last_seen for f in self.followers.values() if f.up]
-            self._lag, stalled = ticked(self._lag, now, period_s, min(seen, default=now))
+            tick = self._tick_clock() if self._tick_clock is not None else None
+            self._lag, stalled = ticked(self._lag, tick, now, period_s, min(seen, default=now))
             if stalled > 0:
                 self._stalls.warning("stall", "the leader did not run for %.2f s: members' "
                                      "silence in it is not counted against them", stalled)
