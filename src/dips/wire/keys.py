@@ -15,12 +15,21 @@ number, and every registration reply gives the followers the current members' ke
 the next sequence number. A follower serves a key id that is current, or issued after the
 last list it got (a member that joined a moment ago); the key of a member removed, departed,
 revoked or re-joined (a new key) is refused with NOT_JOINED, and its holder must join again.
+
+What a key id costs a follower (review 21, F1: a stranger's messages under a key id nobody was
+issued were verified, logged and answered): :meth:`Keyring.lookup` is a dictionary look-up of
+the current members' keys (derived once per list), of the keys retired by the last lists (the
+newest :data:`RETIRED_KEYS`, so a departed member is still told NOT_JOINED) and, derived and
+cached, of ids issued after the last list within :data:`FRESH_KEYS` sequence numbers (a
+member that joined a moment ago). Any other id is refused by the data server before it reads
+the message: no MAC, no reply, a count.
 """
 
 from __future__ import annotations
 
 import hmac
 import os
+from collections import OrderedDict
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -28,6 +37,13 @@ from dips.wire.frames import FrameError
 from dips.wire.pki import Identity
 
 SECRET_BYTES = 32
+#: Sequence numbers after a follower's last list of members whose key ids it serves
+#: (members that joined since: at most this many joins between two registrations).
+FRESH_KEYS = 256
+#: Key ids of former members a follower remembers (answered NOT_JOINED, not dropped).
+RETIRED_KEYS = 1024
+#: Longest key id (characters).
+MAX_KEY_ID_CHARS = 200
 
 
 @dataclass(frozen=True)
@@ -89,7 +105,9 @@ def identity_of(key_id: str) -> Identity:
 
 
 class Keyring:
-    """A follower's view of the members' keys: derives a key from its id (cached).
+    """A follower's view of the members' keys (see the module docstring). Thread-safe for
+    one writer (the registration loop) and any number of readers: each update swaps whole
+    dictionaries.
 
     Args:
         secret: the data secret from the leader (None until the follower registered: every
@@ -100,19 +118,50 @@ class Keyring:
     def __init__(self, secret: bytes | None = None, encrypt: bool = False) -> None:
         self.encrypt = encrypt
         self._secret = secret
-        self._lookup = lru_cache(maxsize=4096)(self._derive)
-        self._members: frozenset[str] | None = None  # None: every key (no list yet)
+        self._lookup = lru_cache(maxsize=FRESH_KEYS)(self._derive)
+        self._members: dict[str, MemberKey] | None = None  # None: every key (no list yet)
+        self._retired: OrderedDict[str, MemberKey] = OrderedDict()
         self._next_seq = 0
 
     def set_members(self, key_ids: list[str], next_seq: int) -> None:
         """The leader's current members' key ids, and its next issue sequence number."""
-        self._members, self._next_seq = frozenset(key_ids), next_seq
+        old = self._members or {}
+        members = self._derived(key_ids, old)
+        retired = OrderedDict(self._retired)
+        for kid, mk in old.items():
+            if kid not in members:
+                retired[kid] = mk
+                retired.move_to_end(kid)
+        for kid in members:
+            retired.pop(kid, None)
+        while len(retired) > RETIRED_KEYS:
+            retired.popitem(last=False)
+        self._retired, self._members, self._next_seq = retired, members, next_seq
+
+    def _derived(self, key_ids: list[str], known: dict[str, MemberKey]) -> dict[str, MemberKey]:
+        """The keys of ``key_ids``, those in ``known`` reused; a malformed id (or any, with no
+        secret yet) is left out: never served."""
+        out = {}
+        for kid in key_ids:
+            try:
+                out[kid] = known.get(kid) or self._derive(kid)
+            except FrameError:
+                continue
+        return out
 
     def current(self, key_id: str) -> bool:
         """Whether ``key_id`` belongs to a current member (see the module docstring)."""
-        if self._members is None or key_id in self._members:
+        members = self._members
+        if members is None or key_id in members:
             return True
-        return seq_of(key_id) >= self._next_seq
+        return self._fresh(key_id)
+
+    def _fresh(self, key_id: str) -> bool:
+        """Whether ``key_id`` was issued after the last list, within :data:`FRESH_KEYS`."""
+        try:
+            return 0 <= seq_of(key_id) - self._next_seq < FRESH_KEYS
+        except FrameError:
+            return False
 
     def set_secret(self, secret: bytes, encrypt: bool | None = None) -> None:
         """Take the leader's data secret (a restarted leader keeps the same one) and whether
@@ -121,6 +170,9 @@ class Keyring:
             self._secret = secret
             self.encrypt = self.encrypt if encrypt is None else encrypt
             self._lookup.cache_clear()
+            if self._members is not None:  # re-derived under the new secret
+                self._members = self._derived(list(self._members), {})
+                self._retired = OrderedDict()
 
     def _derive(self, key_id: str) -> MemberKey:
         identity_of(key_id)
@@ -128,13 +180,45 @@ class Keyring:
             raise FrameError("this follower has no data secret yet (not registered)")
         return MemberKey(key_id, derive(self._secret, key_id), self.encrypt)
 
+    def lookup(self, key_id: bytes | memoryview) -> tuple[MemberKey | None, str]:
+        """``(key, "")`` for the key id frame of a request, or ``(None, reason)``: ``key_id``
+        (not an ASCII key id), ``no_secret`` or ``unknown_key`` (no current, retired or fresh
+        member's). Costs a dictionary look-up, or one key derivation (cached) for a fresh id;
+        never raises."""
+        raw = bytes(key_id[:MAX_KEY_ID_CHARS + 1])
+        if self._secret is None:
+            return None, "no_secret"
+        try:
+            kid = raw.decode("ascii")
+        except UnicodeDecodeError:
+            return None, "key_id"
+        if len(kid) > MAX_KEY_ID_CHARS:
+            return None, "key_id"
+        members = self._members
+        if members is not None:
+            mk = members.get(kid) or self._retired.get(kid)
+            if mk is not None:
+                return mk, ""
+            if not self._fresh(kid):
+                try:
+                    identity_of(kid)
+                except FrameError:
+                    return None, "key_id"
+                return None, "unknown_key"
+        try:
+            return self._lookup(kid), ""
+        except FrameError:
+            return None, "key_id"
+
     def get(self, key_id: bytes | str) -> MemberKey:
-        """The member key of ``key_id``. Raises FrameError (malformed id, no secret yet)."""
+        """The member key of ``key_id``, derived whoever it names (for trusted callers: the
+        data server serves only what :meth:`lookup` finds). Raises FrameError (malformed id,
+        no secret yet)."""
         if isinstance(key_id, (bytes, bytearray, memoryview)):
             try:
                 key_id = bytes(key_id).decode("ascii")
             except UnicodeDecodeError:
                 raise FrameError("key id is not ASCII") from None
-        if len(key_id) > 200:
-            raise FrameError(f"key id of {len(key_id)} characters exceeds 200")
+        if len(key_id) > MAX_KEY_ID_CHARS:
+            raise FrameError(f"key id of {len(key_id)} characters exceeds {MAX_KEY_ID_CHARS}")
         return self._lookup(key_id)
