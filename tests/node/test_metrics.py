@@ -17,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from dips.node.common import JsonFormatter, RoleError
 from dips.node.metrics import LeaderMetrics, MetricsServer, reason_class, serve_metrics
 from dips.node.metrics_members import ClusterMetrics, FollowerMetrics
+from dips.wire.refusals import Refusals
 
 DECISION = {"round": 4, "version": 3, "clusters": ["a", "b", "c"], "accepted": ["a", "b"],
             "rejected": {"c": {"score": 9.5, "reason": "penalty"}},
@@ -226,13 +227,23 @@ def test_follower_calls_checkpoints_and_state(tmp_path):
     ckpt = tmp_path / "checkpoints"
     (ckpt / "v000004").mkdir(parents=True)
     (ckpt / "v000004" / "meta.json").write_text("{}")
+    refusals = Refusals()
+    for reason in ("unknown_key", "unknown_key", "busy"):
+        refusals(reason)
     data = SimpleNamespace(pull_stats=lambda: {"bytes_received": 1000, "bytes_sent": 3000,
-                                               "push_streams": 2, "streams": 1})
+                                               "push_streams": 2, "streams": 1,
+                                               "inq_bytes": 10, "pullq_bytes": 0},
+                           refusals=refusals,
+                           waits=lambda: {"data-consumer": 1.5, "data-producer": 0.0})
     m.attach(shard, data, ckpt)
     assert value(reg, "dips_version") == 4 and value(reg, "dips_prepared_version") == -1
     assert value(reg, "dips_bytes_received_total") == 1000
     assert value(reg, "dips_bytes_sent_total") == 3000
     assert value(reg, "dips_pushes_in_flight") == 2 and value(reg, "dips_pulls_in_flight") == 1
+    assert value(reg, "dips_data_plane_refused_total", reason="unknown_key") == 2
+    assert value(reg, "dips_data_plane_refused_total", reason="busy") == 1
+    assert value(reg, "dips_data_plane_wait_seconds", worker="data-consumer") == 1.5
+    assert value(reg, "dips_data_plane_queued_bytes", worker="data-consumer") == 10
     assert value(reg, "dips_checkpoint_version") == 4
     assert 0 <= value(reg, "dips_checkpoint_age_seconds") < 3600
 

@@ -102,6 +102,25 @@ class _FollowerState(Collector):
                                 value=stats["push_streams"])
         yield GaugeMetricFamily("dips_pulls_in_flight", "Pull streams in flight on the data "
                                 "plane", value=stats["streams"])
+        refused = CounterMetricFamily("dips_data_plane_refused", "Data-plane messages refused "
+                                      "or dropped, by reason (dips.wire.refusals.REASONS, or a "
+                                      "refusal code's name)", labels=["reason"])
+        for reason, n in sorted(self.data.refusals.counts().items()):
+            refused.add_metric([reason], n)
+        yield refused
+        waits = GaugeMetricFamily("dips_data_plane_wait_seconds", "Seconds the connection "
+                                  "waiting longest for its turn has waited, per data-plane "
+                                  "worker (beyond starved_s the follower reports itself down)",
+                                  labels=["worker"])
+        for worker, wait in self.data.waits().items():
+            waits.add_metric([worker], wait)
+        yield waits
+        queued = GaugeMetricFamily("dips_data_plane_queued_bytes", "Bytes of data-plane "
+                                   "messages queued for a worker (chunks not counted)",
+                                   labels=["worker"])
+        queued.add_metric(["data-consumer"], stats["inq_bytes"])
+        queued.add_metric(["data-producer"], stats["pullq_bytes"])
+        yield queued
         saved = complete_versions(self.ckpt_dir) if self.ckpt_dir is not None else []
         if saved:
             yield GaugeMetricFamily("dips_checkpoint_version", "Newest complete checkpoint "

@@ -28,6 +28,7 @@ from dips.wire.keys import MemberKey
 from dips.wire.pb import control_pb2 as pb
 from dips.wire.frames import DTYPES
 from dips.wire.seal import TAG_BYTES
+from dips.wire.serving import SINGLE_REPLY_BYTES
 from dips.wire.stream import DEFAULT_CHUNK_BYTES
 
 
@@ -131,8 +132,9 @@ class StageWorker:
     owned by the worker and reused by every push and pull (no
     fresh memory per round), the next layer is converted while libzmq sends the current one,
     and a pull lands in those buffers straight from the socket. ``mode = "single"`` is the
-    unpipelined path (one message per layer, fresh tensors), kept for benchmarks and the test
-    that both leave the followers bit-identical.
+    unpipelined path (one message per layer, fresh tensors; a pull of more than one message
+    carries from a follower is streamed all the same), kept for benchmarks and the test that
+    both leave the followers bit-identical.
 
     Args:
         index: stage index. layers: ``{layer key: [(param name, parameter), ...]}``.
@@ -294,6 +296,12 @@ class StageWorker:
                 release(layer)
             raise
 
+    def _single_fits(self, layers: list[str], dtype: str) -> bool:
+        """Whether one message may carry ``layers`` in ``dtype`` (a follower answers at most
+        :data:`~dips.wire.serving.SINGLE_REPLY_BYTES` in one; more is pulled as a stream)."""
+        size = sum(p.numel() * DTYPES[dtype].itemsize for l in layers for _, p in self.layers[l])
+        return size <= SINGLE_REPLY_BYTES
+
     def pull(self, version: int, owner: dict[str, int],
              dtype: str | None = None) -> Mapping[str, torch.Tensor]:
         """Fetch this stage's layers at ``version``; returns name -> tensor (all or raise),
@@ -309,7 +317,7 @@ class StageWorker:
         out: dict[str, torch.Tensor] = {}
         for f, layers in by_follower.items():
             head = {"op": "pull", "version": version, "layers": layers, "dtype": dtype}
-            if self.mode == "single":
+            if self.mode == "single" and self._single_fits(layers, dtype):
                 msg = self._clients[f].request(head)
                 got, tensors = msg.header.get("version"), msg.tensors
             else:

@@ -54,9 +54,11 @@ from dips.roles.staging import (
 )
 from dips.wire.dataclient import STREAM_FRAME_BYTES
 from dips.wire.frames import DTYPES, Message
+from dips.wire.intake import MessageLimits, shard_limits
 from dips.wire.pki import Identity
 from dips.wire.pool import TensorPool, VersionedSnapshots
 from dips.wire.seal import TAG_BYTES
+from dips.wire.serving import SINGLE_REPLY_BYTES
 from dips.wire.stream import TensorSpec
 
 
@@ -123,6 +125,14 @@ class DataPlaneSide:
         (a single-message push) with its GCM tag."""
         largest = max((self.params[n].numel() * 4 for n in self.names), default=0)
         return max(largest + TAG_BYTES, STREAM_FRAME_BYTES)
+
+    def message_limits(self) -> MessageLimits:
+        """What one data-plane message of each kind may carry to this follower (its data
+        server's :class:`~dips.wire.intake.MessageLimits`): frames of at most
+        :meth:`max_message_bytes`, a single message of one layer in FP32 and a header, a
+        header naming every tensor and layer of the shard."""
+        shapes = {n: tuple(self.params[n].shape) for n in self.names}
+        return shard_limits(shapes, self.layers, self.max_message_bytes())
 
     def handle(self, msg: Message) -> tuple[dict[str, Any], Sequence[tuple[str, torch.Tensor]]]:
         """Serve one data-plane message (see module docstring). Raises Refused or ValueError
@@ -227,6 +237,10 @@ class DataPlaneSide:
         failpoints.hit("pull")
         want, layers, dname = pull_fields(msg.header, self.layers, self.index)
         dtype = DTYPES[dname]
+        size = sum(self.params[n].numel() * dtype.itemsize for l in layers for n in self.layers[l])
+        if size > SINGLE_REPLY_BYTES:  # built whole on the consumer thread: a stream instead
+            raise bad("layers", layers, f"asks for a single-message reply of {size} bytes, over "
+                      f"the {SINGLE_REPLY_BYTES} one message carries: pull them as a stream")
         with self._lock:
             self._is_current(want)
             return {"op": "model", "version": self.version}, [

@@ -23,7 +23,6 @@ its member, the stream still in flight, until the peer reads it or disconnects).
 
 from __future__ import annotations
 
-import logging
 import time
 from collections import deque
 from typing import Any, Callable, Iterator
@@ -50,7 +49,6 @@ from dips.wire.serving import (
 )
 from dips.wire.stream import CHUNK, MAX_CHUNK_BYTES, StreamReader, StreamWriter, check_chunk_bytes
 
-log = logging.getLogger("dips.wire.dataplane")
 
 
 class _Xfer:
@@ -76,6 +74,7 @@ class PushStreams:
         self._streams, self._authorize, self._check_member = streams, authorize, check_member
         self._incident, self._stale_s = incident, stale_s
         self._xfers: dict[tuple[bytes, bytes], _Xfer] = {}
+        self._conns: dict[bytes, int] = {}  # connection -> streams open on it
         self._scratch = memoryview(bytearray(MAX_CHUNK_BYTES))  # decrypted chunks
         #: Called with ``(connection id, header)`` of every stream opened (or None).
         self.seen: Callable[[bytes, dict], None] | None = None
@@ -90,7 +89,7 @@ class PushStreams:
 
     def _fail(self, out: zmq.Socket, ident: bytes, x: _Xfer, exc: BaseException) -> None:
         if isinstance(exc, REFUSED):
-            log.warning("data-plane push refused: %s", exc)
+            self._incident.refusals.refused(exc)
         else:
             self._incident("push", exc)
         self._abort(x, str(exc) if isinstance(exc, REFUSED) else f"internal error: {exc!r}")
@@ -116,11 +115,12 @@ class PushStreams:
                                             "this connection: finish one first")
             sink = self._streams.open_push(reader.header, reader.specs)
             self._xfers[(ident, reader.xfer)] = _Xfer(reader, sink, mk.key)
+            self._conns[ident] = self._conns.get(ident, 0) + 1
             if self.seen is not None:
                 self.seen(ident, reader.header)
         except Exception as exc:
             if isinstance(exc, REFUSED):
-                log.warning("data-plane push refused: %s", exc)
+                self._incident.refusals.refused(exc)
             else:
                 self._incident("begin", exc)
             out.send_multipart(error_reply(mk.key, ident, exc, reader and reader.xfer), copy=False)
@@ -148,7 +148,7 @@ class PushStreams:
     def end(self, out: zmq.Socket, ident: bytes, frames: list) -> None:
         """An END ``[meta, mac]``: commit the sink and reply with its header, or refuse."""
         meta = bytes(frames[0][:64]) if frames else b""
-        x = self._xfers.pop((ident, meta[:16]), None)
+        x = self._pop((ident, meta[:16]))
         if x is None or x.failed:
             return
         try:
@@ -167,21 +167,37 @@ class PushStreams:
         now = time.monotonic()
         for k, x in list(self._xfers.items()):
             if not x.failed and getattr(x.sink, "revoked", False):
-                del self._xfers[k]
+                self._pop(k)
                 exc = Refused(Refusal.STALE_GRANT, "the push's round closed while this stream "
                                                    "was open")
                 self._abort(x, str(exc))
                 if out is not None:
                     out.send_multipart(error_reply(x.key, k[0], exc, x.reader.xfer), copy=False)
             elif now - x.seen > self._stale_s:
-                del self._xfers[k]
+                self._pop(k)
                 if not x.failed:
                     self._abort(x, f"stream idle for more than {self._stale_s} s")
+
+    def _pop(self, k: tuple[bytes, bytes]) -> _Xfer | None:
+        """Forget stream ``k`` (its connection's count of open streams follows)."""
+        x = self._xfers.pop(k, None)
+        if x is not None:
+            left = self._conns.get(k[0], 0) - 1
+            if left > 0:
+                self._conns[k[0]] = left
+            else:
+                self._conns.pop(k[0], None)
+        return x
 
     @property
     def open(self) -> int:
         """Streams open (failed ones included until their END or ``stale_s``)."""
         return len(self._xfers)
+
+    def open_on(self, ident: bytes) -> int:
+        """Streams open on connection ``ident`` (read by the io thread without a lock: one
+        dictionary read)."""
+        return self._conns.get(ident, 0)
 
     def close(self) -> None:
         """Abort every open stream (the server stops)."""
@@ -189,6 +205,7 @@ class PushStreams:
             if not x.failed:
                 self._abort(x, "data server stopped")
         self._xfers.clear()
+        self._conns.clear()
 
 
 class _Pull:
@@ -348,7 +365,7 @@ class PullStreams:
             self._refuse(out, p.ident, p.key, Refused(
                 Refusal.VERSION_GONE, f"pull stream of version {old} ended: a pull of "
                                       f"version {version} by the same member followed it"),
-                p.writer.xfer, quiet=True)
+                p.writer.xfer)
 
     # ----- one stream ---------------------------------------------------------------------
     def _pump(self, out: zmq.Socket, p: _Pull, now: float) -> bool:
@@ -363,8 +380,8 @@ class PullStreams:
                 self._end(p, written_first=True)
             elif now - p.moved > self._stall_s:
                 self.dropped += 1
-                log.warning("data-plane pull stream of %r dropped: its peer read nothing for "
-                            "%.0f s", p.member, self._stall_s)
+                self._incident.refusals("pull_stalled", f"pull stream of {p.member!r} dropped: "
+                                        f"its peer read nothing for {self._stall_s:.0f} s")
                 self._end(p)
                 self._refuse(out, p.ident, p.key, Refused(
                     Refusal.BUSY, f"pull stream dropped: nothing read for {self._stall_s} s"),
@@ -437,10 +454,10 @@ class PullStreams:
 
     def _refuse(self, out: zmq.Socket, ident: bytes, key: bytes, exc: BaseException,
                 xfer: bytes | None, quiet: bool = False) -> None:
-        if isinstance(exc, Refused) and (quiet or exc.code is Refusal.BUSY):
-            log.debug("data-plane pull refused: %s", exc)  # a flood must not flood the log
+        if quiet:  # the stream's end, already counted as what ended it
+            pass
         elif isinstance(exc, REFUSED):
-            log.warning("data-plane pull refused: %s", exc)
+            self._incident.refusals.refused(exc)  # counted; a flood does not flood the log
         else:
             self._incident("pull", exc)
         out.send_multipart(error_reply(key, ident, exc, xfer), copy=False)

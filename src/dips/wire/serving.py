@@ -1,6 +1,7 @@
 """What a data server serves and how it refuses (:mod:`dips.wire.dataplane`): the protocols of
-the roles behind it (single messages, push sinks, pull sources), typed error replies, and the
-logging of inputs that found a bug (issue 13: hostile peers).
+the roles behind it (single messages, push sinks, pull sources), typed error replies and the
+members' pull budgets (issue 13: hostile peers). Refusals are counted and logged by
+:mod:`dips.wire.refusals` (at most one line per interval).
 
 A handler refuses with :class:`~dips.algo.refusal.Refused` (its code travels in the reply's
 ``code`` field) or ``ValueError`` (:class:`~dips.wire.frames.FrameError` included:
@@ -13,13 +14,13 @@ message a pull sends is handed to libzmq with a tracker, and counts against its 
 it. Per member (identity) and data server, at most :data:`MAX_PULLS_PER_MEMBER` pull
 streams are in flight (being produced, or not yet all written), and its pull messages and
 single-message pull replies not yet written hold at most :data:`PULL_BYTES_PER_MEMBER` plus
-one message; a pull beyond either is refused BUSY at once. Each connection queues at most :data:`SEND_HWM` messages
+one message (a single-message reply holds at most :data:`SINGLE_REPLY_BYTES`); a pull beyond
+either is refused BUSY at once. Each connection queues at most :data:`SEND_HWM` messages
 (``ZMQ_SNDHWM``); libzmq refuses more, and they are dropped (its peer does not read).
 """
 
 from __future__ import annotations
 
-import logging
 import threading
 from collections import deque
 from typing import Any, Callable, Protocol, Sequence
@@ -30,9 +31,8 @@ from dips.algo.refusal import Refusal, Refused
 from dips.wire.dataclient import MSG
 from dips.wire.frames import Message, encode
 from dips.wire.pki import Identity
+from dips.wire.refusals import Incidents
 from dips.wire.stream import TensorSpec
-
-log = logging.getLogger("dips.wire.dataplane")
 
 Handler = Callable[[Message], tuple[dict[str, Any], Sequence[tuple[str, torch.Tensor]]]]
 #: ``authorize(sender, header)``: raise Refused(FORBIDDEN) if ``sender`` may not send it.
@@ -97,6 +97,9 @@ MAX_PULLS_PER_MEMBER = 4
 #: Bytes of one member's pulls handed to libzmq and not yet written to their connections, at
 #: most (plus the one message that crossed it): streams wait beyond, new pulls are BUSY.
 PULL_BYTES_PER_MEMBER = 32 << 20
+#: The largest reply to a single-message pull (bytes): one member's pull budget. A larger
+#: read is a stream (:mod:`dips.wire.single`).
+SINGLE_REPLY_BYTES = PULL_BYTES_PER_MEMBER
 #: Bytes and messages of one pull stream handed to libzmq and not yet written, at most: the
 #: stream waits for its peer beyond (a credit window, so one stream cannot take a member's
 #: whole budget and a slow peer stalls only its own streams).
@@ -116,25 +119,6 @@ def error_reply(key: bytes, ident: bytes, exc: BaseException, xfer: bytes | None
     if xfer is not None:
         head["xfer"] = xfer.hex()
     return [ident, MSG, *encode(key, head)]
-
-
-class Incidents:
-    """Logs unexpected exceptions (bugs a message found): the traceback once per (where,
-    exception type), then one line each, so a peer repeating the input cannot fill the log
-    with tracebacks."""
-
-    def __init__(self) -> None:
-        self._seen: set[tuple[str, str]] = set()
-
-    def __call__(self, where: str, exc: BaseException) -> None:
-        key = (where, type(exc).__name__)
-        if key in self._seen:
-            log.warning("data-plane %s failed again: %s: %s", where, type(exc).__name__,
-                        str(exc)[:200])
-            return
-        if len(self._seen) < 256:
-            self._seen.add(key)
-        log.error("data-plane %s failed (refused UNSPECIFIED, serving on)", where, exc_info=exc)
 
 
 class PullLedger:
@@ -290,6 +274,7 @@ class PushConnections:
 
 __all__ = ["MAX_OPEN_STREAMS", "MAX_PULLS_PER_MEMBER", "PULL_BYTES_PER_MEMBER",
            "PULL_WINDOW_BYTES", "PULL_WINDOW_MESSAGES", "PUSH_ROUNDS_KEPT", "REFUSED", "SEND_HWM",
+           "SINGLE_REPLY_BYTES",
            "Authorize", "PushConnections",
            "Handler", "Incidents", "PullLedger", "PullSource", "PushSink", "StreamHandler",
            "allow_all", "error_reply", "streams_of"]
