@@ -6,7 +6,8 @@ service (gRPC, mutual TLS) and its data plane (ZeroMQ), and registers with the l
 heartbeat interval. The registration's reply carries the leader's term (its lease, see
 :mod:`dips.algo.fencing`) and the data secret from which members' keys and the admission key
 of push tickets (:mod:`dips.wire.admission`) derive. Each registration also says whether the
-data plane still serves (``data_plane_error``): a follower whose data-plane thread died is
+data plane still serves (``data_plane_error``: a thread died, or a peer has waited for its
+turn beyond ``starved_s``, :meth:`dips.wire.dataplane.DataServer.health`): such a follower is
 marked down by the leader instead of being believed to serve. The state directory holds
 ``checkpoints/``, ``applied.jsonl`` and ``leader_term``.
 """
@@ -173,7 +174,7 @@ def run_follower(leader_addr: str, index: int, listen: str, advertise: str, data
                                control_endpoint=advertise, layers=owned,
                                layer_bytes=[sizes[l] for l in owned], version=shard.version,
                                incarnation=incarnation, leader_term=fence.term,
-                               data_plane_error=data.error or "")
+                               data_plane_error=data.health() or "")
         try:
             reply = leader.RegisterFollower(info, timeout=max(1.0, interval))
             # The ticket key first: no push is served under a secret whose tickets cannot be
