@@ -13,7 +13,7 @@ checkpoint writes need:
   hands the verified bytes, still in the received frame, to the role's sink (the follower
   forms Δ from them) while later chunks still arrive; then it drops the frame and returns the
   credit. It also serves single-message requests (the ``handler``).
-* ``data-producer`` serves pull streams (:class:`~dips.wire.pushstreams.PullStreams`): it
+* ``data-producer`` serves pull streams (:class:`~dips.wire.pullstreams.PullStreams`): it
   asks the role for each tensor in turn (the follower converts the next layer to BF16 while
   libzmq sends the current one) and queues its chunks without copying them, each stream only
   a window ahead of what its connection took, many streams in turn.
@@ -68,7 +68,8 @@ from dips.wire.frames import FrameError
 from dips.wire.gate import Gate
 from dips.wire.intake import MessageLimits
 from dips.wire.keys import Keyring, MemberKey
-from dips.wire.pushstreams import PullStreams, PushStreams
+from dips.wire.pullstreams import PullStreams
+from dips.wire.pushstreams import PushStreams
 from dips.wire.refusals import Incidents, Refusals
 from dips.wire.serving import (
     MAX_PULLS_PER_MEMBER,
@@ -85,8 +86,7 @@ from dips.wire.serving import (
     allow_all,
     streams_of,
 )
-from dips.wire.single import SingleMessages
-from dips.wire.workers import consume, produce
+from dips.wire.workers import SingleMessages, consume, produce
 
 log = logging.getLogger(__name__)
 _OUTBOX_IDS = itertools.count()

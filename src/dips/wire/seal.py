@@ -48,7 +48,7 @@ class SealRing:
     (``bench_secure.py``, modes 5a/5b). One ring per sending thread.
 
     The buffers alive are the ring's plus those still in flight: a sender that bounds what it
-    has in flight (the data server's pull windows, :mod:`dips.wire.pushstreams`) bounds them.
+    has in flight (the data server's pull windows, :mod:`dips.wire.pullstreams`) bounds them.
 
     Args:
         slots: buffers in the ring.

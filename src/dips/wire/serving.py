@@ -98,7 +98,7 @@ MAX_PULLS_PER_MEMBER = 4
 #: most (plus the one message that crossed it): streams wait beyond, new pulls are BUSY.
 PULL_BYTES_PER_MEMBER = 32 << 20
 #: The largest reply to a single-message pull (bytes): one member's pull budget. A larger
-#: read is a stream (:mod:`dips.wire.single`).
+#: read is a stream (:class:`dips.wire.workers.SingleMessages`).
 SINGLE_REPLY_BYTES = PULL_BYTES_PER_MEMBER
 #: Bytes and messages of one pull stream handed to libzmq and not yet written, at most: the
 #: stream waits for its peer beyond (a credit window, so one stream cannot take a member's
