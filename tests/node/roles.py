@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from dips.emu.launcher import free_port
@@ -18,10 +19,12 @@ def dips(args: list[str], log: Path | None = None) -> subprocess.Popen:
     """``python -m dips.cli ARGS`` in its own session; output to ``log`` (or pipes if None)."""
     out = open(log, "w") if log is not None else subprocess.PIPE
     try:
-        return subprocess.Popen([sys.executable, "-m", "dips.cli", *args], cwd=ROOT, stdout=out,
+        proc = subprocess.Popen([sys.executable, "-m", "dips.cli", *args], cwd=ROOT, stdout=out,
                                 stderr=subprocess.STDOUT if log is not None else subprocess.PIPE,
                                 text=True, start_new_session=True,
                                 env=dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1"))
+        proc.log = log  # where stop_cleanly finds its stacks
+        return proc
     finally:
         if log is not None:
             out.close()  # the child holds its own copy
@@ -46,11 +49,30 @@ def start_roles(tmp: Path, cfg: Path, followers: int) -> tuple[str, dict[str, su
 
 
 def stop_cleanly(procs: dict[str, subprocess.Popen], names: tuple[str, ...]) -> None:
-    """SIGTERM each of ``names`` (in order), then assert each exits 0 within 60 s."""
+    """SIGTERM each of ``names`` (in order), then assert each exits 0 within 60 s; one that
+    does not is asked for its threads' stacks (SIGUSR1), which the failure shows."""
     for name in names:
         procs[name].send_signal(signal.SIGTERM)
     for name in names:
-        assert procs[name].wait(60) == 0, name
+        try:
+            code = procs[name].wait(60)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"{name} did not stop in 60 s:\n{_stacks(procs[name])}") from None
+        assert code == 0, name
+
+
+def _stacks(proc: subprocess.Popen) -> str:
+    """The end of ``proc``'s log once it holds the stacks ``proc`` writes there on SIGUSR1
+    (the dump names the signalled thread "Current thread"), or after 30 s."""
+    log = getattr(proc, "log", None)
+    if log is None:
+        return "(no log)"
+    proc.send_signal(signal.SIGUSR1)
+    deadline = time.monotonic() + 30.0
+    while "Current thread" not in Path(log).read_text(errors="replace") \
+            and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return Path(log).read_text(errors="replace")[-12000:]
 
 
 def kill_left(procs: dict[str, subprocess.Popen]) -> None:

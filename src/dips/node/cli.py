@@ -18,7 +18,8 @@ from typing import Annotated, Callable, Optional
 import typer
 
 from dips.algo.refusal import Refused
-from dips.node.common import LOG_FORMATS, RoleError, Stopped, credentials, setup_logging
+from dips.node.common import (LOG_FORMATS, RoleError, Stopped, bounded_exit, credentials,
+                              setup_logging)
 
 TLS_HELP = "directory of this process's bundle from `dips init` (ca.crt, tls.crt, tls.key)"
 INSECURE_HELP = "no TLS: plaintext, identities are claimed, not proven (trusted networks only)"
@@ -64,13 +65,15 @@ def _fail(command: str, exc: Exception) -> None:
 def _run(command: str, start: Callable[[], int],
          errors: tuple[type[Exception], ...] = (RoleError, OSError)) -> None:
     """Exit with ``start()``'s code: 0 when stopped before it could start (:class:`Stopped`),
-    2 naming the problem for one of ``errors``."""
+    2 naming the problem for one of ``errors``; within
+    :data:`dips.node.common.EXIT_BOUND_S` seconds of its end (:func:`bounded_exit`)."""
     try:
         code = start()
     except Stopped:
         code = 0
     except errors as exc:
         _fail(command, exc)
+    bounded_exit(code)
     raise typer.Exit(code)
 
 
@@ -106,16 +109,12 @@ def leader(config: Annotated[Path, typer.Option("--config", exists=True, dir_oka
 
     _logging("leader", log_format)
     stop = stop_on_signals()
-    try:
-        cfg = load_config(config)
-        creds = credentials(tls, insecure, Identity.leader())
-        code = run_leader(cfg, listen, state_dir.resolve(), creds, stop, advertise=advertise,
-                          cache_dir=cache_dir, status_socket=status_socket,
-                          revoked_file=tls / "revoked.txt" if tls is not None else None,
-                          metrics_port=metrics_port, metrics_host=metrics_host)
-    except (RoleError, SpecError, OSError) as exc:
-        _fail("leader", exc)
-    raise typer.Exit(code)
+    _run("leader", lambda: run_leader(
+        load_config(config), listen, state_dir.resolve(),
+        credentials(tls, insecure, Identity.leader()), stop, advertise=advertise,
+        cache_dir=cache_dir, status_socket=status_socket,
+        revoked_file=tls / "revoked.txt" if tls is not None else None,
+        metrics_port=metrics_port, metrics_host=metrics_host), (RoleError, SpecError, OSError))
 
 
 def follower(leader_addr: LeaderAddr,

@@ -4,10 +4,12 @@ run spec fetched from the leader (no shared filesystem between hosts).
 
 from __future__ import annotations
 
+import faulthandler
 import fcntl
 import json
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -57,6 +59,29 @@ class Unreachable:
         self._since, self._said = None, 0.0
 
 
+#: Seconds a role process may take from the end of its role to its exit (a gRPC handler
+#: still in a call, a finaliser); past it the stacks go to stderr and it exits anyway.
+EXIT_BOUND_S = 15.0
+
+
+def bounded_exit(code: int, bound_s: float = EXIT_BOUND_S) -> None:
+    """Make the process end with exit status ``code`` within ``bound_s`` seconds from now,
+    whatever still runs: interpreter shutdown joins every non-daemon thread (a gRPC server's
+    handler threads among them, ``concurrent.futures``' exit hook), so one handler stuck in a
+    call would hold a stopped role's exit for that call's whole timeout. Past the bound a
+    daemon thread logs it, writes every thread's stack to stderr (:mod:`faulthandler`) and
+    calls ``os._exit(code)`` (logging flushed first). Returns at once."""
+    def force() -> None:
+        time.sleep(bound_s)
+        log.error("exit still waits on threads after %.0f s (stacks below): exiting %d now",
+                  bound_s, code)
+        faulthandler.dump_traceback(all_threads=True)
+        logging.shutdown()
+        os._exit(code)
+
+    threading.Thread(target=force, name="exit-bound", daemon=True).start()
+
+
 class Stopped(Exception):
     """SIGTERM or SIGINT arrived before the role could start: a clean stop (exit 0)."""
 
@@ -95,9 +120,12 @@ class JsonFormatter(logging.Formatter):
 
 def setup_logging(name: str, fmt: str = "text") -> None:
     """Log INFO and above to stderr as ``name``: ``text`` lines (time, name, level, message)
-    or ``json`` lines (:class:`JsonFormatter`). Raises ValueError for another format."""
+    or ``json`` lines (:class:`JsonFormatter`); SIGUSR1 then dumps every thread's stack to
+    stderr (:mod:`faulthandler`). Raises ValueError for another format."""
     if fmt not in LOG_FORMATS:
         raise ValueError(f"--log-format {fmt!r} is not one of {LOG_FORMATS}")
+    # ``kill -USR1 PID`` writes every thread's stack to stderr (a process that does not stop).
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     if fmt == "text":
         logging.basicConfig(level=logging.INFO,
                             format=f"%(asctime)s {name} %(levelname)s %(message)s")
