@@ -124,7 +124,11 @@ _plain_help(app)
 
 
 def main() -> None:
-    app()
+    """Entry point of ``dips`` and ``python -m dips.cli``: the process exits within
+    :data:`dips.node.common.EXIT_BOUND_S` seconds of its command's end."""
+    from dips.node.common import run_bounded
+
+    run_bounded(app)
 
 
 if __name__ == "__main__":

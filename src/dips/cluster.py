@@ -28,8 +28,11 @@ __all__ = ["cluster", "main"]
 
 
 def main() -> None:
-    """Entry point of ``python -m dips.cluster``."""
-    typer.run(cluster)
+    """Entry point of ``python -m dips.cluster`` (it exits within
+    :data:`dips.node.common.EXIT_BOUND_S` seconds of the cluster's end)."""
+    from dips.node.common import run_bounded
+
+    run_bounded(lambda: typer.run(cluster))
 
 
 if __name__ == "__main__":

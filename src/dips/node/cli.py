@@ -18,8 +18,7 @@ from typing import Annotated, Callable, Optional
 import typer
 
 from dips.algo.refusal import Refused
-from dips.node.common import (LOG_FORMATS, RoleError, Stopped, bounded_exit, credentials,
-                              setup_logging)
+from dips.node.common import LOG_FORMATS, RoleError, Stopped, credentials, setup_logging
 
 TLS_HELP = "directory of this process's bundle from `dips init` (ca.crt, tls.crt, tls.key)"
 INSECURE_HELP = "no TLS: plaintext, identities are claimed, not proven (trusted networks only)"
@@ -65,15 +64,13 @@ def _fail(command: str, exc: Exception) -> None:
 def _run(command: str, start: Callable[[], int],
          errors: tuple[type[Exception], ...] = (RoleError, OSError)) -> None:
     """Exit with ``start()``'s code: 0 when stopped before it could start (:class:`Stopped`),
-    2 naming the problem for one of ``errors``; within
-    :data:`dips.node.common.EXIT_BOUND_S` seconds of its end (:func:`bounded_exit`)."""
+    2 naming the problem for one of ``errors``."""
     try:
         code = start()
     except Stopped:
         code = 0
     except errors as exc:
         _fail(command, exc)
-    bounded_exit(code)
     raise typer.Exit(code)
 
 

@@ -15,7 +15,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Callable
 
 import grpc
 
@@ -59,27 +59,56 @@ class Unreachable:
         self._since, self._said = None, 0.0
 
 
+def _stderr_fd() -> int | None:
+    """The process's stderr file descriptor (also where a test harness replaced sys.stderr by
+    a buffer), or None when it has none."""
+    try:
+        return sys.__stderr__.fileno() if sys.__stderr__ is not None else None
+    except (OSError, ValueError):  # closed, or no file behind it
+        return None
+
+
 #: Seconds a role process may take from the end of its role to its exit (a gRPC handler
 #: still in a call, a finaliser); past it the stacks go to stderr and it exits anyway.
 EXIT_BOUND_S = 15.0
 
 
-def bounded_exit(code: int, bound_s: float = EXIT_BOUND_S) -> None:
+def bounded_exit(code: int, bound_s: float | None = None) -> None:
     """Make the process end with exit status ``code`` within ``bound_s`` seconds from now,
     whatever still runs: interpreter shutdown joins every non-daemon thread (a gRPC server's
     handler threads among them, ``concurrent.futures``' exit hook), so one handler stuck in a
     call would hold a stopped role's exit for that call's whole timeout. Past the bound a
     daemon thread logs it, writes every thread's stack to stderr (:mod:`faulthandler`) and
-    calls ``os._exit(code)`` (logging flushed first). Returns at once."""
+    calls ``os._exit(code)`` (logging flushed first). ``bound_s`` None: :data:`EXIT_BOUND_S`.
+    Returns at once."""
+    bound_s = EXIT_BOUND_S if bound_s is None else bound_s
+
     def force() -> None:
         time.sleep(bound_s)
-        log.error("exit still waits on threads after %.0f s (stacks below): exiting %d now",
+        log.error("exit still waits on threads after %g s (stacks below): exiting %d now",
                   bound_s, code)
-        faulthandler.dump_traceback(all_threads=True)
+        if _stderr_fd() is not None:
+            faulthandler.dump_traceback(file=_stderr_fd(), all_threads=True)
         logging.shutdown()
         os._exit(code)
 
     threading.Thread(target=force, name="exit-bound", daemon=True).start()
+
+
+def run_bounded(entry: Callable[[], object]) -> None:
+    """Run a process's entry point (a typer app: it ends in SystemExit) and make the process
+    exit within :data:`EXIT_BOUND_S` seconds of its end with the same status
+    (:func:`bounded_exit`); only for a process's own main, never inside another program (a
+    test runner): the process ends."""
+    code = 1  # an exception's traceback: Python exits 1
+    try:
+        entry()
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1
+        raise
+    finally:
+        bounded_exit(code)
 
 
 class Stopped(Exception):
@@ -125,7 +154,8 @@ def setup_logging(name: str, fmt: str = "text") -> None:
     if fmt not in LOG_FORMATS:
         raise ValueError(f"--log-format {fmt!r} is not one of {LOG_FORMATS}")
     # ``kill -USR1 PID`` writes every thread's stack to stderr (a process that does not stop).
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    if _stderr_fd() is not None:
+        faulthandler.register(signal.SIGUSR1, file=_stderr_fd(), all_threads=True)
     if fmt == "text":
         logging.basicConfig(level=logging.INFO,
                             format=f"%(asctime)s {name} %(levelname)s %(message)s")
