@@ -26,6 +26,7 @@ from typing import Any, Callable
 
 import torch
 
+from dips.algo.consumed import tokens_consumed_of
 from dips.spec import RunConfig, RunSpec
 from dips.wire.keys import MemberKey
 
@@ -44,30 +45,12 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 
 def tokens_consumed(run_dir: Path, cfg: RunConfig) -> dict[str, int]:
-    """Per cluster: tokens of all its inner steps, over every process it ran as (from
-    ``train.jsonl``, whose cumulative ``tokens`` and ``step`` start again in a restarted
-    process: a step number or a count that does not grow marks a new process; one that
-    resumed its inner state (a ``resume`` record, issue 14) counts on from the saved
-    ``tokens``, which an earlier process trained and counted)."""
-    out = {}
-    for c in cfg.clusters:
-        total = last = last_step = base = 0  # base: the count this process started from
-        for r in read_jsonl(run_dir / "clusters" / c.id / "train.jsonl"):
-            if r.get("event") == "resume" and isinstance(r.get("tokens"), int):
-                total += last - base
-                base = last = r["tokens"]
-                last_step = r["steps"] if isinstance(r.get("steps"), int) else 0
-                continue
-            tokens, step = r.get("tokens"), r.get("step")
-            if not isinstance(tokens, int):
-                continue
-            if tokens < last or (isinstance(step, int) and step <= last_step):
-                total += last - base  # a new process: its counts start again
-                base = 0
-            last = tokens
-            last_step = step if isinstance(step, int) else last_step
-        out[c.id] = total + last - base
-    return out
+    """Per cluster: tokens of all its inner steps, over every process it ran as, from its
+    ``train.jsonl`` (:func:`dips.algo.consumed.tokens_consumed_of`: a restarted process
+    counts from 0 again, a resumed one on from the saved count, which an earlier process
+    trained and counted; ``dips report`` counts with the same rule)."""
+    return {c.id: tokens_consumed_of(read_jsonl(run_dir / "clusters" / c.id / "train.jsonl"))
+            for c in cfg.clusters}
 
 
 #: The per-cluster counts of :func:`leader_counts`.

@@ -23,6 +23,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from dips.algo.consumed import consumed_series, tokens_consumed_of
 from dips.bench.runreport.figs import (
     Plot,
     empty_plot,
@@ -68,22 +69,22 @@ class ClusterSteps:
 
 
 def cluster_steps(run: RunFiles, records: list[dict[str, Any]]) -> ClusterSteps:
-    """The inner-step records of one ``train.jsonl`` (records without ``loss`` skipped)."""
+    """The inner-step records of one ``train.jsonl`` (records without ``loss`` or ``time``
+    skipped), their tokens counted over every process as ``summary.json`` counts them
+    (:func:`dips.algo.consumed.consumed_series`: a resumed process counts on from its saved
+    count, so no token is counted twice)."""
     out = ClusterSteps([], [], [], [0])
-    offset = last = 0.0
-    for rec in records:
-        if rec.get("event") == "join" and out.loss and out.lifetimes[-1] < len(out.loss):
-            out.lifetimes.append(len(out.loss))  # a new process of this cluster
-        loss, t, tok = num(rec, "loss"), num(rec, "time"), num(rec, "tokens")
-        if loss is None or t is None or tok is None:
+    process = 0
+    for st in consumed_series(records):
+        rec = records[st.index]
+        loss, t = num(rec, "loss"), num(rec, "time")
+        if loss is None or t is None:
             continue
-        if tok < last:  # a restarted process counts from 0 again
-            offset += last
-            if out.lifetimes[-1] < len(out.loss):
-                out.lifetimes.append(len(out.loss))
-        last = tok
+        if st.process != process and out.lifetimes[-1] < len(out.loss):
+            out.lifetimes.append(len(out.loss))  # a new process of this cluster
+        process = st.process
         out.time_s.append(run.rel(t))
-        out.tokens.append(offset + tok)
+        out.tokens.append(float(st.tokens))
         out.loss.append(loss)
     return out
 
@@ -187,9 +188,8 @@ def plot_tokens_per_cluster(run: RunFiles) -> Plot:
     if isinstance(per, dict):
         consumed = {str(k): float(v) for k, v in per.items() if isinstance(v, (int, float))}
     for cid, recs in run.clusters.items():
-        s = cluster_steps(run, recs)
-        if cid not in consumed and s.tokens:
-            consumed[cid] = s.tokens[-1]
+        if cid not in consumed and (n := tokens_consumed_of(recs)):
+            consumed[cid] = float(n)
     accepted: dict[str, float] = {}
     for rec in run.outer_steps:
         toks = rec.get("tokens") if isinstance(rec.get("tokens"), dict) else {}
