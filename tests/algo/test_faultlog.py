@@ -8,8 +8,9 @@ import pytest
 from dips.algo.faultlog import Fault, FaultLog, faults_of, reason_class
 
 DECISION = {"round": 4, "version": 3, "clusters": ["a", "b", "c"], "accepted": ["a"],
-            "rejected": {"b": {"score": 9.5, "reason": "penalty"},
-                         "c": {"score": None, "reason": "push not delivered in time"}},
+            "rejected": {"b": {"score": 9.5, "reason": "penalty", "code": "penalty"},
+                         "c": {"score": None, "reason": "push not delivered in time",
+                               "code": "not_delivered"}},
             "time": 1000.0}
 
 
@@ -21,7 +22,7 @@ def test_each_record_reports_its_faults_by_kind_member_and_reason():
     assert kinds("outer_steps", DECISION) == [("push_rejected", "cluster-b", "penalty"),
                                               ("push_rejected", "cluster-c", "not_delivered")]
     failed = {**DECISION, "accepted": [], "error": "round failed: UNAVAILABLE",
-              "rejected": {"a": {"reason": "round failed: UNAVAILABLE"}}}
+              "rejected": {"a": {"reason": "round failed: UNAVAILABLE", "code": "round_failed"}}}
     assert kinds("outer_steps", failed) == [("push_rejected", "cluster-a", "round_failed")]
     assert kinds("outer_steps", {"event": "round_end", "round": 4, "commit_failed": [1],
                                  "time": 5.0}) == [("commit_failed", "follower-1", "")]
@@ -84,5 +85,19 @@ def test_memory_is_bounded_and_bad_arguments_are_named():
         FaultLog(window_s=0)
     with pytest.raises(ValueError, match="keep = 0"):
         FaultLog(keep=0)
-    assert reason_class("follower 1: NaN in layer 3") == "invalid"
+    assert reason_class({"reason": "x", "code": "invalid"}) == "invalid"
     assert reason_class(None) == "other"
+
+
+def test_a_rejection_is_classified_by_its_code_never_by_its_text():
+    """Review of issue 15, #2: a push failed because follower 1 went down was counted
+    ``invalid`` since its text starts with "follower "; the record's code says what it was,
+    and the text, whatever it says, is never read."""
+    down = {"score": None, "reason": "follower 1 down", "code": "followers_not_ready"}
+    assert reason_class(down) == "followers_not_ready"
+    assert reason_class({"reason": "follower 1: NaN in layer 3"}) == "other"  # no code: older
+    assert reason_class({"reason": "penalty", "code": "penalty"}) == "penalty"
+    assert reason_class({"reason": "invalid penalty", "code": "cluster_gone"}) == "cluster_gone"
+    assert reason_class({"code": "made up"}) == "other"
+    rec = {**DECISION, "rejected": {"b": down}}
+    assert kinds("outer_steps", rec) == [("push_rejected", "cluster-b", "followers_not_ready")]

@@ -114,6 +114,7 @@ def test_push_timeout_fails_late_pushes_only():
     slots = {x.cluster_id: x for x in acts[0].slots}
     assert slots["a"].ok and not slots["b"].ok
     assert slots["b"].error == "push not delivered in time"
+    assert (slots["a"].code, slots["b"].code) == ("", "not_delivered")
     # A report arriving after the timeout changes nothing.
     s2, acts = run([PushReported(6.0, "b", slots["b"].push_id, True)], pol, s)
     assert acts == [] and s2 == s
@@ -249,6 +250,7 @@ def test_member_gone_fails_its_push_and_drops_its_request():
                   pol, s)
     assert kinds(acts) == ["StartUpdate"] and s.queue == ()
     assert {x.cluster_id: x.error for x in acts[0].slots}["b"] == "heartbeat timeout"
+    assert {x.cluster_id: x.code for x in acts[0].slots}["b"] == "cluster_gone"
 
 
 def test_withdrawn_request_leaves_the_queue():
@@ -374,6 +376,7 @@ def test_a_follower_lost_in_window_or_push_ends_the_round_at_once():
         assert kinds(acts)[-1] == "StartUpdate" and s.phase is Phase.UPDATE
         assert {x.cluster_id: (x.ok, x.error) for x in acts[-1].slots} == {
             "a": (False, "follower 1 down"), "b": (False, "follower 1 down")}
+        assert {x.code for x in acts[-1].slots} == {"followers_not_ready"}  # typed, not text
         assert s.current.update_started == lose_at  # not the 60 s push timeout
 
 

@@ -20,7 +20,7 @@ from dips.node.metrics_members import ClusterMetrics, FollowerMetrics
 from dips.wire.refusals import Refusals
 
 DECISION = {"round": 4, "version": 3, "clusters": ["a", "b", "c"], "accepted": ["a", "b"],
-            "rejected": {"c": {"score": 9.5, "reason": "penalty"}},
+            "rejected": {"c": {"score": 9.5, "reason": "penalty", "code": "penalty"}},
             "scores": {"a": 0.1, "b": -0.4, "c": 9.5},
             "thresholds": {"a": 3.0, "b": 3.0, "c": 2.5},
             "sq_norms": {"a": 1.5, "b": 2.0, "c": 40.0}, "tokens": {"a": 2048, "b": 1024, "c": 512},
@@ -29,8 +29,10 @@ DECISION = {"round": 4, "version": 3, "clusters": ["a", "b", "c"], "accepted": [
             "checksums": {"0": "x"}, "invalid": {}, "scored": ["a", "b", "c"],
             "window_s": 0.5, "push_s": 0.2, "update_s": 0.1, "time": 1.0}
 FAILED = {"round": 5, "version": 3, "clusters": ["a", "d"], "accepted": [],
-          "rejected": {"a": {"score": None, "reason": "round failed: UNAVAILABLE"},
-                       "d": {"score": None, "reason": "push not delivered in time"}},
+          "rejected": {"a": {"score": None, "reason": "round failed: UNAVAILABLE",
+                             "code": "round_failed"},
+                       "d": {"score": None, "reason": "push not delivered in time",
+                             "code": "not_delivered"}},
           "scores": {}, "thresholds": {}, "sq_norms": {"a": None, "d": None},
           "tokens": {"a": 64, "d": 64}, "base_versions": {"a": 3, "d": 1},
           "error": "round failed: UNAVAILABLE"}
@@ -44,13 +46,12 @@ def value(registry: CollectorRegistry, name: str, **labels: str) -> float | None
     return registry.get_sample_value(name, labels)
 
 
-def test_reason_classes_are_bounded():
-    assert reason_class("penalty") == "penalty"
-    assert reason_class("push not delivered in time") == "not_delivered"
-    assert reason_class("follower 1: NaN in layer 3") == "invalid"
-    assert reason_class("‖Δ‖² = inf over the shards is not finite") == "invalid"
-    assert reason_class("round failed: UNAVAILABLE: follower down") == "round_failed"
-    assert reason_class("something new") == "other"
+def test_reason_classes_are_bounded_and_come_from_the_code():
+    for code in ("penalty", "not_delivered", "invalid", "followers_not_ready", "cluster_gone",
+                 "round_failed"):
+        assert reason_class({"reason": "follower 1: whatever", "code": code}) == code
+    assert reason_class({"reason": "push not delivered in time"}) == "other"  # no code
+    assert reason_class({"code": "something new"}) == "other"
 
 
 def test_leader_observer_folds_decisions_round_ends_and_events():

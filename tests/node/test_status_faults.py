@@ -26,9 +26,13 @@ def reply_of(leader):
     return status_reply(leader.status(), leader.last_eval(), leader.recent_faults(time.time()))
 
 
+_CODES = {"penalty": "penalty", "push not delivered in time": "not_delivered"}
+
+
 def decision(rnd: int, rejected: dict[str, str]) -> dict:
     return {"round": rnd, "version": 1, "clusters": ["b", *rejected], "accepted": ["b"],
-            "rejected": {c: {"score": 1.0, "reason": r} for c, r in rejected.items()},
+            "rejected": {c: {"score": 1.0, "reason": r, "code": _CODES[r]}
+                         for c, r in rejected.items()},
             "tokens": {"b": 64, **{c: 64 for c in rejected}}, "time": time.time()}
 
 

@@ -429,6 +429,7 @@ def test_a_non_finite_norm_invalidates_only_its_own_push():
                         OuterConfig())
     assert not report.failed and report.outcome.accepted == ("good",)
     assert "not a finite" in report.outcome.invalid["evil"]
+    assert report.record(1)["rejected"]["evil"]["code"] == "invalid"  # typed, not its text
 
     class Confused(FakeFollower):
         def score(self, rnd, clusters, push_ids=None):
@@ -437,6 +438,8 @@ def test_a_non_finite_norm_invalidates_only_its_own_push():
     report = run_update([(0, Confused())], 1, slots, 0, PenaltyState(), PenaltyConfig(),
                         OuterConfig())
     assert report.failed and report.outcome.accepted == ()  # nothing applied anywhere
+    assert {c: w["code"] for c, w in report.record(1)["rejected"].items()} == {
+        "evil": "round_failed", "good": "round_failed"}
 
 
 # ----- replay: tickets and round numbers (issue input 6) -------------------------------------

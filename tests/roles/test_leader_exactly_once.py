@@ -6,6 +6,7 @@ mid-round ends the round at once."""
 from __future__ import annotations
 
 import contextlib
+import json
 import threading
 import time
 
@@ -240,6 +241,16 @@ def test_a_follower_lost_mid_round_ends_it_at_once(tmp_path):
         v = out[0].verdict
         assert not v.accepted and v.reason == "follower 1 down"
         assert run.leader.version == 0 and all(f.applied == [] for f in run.fakes)
+        # Review of issue 15, #2: the record carries the typed reason (its text starts with
+        # "follower ", which once made it "invalid"), and the faults read the code.
+        wait_for(lambda: (tmp_path / "outer_steps.jsonl").is_file(), "the round recorded")
+        recs = [json.loads(line) for line in
+                (tmp_path / "outer_steps.jsonl").read_text().splitlines()]
+        rejected = next(r["rejected"] for r in recs if "event" not in r and r["rejected"])
+        assert {c: w["code"] for c, w in rejected.items()} == {
+            "a": "followers_not_ready", "b": "followers_not_ready"}
+        assert {f.reason for f in run.leader.recent_faults(time.time())[0]
+                if f.kind == "push_rejected"} == {"followers_not_ready"}
         # Nothing was counted: the ledger hands those windows out again.
         assert run.ledger.accepted_windows == 0 and run.leader.counts["tokens_accepted"] == 0
     finally:

@@ -35,6 +35,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Iterable
 
+from dips.algo.round_types import RejectCode
+
 __all__ = ["FAULT_WINDOW_S", "KEEP", "REASONS", "Fault", "FaultLog", "faults_of",
            "reason_class"]
 
@@ -44,7 +46,7 @@ FAULT_WINDOW_S = 3600.0
 #: a flapping member does.
 KEEP = 10_000
 #: Bounded values of a rejected push's reason (see :func:`reason_class`).
-REASONS = ("penalty", "not_delivered", "invalid", "round_failed", "other")
+REASONS = tuple(c.value for c in RejectCode)
 
 
 @dataclass(frozen=True)
@@ -59,20 +61,13 @@ class Fault:
     detail: str = ""
 
 
-def reason_class(reason: Any) -> str:
-    """The bounded reason (one of :data:`REASONS`) of a rejected push from the free text of
-    ``outer_steps.jsonl`` (``penalty``; ``push not delivered in time``; a follower's refusal
-    or a non-finite ‖Δ‖²; ``round failed: ...``)."""
-    text = str(reason)
-    if text == "penalty":
-        return "penalty"
-    if text.startswith("round failed"):
-        return "round_failed"
-    if "not delivered" in text:
-        return "not_delivered"
-    if text.startswith("follower ") or "‖Δ‖²" in text or "invalid" in text:
-        return "invalid"
-    return "other"
+def reason_class(why: Any) -> str:
+    """The bounded reason (one of :data:`REASONS`) of a rejected push: the ``code`` its
+    ``outer_steps.jsonl`` entry carries (:class:`dips.algo.round_types.RejectCode`, set
+    where the push failed), ``other`` for an entry without a valid one (an older file). The
+    free-text ``reason`` beside it is for people and is never read here."""
+    code = why.get("code") if isinstance(why, dict) else None
+    return code if isinstance(code, str) and code in REASONS else RejectCode.OTHER.value
 
 
 def _num(rec: dict[str, Any], key: str) -> float | None:
@@ -144,7 +139,7 @@ def faults_of(stream: str, rec: Any) -> list[Fault]:
     out = []
     for cluster, why in sorted((rec.get("rejected") or {}).items()):
         text = why.get("reason", "") if isinstance(why, dict) else why
-        out.append(Fault(t, "push_rejected", f"cluster-{cluster}", reason_class(text),
+        out.append(Fault(t, "push_rejected", f"cluster-{cluster}", reason_class(why),
                          f"round {rec.get('round')}: {_short(text, 80)}"))
     return out
 

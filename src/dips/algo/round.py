@@ -39,15 +39,14 @@ from dips.algo import grace as grace_rules
 from dips.algo.refusal import Refusal, Refused
 from dips.algo.stalls import MAX_OWED, pull_stalls, scored
 from dips.algo.round_types import (
-    Phase, RoundPolicy, Slot, Round, Verdict, UpdateOutcome, RoundState, PushRequested,
-    PushWithdrawn, PushReported, UpdateFinished, PullDone, MemberGone, ReadyChanged, Tick,
-    RunFinished, Event, RoundOpened, Admitted, Staged, WindowClosed, StartUpdate, Decided,
+    Phase, RejectCode, RoundPolicy, Slot, Round, Verdict, UpdateOutcome, RoundState,
+    PushRequested, PushWithdrawn, PushReported, UpdateFinished, PullDone, MemberGone,
+    ReadyChanged, Tick, RunFinished, Event, RoundOpened, Admitted, Staged, WindowClosed, StartUpdate, Decided,
     RoundEnded, Action)
 
 __all__ = [
     "step", "next_deadline", "slot_of", "push_deadline", "pull_deadline", "verdicts_of",
-    "hopeless", "MAX_OWED",
-    "Phase", "RoundPolicy", "Slot", "Round", "Verdict",
+    "hopeless", "MAX_OWED", "Phase", "RejectCode", "RoundPolicy", "Slot", "Round", "Verdict",
     "UpdateOutcome", "RoundState", "PushRequested", "PushWithdrawn", "PushReported",
     "UpdateFinished", "PullDone", "MemberGone", "ReadyChanged", "Tick", "RunFinished", "Event",
     "RoundOpened", "Admitted", "Staged", "WindowClosed", "StartUpdate", "Decided", "RoundEnded",
@@ -157,8 +156,8 @@ def _on_reported(state: RoundState, ev: PushReported, policy: RoundPolicy,
     if ahead is not None and ahead.push_id == ev.push_id:
         # A push sent ahead has arrived (or failed): it joins the open window or the next
         # round as already reported, so no round waits for its transfer.
-        slot = replace(ahead, done=True, ok=ev.ok, error=ev.error, reported_at=ev.now,
-                       ahead=True)
+        slot = replace(ahead, done=True, ok=ev.ok, error=ev.error, code=ev.code,
+                       reported_at=ev.now, ahead=True)
         state = replace(state, staging={c: s for c, s in state.staging.items()
                                         if c != ev.cluster_id})
         in_round = state.current is not None and ev.cluster_id in state.current.slots
@@ -175,7 +174,7 @@ def _on_reported(state: RoundState, ev: PushReported, policy: RoundPolicy,
     if slot.done or state.phase not in (Phase.WINDOW, Phase.PUSH):
         return state  # its fate is sealed (timed out, or the round is being decided)
     return _with_slot(state, replace(slot, done=True, ok=ev.ok, error=ev.error,
-                                     reported_at=ev.now))
+                                     code=ev.code, reported_at=ev.now))
 
 
 def _on_update_finished(state: RoundState, ev: UpdateFinished, policy: RoundPolicy,
@@ -223,7 +222,7 @@ def _on_gone(state: RoundState, ev: MemberGone, policy: RoundPolicy,
         # Dropped from the round even if delivered: its data chunks go back to the ledger
         # now, so its push must not be applied too (issue 10). In the update phase it is too
         # late to drop it: the caller credits it instead (its chunks wait for the verdict).
-        slot = replace(slot, done=True, ok=False, error=ev.reason,
+        slot = replace(slot, done=True, ok=False, error=ev.reason, code=RejectCode.CLUSTER_GONE,
                        reported_at=ev.now if slot.reported_at is None else slot.reported_at)
     return _with_slot(state, replace(slot, pulled=True))
 
@@ -238,7 +237,8 @@ def _on_ready(state: RoundState, ev: ReadyChanged, policy: RoundPolicy,
     # round ends now instead of at its deadline (§12: a fault stays a local event).
     if state.phase is Phase.WINDOW:
         actions.append(WindowClosed(rnd.number, ev.now))
-    failed = {c: replace(s, done=True, ok=False, error=ev.reason, excused=True)
+    code = RejectCode.FOLLOWERS_NOT_READY.value
+    failed = {c: replace(s, done=True, ok=False, error=ev.reason, code=code, excused=True)
               for c, s in rnd.slots.items() if not s.done or s.ok}
     return replace(state, phase=Phase.PUSH,
                    current=replace(rnd, slots={**rnd.slots, **failed}, push_deadline=ev.now))
@@ -260,7 +260,7 @@ def _on_tick(state: RoundState, ev: Tick, policy: RoundPolicy,
         # pushes are sent ahead of their round once it is decided
         # (:func:`dips.algo.stalls.scored`; issue 13: a stalling member holds one round).
         late = {c: replace(s, done=True, ok=False, error="push not delivered in time",
-                           reported_at=ev.now)
+                           code=RejectCode.NOT_DELIVERED.value, reported_at=ev.now)
                 for c, s in rnd.slots.items() if not s.done}
         return replace(state, current=replace(rnd, slots={**rnd.slots, **late}))
     return state

@@ -22,6 +22,21 @@ class Phase(str, enum.Enum):
     PULL = "pull"
 
 
+class RejectCode(str, enum.Enum):
+    """Why a push was not accepted, as a bounded code carried in the records (the value is
+    what ``outer_steps.jsonl``'s ``rejected[cluster].code``, the faults' ``reason`` and the
+    ``dips_pushes_total`` label show). Set where the failure happens, never read from an
+    error's text (review of issue 15, #2)."""
+
+    PENALTY = "penalty"  # scored, and its score E above the threshold (§8)
+    NOT_DELIVERED = "not_delivered"  # the member reported a failed push, or it timed out
+    INVALID = "invalid"  # a follower refused its shard, or ‖Δ‖² is not a finite number
+    FOLLOWERS_NOT_READY = "followers_not_ready"  # a follower down, restarted or reconciling
+    CLUSTER_GONE = "cluster_gone"  # its cluster left or was removed during the round
+    ROUND_FAILED = "round_failed"  # the update failed as a whole: nothing applied anywhere
+    OTHER = "other"  # a record of an older version, without a code
+
+
 @dataclass(frozen=True)
 class RoundPolicy:
     """What the round machine needs to know of the run's settings.
@@ -64,7 +79,8 @@ class Slot:
     ``tokens``: T_j, the push's aggregation weight (tokens). ``requested_at``: seconds.
     ``expected_s``: predicted push seconds (None: unknown). ``admitted_at``: when its transfer
     was allowed to start (admitted into a round, or sent ahead of any), seconds.
-    ``done``/``ok``/``error``: the push was reported delivered (ok) or failed (error).
+    ``done``/``ok``/``error``: the push was reported delivered (ok) or failed (error, free
+    text for people; ``code``: its :class:`RejectCode`, "" while it has not failed).
     ``reported_at``: when it was reported, timed out or failed, seconds: its measured push
     time is ``reported_at - admitted_at``. ``excused``: failed by its round, not by its member
     (the followers stopped being ready): it counts neither way in the member's estimate.
@@ -83,6 +99,7 @@ class Slot:
     done: bool = False
     ok: bool = False
     error: str = ""
+    code: str = ""
     reported_at: float | None = None
     excused: bool = False
     pulled: bool = False
@@ -131,7 +148,8 @@ class UpdateOutcome:
     ``version``: the global version after the round (unchanged if nothing was applied).
     ``scores`` / ``thresholds``: E_j and its threshold per scored cluster (§8).
     ``invalid``: cluster -> why its push could not be scored (not delivered, refused by a
-    follower). ``error``: set when the round failed and nothing was applied anywhere.
+    follower), free text; ``codes``: cluster -> the :class:`RejectCode` of the same pushes.
+    ``error``: set when the round failed and nothing was applied anywhere.
     """
 
     version: int
@@ -141,6 +159,15 @@ class UpdateOutcome:
     clip_factor: float | None = None
     invalid: Mapping[str, str] = field(default_factory=dict)
     error: str | None = None
+    codes: Mapping[str, str] = field(default_factory=dict)
+
+    def code_of(self, cluster: str) -> str:
+        """The :class:`RejectCode` value of ``cluster``'s push, which was not accepted: its
+        own (not scored), else ``round_failed`` if the round failed, else ``penalty``."""
+        own = self.codes.get(cluster)
+        if own:
+            return RejectCode(own).value
+        return (RejectCode.ROUND_FAILED if self.error else RejectCode.PENALTY).value
 
 
 @dataclass(frozen=True)
@@ -213,6 +240,11 @@ class PushReported:
     push_id: str
     ok: bool
     error: str = ""
+
+    @property
+    def code(self) -> str:
+        """The :class:`RejectCode` value of a failed push ("" for one delivered)."""
+        return "" if self.ok else RejectCode.NOT_DELIVERED.value
 
 
 @dataclass(frozen=True)

@@ -119,8 +119,9 @@ class LeaderMetrics:
         self.rounds = Counter("dips_rounds", "Rounds decided, by outcome (stepped: an outer step "
                               "was applied; nothing_accepted; failed)", ["outcome"], registry=r)
         self.pushes = Counter("dips_pushes", "Pushes the leader gave a verdict on, by result "
-                              "(accepted, rejected) and reason of a rejection (penalty, "
-                              "not_delivered, invalid, round_failed, other; none if accepted)",
+                              "(accepted, rejected) and reason of a rejection (its code: "
+                              "penalty, not_delivered, invalid, followers_not_ready, "
+                              "cluster_gone, round_failed, other; none if accepted)",
                               ["result", "reason"], registry=r)
         self.cluster_pushes = Counter("dips_cluster_pushes", "Pushes of one cluster the leader "
                                       "gave a verdict on, by result (accepted, rejected), over "
@@ -195,8 +196,7 @@ class LeaderMetrics:
         if accepted:
             self.pushes.labels(result="accepted", reason="none").inc(len(accepted))
         for why in rejected.values():
-            reason = why.get("reason", "") if isinstance(why, dict) else why
-            self.pushes.labels(result="rejected", reason=reason_class(reason)).inc()
+            self.pushes.labels(result="rejected", reason=reason_class(why)).inc()
         for cluster in accepted:
             self.cluster_pushes.labels(cluster=str(cluster), result="accepted").inc()
         for cluster in rejected:

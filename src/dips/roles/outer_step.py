@@ -34,7 +34,7 @@ from dips.algo import (
 )
 from dips.algo.penalty import PenaltyState, robust_mu
 from dips.algo.refusal import Refused
-from dips.algo.round import Slot, UpdateOutcome
+from dips.algo.round import RejectCode, Slot, UpdateOutcome
 from dips.roles import failpoints
 from dips.wire.control import describe
 
@@ -94,7 +94,8 @@ class UpdateReport:
         rec = {"round": number, "version": out.version, "clusters": self.clusters,
                "accepted": accepted,
                "rejected": {c: {"score": out.scores.get(c),
-                                "reason": out.invalid.get(c, out.error or "penalty")}
+                                "reason": out.invalid.get(c, out.error or "penalty"),
+                                "code": out.code_of(c)}
                             for c in self.clusters if c not in accepted},
                "scores": dict(out.scores), "thresholds": dict(out.thresholds),
                "sq_norms": self.sq_norms, "tokens": self.tokens,
@@ -143,6 +144,7 @@ def run_update(followers: Sequence[tuple[int, FollowerControl]], number: int,
     delivered = [c for c in clusters if by_id[c].ok]
     invalid = {c: (by_id[c].error or "push not delivered in time")
                for c in clusters if c not in delivered}
+    codes = {c: by_id[c].code or RejectCode.NOT_DELIVERED.value for c in invalid}
     try:
         norms = {c: 0.0 for c in delivered}
         if delivered:
@@ -154,13 +156,16 @@ def run_update(followers: Sequence[tuple[int, FollowerControl]], number: int,
                                          f"cluster {str(c)[:60]!r}, not in the round")
                     if not valid:
                         invalid.setdefault(c, f"follower {index}: {err}")
+                        codes.setdefault(c, RejectCode.INVALID.value)
                     elif not _finite_square(sq):  # e.g. a push of finite values near 1e30
                         invalid.setdefault(c, f"follower {index}: ‖Δ‖² = {sq!r} is not a "
                                               "finite number >= 0")
+                        codes.setdefault(c, RejectCode.INVALID.value)
                     norms[c] += sq if _finite_square(sq) else 0.0
         for c, g in norms.items():  # finite shards may still sum beyond the float range
             if not _finite_square(g):
                 invalid.setdefault(c, f"‖Δ‖² = {g!r} over the shards is not finite")
+                codes.setdefault(c, RejectCode.INVALID.value)
         scored = {c: g for c, g in norms.items() if c not in invalid}
         report.sq_norms = {c: norms.get(c) for c in clusters}
         report.scored = sorted(scored)
@@ -174,7 +179,8 @@ def run_update(followers: Sequence[tuple[int, FollowerControl]], number: int,
             thresholds = dict(verdict.thresholds)
         report.penalty = new_penalty
         if not accepted:
-            report.outcome = UpdateOutcome(version, (), scores, thresholds, None, invalid)
+            report.outcome = UpdateOutcome(version, (), scores, thresholds, None, invalid,
+                                           codes=codes)
             for index, control in followers:  # best effort: a reconcile drops leftovers anyway
                 try:
                     control.discard(number)
@@ -212,11 +218,12 @@ def run_update(followers: Sequence[tuple[int, FollowerControl]], number: int,
         report.failed = True
         report.penalty = penalty
         report.outcome = UpdateOutcome(version, (), {}, {}, None, invalid,
-                                       error=f"round failed: {describe(exc)}")
+                                       error=f"round failed: {describe(exc)}", codes=codes)
         return report
     # Every follower prepared: the step is decided. The caller records it durably before any
     # commit, so a restarted leader never loses or repeats it.
-    report.outcome = UpdateOutcome(new_version, tuple(accepted), scores, thresholds, clip, invalid)
+    report.outcome = UpdateOutcome(new_version, tuple(accepted), scores, thresholds, clip, invalid,
+                                   codes=codes)
     if on_decided is not None:
         on_decided(report)
     failpoints.hit("update")
