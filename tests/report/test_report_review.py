@@ -59,3 +59,32 @@ def test_a_resumed_clusters_tokens_count_each_step_once_as_the_summary_does(tmp_
     plot = plot_tokens_per_cluster(files)
     bars = [p.get_height() for p in plot.figure.axes[0].patches]
     assert bars == [expected]
+
+
+def _diverging_run(run: Path) -> Path:
+    """Clusters ``a`` (loss 8 -> 5) and ``b`` (loss 8 -> 11,719: diverged), 40 steps each."""
+    (run / "train_start").parent.mkdir(parents=True, exist_ok=True)
+    (run / "train_start").write_text(str(T0))
+    for cid, end in (("a", 5.0), ("b", 11_719.0)):
+        recs = [{"event": "join", "cluster": cid, "version": 0, "time": T0}]
+        recs += [_step(s, 100 * s, s, 8.0 + (end - 8.0) * s / 40) for s in range(1, 41)]
+        _jsonl(run / "clusters" / cid / "train.jsonl", recs)
+    return run
+
+
+def test_a_diverging_cluster_does_not_set_the_run_reports_y_axis(tmp_path):
+    """Finding 3: cluster b's loss (11,719) set the y-axis and flattened a's curve; the rule
+    of the compare report (dips.bench.runreport.figs.draw_losses) applies: the axis follows
+    the curves that converge, b is labelled and marked with its final loss."""
+    rep = write_report(_diverging_run(tmp_path / "run"), tmp_path / "out")
+    for name in ("loss_vs_time.png", "loss_vs_tokens.png"):
+        plot = next(p for p in rep.plots if p.name == name)
+        ax = plot.figure.axes[0]
+        lo, hi = ax.get_ylim()
+        assert 4.0 < lo < 5.0 and 8.0 < hi < 9.0, (name, lo, hi)
+        labels = ax.get_legend_handles_labels()[1]
+        assert any(lab.startswith("b") and lab.endswith("(diverged)") for lab in labels)
+        assert not any(lab.startswith("a") and "diverged" in lab for lab in labels)
+        (note,) = [t for t in ax.texts if "diverged" in t.get_text()]
+        assert "final loss" in note.get_text() and note.xy[1] <= hi
+        assert "diverged: b" in (plot.note or "")

@@ -4,7 +4,8 @@
   against tokens consumed and against (virtual) seconds. The y-range comes from the methods
   that converge; a method that diverged (:func:`diverged`) is drawn, but clipped to that
   range, labelled "(diverged)" and marked by an arrow, at its last point in range, that
-  gives its final loss, so one blown-up ablation never flattens the others' curves;
+  gives its final loss, so one blown-up ablation never flattens the others' curves (one
+  rule for every loss plot: :func:`dips.bench.runreport.figs.draw_losses`);
 * ``throughput.png``: aggregate tokens/s per method (bars), DiLoCo's as a dashed line;
 * weak scaling: ``weak_scaling.png`` (aggregate tokens/s against clusters, with the ideal) and
   ``weak_scaling_efficiency.png`` (% of the ideal).
@@ -12,7 +13,6 @@
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
 from dips.bench import curves  # noqa: E402
+from dips.bench.runreport.figs import LossCurve, draw_losses  # noqa: E402
 from dips.emu.result import MethodResult  # noqa: E402
 
 __all__ = ["diverged", "loss_figure", "loss_range", "plot_compare", "plot_weak_scaling"]
@@ -46,40 +47,14 @@ def loss_range(results: list[MethodResult]) -> tuple[float, float] | None:
     return curves.loss_range([p.eval_loss for p in r.curve] for r in results)
 
 
-def _mark_diverged(ax: Any, r: MethodResult, xs: list[float], ys: list[float], k: int) -> None:
-    """Arrow at the last point of ``r``'s curve inside the y-range (after it, the curve stays
-    out of range), with its final loss; ``k`` staggers the notes of several diverged methods."""
-    lo, hi = ax.get_ylim()
-    inside = [i for i, y in enumerate(ys) if math.isfinite(y) and lo <= y <= hi]
-    last = inside[-1] if inside else None
-    x, y = (xs[last], ys[last]) if last is not None else (xs[0], hi)
-    x0, x1 = ax.get_xlim()
-    right = x1 > x0 and (x - x0) / (x1 - x0) > 0.5
-    final = f"{ys[-1]:,.2f}" if math.isfinite(ys[-1]) else str(ys[-1])
-    note = f"{r.method} diverged: final loss {final}"
-    ax.annotate(note, xy=(x, y), xytext=(-12 if right else 12, -30 - 16 * k),
-                textcoords="offset points", ha="right" if right else "left", va="top",
-                fontsize=8, color="C3", arrowprops={"arrowstyle": "->", "color": "C3"},
-                bbox={"boxstyle": "round,pad=0.2", "fc": "white", "ec": "C3", "alpha": 0.9})
-
-
 def loss_figure(results: list[MethodResult], key: str, xlabel: str, title: str) -> Figure:
     """One loss plot: validation loss (nats/token) of every method against ``key`` (``tokens``
     or ``time_s``, seconds) as an open Figure (the caller saves and closes it). The y-range is
     :func:`loss_range`; each diverged method is labelled and annotated, never rescaling it."""
     fig, ax = plt.subplots(figsize=(8.6, 4.2))
-    bad = [r for r in results if diverged(r)]
-    for r in results:
-        xs = [getattr(p, key) for p in r.curve]
-        ys = [p.eval_loss for p in r.curve]
-        label = f"{r.method} (diverged)" if any(r is b for b in bad) else r.method
-        ax.plot(xs, ys, label=label, marker=".", markersize=3, **curves.method_style(r.method))
-    limits = loss_range(results)
-    if limits is not None:
-        ax.set_ylim(*limits)
-    for k, r in enumerate(bad):
-        _mark_diverged(ax, r, [getattr(p, key) for p in r.curve],
-                       [p.eval_loss for p in r.curve], k)
+    draw_losses(ax, [LossCurve(r.method, [getattr(p, key) for p in r.curve],
+                               [p.eval_loss for p in r.curve], curves.method_style(r.method))
+                     for r in results])
     ax.set_xlabel(xlabel)
     ax.set_ylabel("validation loss (nats/token)")
     ax.set_title(f"{title}: validation loss")

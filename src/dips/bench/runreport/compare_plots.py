@@ -2,9 +2,9 @@
 
 * ``loss_vs_tokens.png`` / ``loss_vs_time.png``: each method's held-out loss (nats/token)
   against tokens consumed and against (virtual) seconds.  The y-axis spans the methods that
-  converge; a method that diverged (:func:`dips.bench.curves.diverged`) is drawn up
-  to its last point inside that range and marked there with an arrow and its final loss, so it
-  never flattens the others' curves.
+  converge; a method that diverged (:func:`dips.bench.curves.diverged`) is drawn, marked at
+  its last point inside that range with an arrow and its final loss, so it never flattens the
+  others' curves (:func:`dips.bench.runreport.figs.draw_losses`, the rule of every loss plot).
 * a weak-scaling output (``runs``: cluster count → results) gives one axes per cluster count.
 * the ``di-ps`` method's ``methods/di-ps/events.jsonl`` gives the staleness and score plots of
   :mod:`dips.bench.runreport.round_plots`.
@@ -14,13 +14,20 @@ Curve points are ``{"time_s", "tokens", "eval_loss"}`` (``dips.emu.result.Method
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from matplotlib.axes import Axes
 
 from dips.bench import curves as curves_rule
-from dips.bench.runreport.figs import Plot, empty_plot, finish, new_figure, tokens_axis
+from dips.bench.runreport.figs import (
+    LossCurve,
+    Plot,
+    draw_losses,
+    empty_plot,
+    finish,
+    new_figure,
+    tokens_axis,
+)
 from dips.bench.runreport.files import num
 
 __all__ = ["curves_of", "diverged", "plot_compare_losses"]
@@ -57,26 +64,9 @@ def diverged(curve: Curve) -> bool:
     return curves_rule.diverged([p[2] for p in curve])
 
 
-def _draw(ax: Axes, curves: dict[str, Curve], key: int, suffix: str = "") -> None:
-    limits = curves_rule.loss_range([p[2] for p in c] for c in curves.values())
-    lo, hi = limits if limits is not None else (None, None)
-    for method, c in curves.items():
-        if not c:
-            continue
-        if lo is not None and diverged(c):
-            inside = [p for p in c if math.isfinite(p[2]) and p[2] <= hi]
-            ax.plot([p[key] for p in inside], [p[2] for p in inside], marker=".", markersize=3,
-                    label=f"{method}{suffix} (diverged)", **curves_rule.method_style(method))
-            last = inside[-1] if inside else c[0]
-            ax.annotate(f"{method}: diverged, final loss {c[-1][2]:,.4g}",
-                        xy=(last[key], min(last[2], hi)),
-                        xytext=(0, 18), textcoords="offset points", fontsize=7, ha="center",
-                        arrowprops={"arrowstyle": "<-", "color": "red"}, color="red")
-        else:
-            ax.plot([p[key] for p in c], [p[2] for p in c], marker=".", markersize=3,
-                    label=f"{method}{suffix}", **curves_rule.method_style(method))
-    if lo is not None:
-        ax.set_ylim(lo, hi)
+def _draw(ax: Axes, curves: dict[str, Curve], key: int) -> None:
+    draw_losses(ax, [LossCurve(m, [p[key] for p in c], [p[2] for p in c],
+                               curves_rule.method_style(m)) for m, c in curves.items()])
     ax.set_ylabel("held-out loss (nats/token)")
 
 

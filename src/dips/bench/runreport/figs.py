@@ -9,8 +9,10 @@ a scatter, a threshold line), as the legend lists them; :func:`count_series` cou
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Sequence
 
 import matplotlib
 
@@ -21,7 +23,10 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.ticker import EngFormatter  # noqa: E402
 
-__all__ = ["Plot", "count_series", "empty_plot", "new_figure", "smooth", "time_axis", "tokens_axis"]
+from dips.bench import curves as curves_rule  # noqa: E402
+
+__all__ = ["LossCurve", "Plot", "count_series", "draw_losses", "empty_plot", "new_figure", "smooth",
+           "time_axis", "tokens_axis"]
 
 DPI = 100  # dots per inch of the PNGs
 
@@ -108,3 +113,66 @@ def smooth(values: list[float], window: int) -> list[float]:
             acc -= values[i - window]
         out.append(acc / min(i + 1, window))
     return out
+
+
+@dataclass
+class LossCurve:
+    """One loss curve of a plot (:func:`draw_losses`).
+
+    Attributes:
+        label: its legend label (`` (diverged)`` is appended when it diverged).
+        x / y: the points; y in nats/token, NaN where the line breaks (a process restart).
+        style: matplotlib line keywords (e.g. :func:`dips.bench.curves.method_style`).
+        judged: the losses :func:`dips.bench.curves.diverged` judges (default: ``y``); a
+            curve with breaks passes its values without them.
+    """
+
+    label: str
+    x: Sequence[float]
+    y: Sequence[float]
+    style: dict[str, Any] = field(default_factory=dict)
+    judged: Sequence[float] | None = None
+
+    def losses(self) -> Sequence[float]:
+        return self.y if self.judged is None else self.judged
+
+
+def draw_losses(ax: Axes, curves: Sequence[LossCurve], marker: str | None = ".") -> list[str]:
+    """Draw loss curves on ``ax`` with the one rule of every dips loss plot (issue 15): the
+    y-range spans the curves that converge (:func:`dips.bench.curves.loss_range`); a curve
+    that diverged (:func:`dips.bench.curves.diverged`) is drawn, labelled "(diverged)" and
+    marked by an arrow at its last point inside the range with its final loss, and never
+    rescales the others. Returns the labels of the diverged curves, in order."""
+    limits = curves_rule.loss_range(c.losses() for c in curves)
+    bad = [c for c in curves if c.y and curves_rule.diverged(c.losses())]
+    for c in curves:
+        if not c.y:
+            continue
+        label = f"{c.label} (diverged)" if any(c is b for b in bad) else c.label
+        ax.plot(list(c.x), list(c.y), label=label, **{"marker": marker, "markersize": 3,
+                                                      **c.style})
+    if limits is not None:
+        ax.set_ylim(*limits)
+    for k, c in enumerate(bad):
+        _mark_diverged(ax, c, k)
+    return [c.label for c in bad]
+
+
+def _mark_diverged(ax: Axes, c: LossCurve, k: int) -> None:
+    """Arrow at the last point of ``c`` inside the y-range (after it, the curve stays out of
+    range), with its final loss; ``k`` staggers the notes of several diverged curves."""
+    lo, hi = ax.get_ylim()
+    xs, ys = list(c.x), list(c.y)
+    inside = [i for i, y in enumerate(ys) if math.isfinite(y) and lo <= y <= hi]
+    last = inside[-1] if inside else None
+    x, y = (xs[last], ys[last]) if last is not None else (xs[0], hi)
+    x0, x1 = ax.get_xlim()
+    right = x1 > x0 and (x - x0) / (x1 - x0) > 0.5
+    losses = list(c.losses())
+    end = losses[-1] if losses else math.nan
+    final = f"{end:,.2f}" if math.isfinite(end) else str(end)
+    ax.annotate(f"{c.label} diverged: final loss {final}", xy=(x, y),
+                xytext=(-12 if right else 12, -30 - 16 * k), textcoords="offset points",
+                ha="right" if right else "left", va="top", fontsize=8, color="C3",
+                arrowprops={"arrowstyle": "->", "color": "C3"},
+                bbox={"boxstyle": "round,pad=0.2", "fc": "white", "ec": "C3", "alpha": 0.9})

@@ -21,11 +21,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from dips.algo.consumed import consumed_series, tokens_consumed_of
 from dips.bench.runreport.figs import (
+    LossCurve,
     Plot,
+    draw_losses,
     empty_plot,
     finish,
     new_figure,
@@ -124,6 +126,31 @@ def _losses(run: RunFiles, by_time: bool) -> tuple[dict, list[tuple[float, float
     return {cid: s for cid, s in steps.items() if s.loss}, held
 
 
+def _training_curves(steps: dict[str, ClusterSteps], xs: Callable[[ClusterSteps], list[float]],
+                     suffix: str) -> list[LossCurve]:
+    """Each cluster's smoothed training loss against ``xs`` of its steps (a break between
+    its processes); whether it diverged is judged on the smoothed values."""
+    out = []
+    for cid, s in steps.items():
+        x, y = s.lines(xs(s), _window(len(s.loss)))
+        out.append(LossCurve(f"{cid}{suffix}", x, y, {"linewidth": 1.0},
+                             judged=[v for v in y if not math.isnan(v)]))
+    return out
+
+
+def _heldout_curve(held: list[tuple[float, float]]) -> list[LossCurve]:
+    if not held:
+        return []
+    return [LossCurve("global model, held-out", [x for x, _ in held], [v for _, v in held],
+                      {"color": "k", "marker": "o", "markersize": 5, "linewidth": 1.6})]
+
+
+def _diverged_note(bad: list[str]) -> list[str]:
+    if not bad:
+        return []
+    return [f"diverged: {', '.join(bad)} (marked; the y-axis follows the curves that converge)"]
+
+
 def _no_losses(name: str, title: str) -> Plot:
     return empty_plot(name, title,
                       "no cluster train.jsonl with losses and no held-out evaluation found")
@@ -138,17 +165,15 @@ def plot_loss_vs_time(run: RunFiles) -> Plot:
     span = max([t for s in steps.values() for t in s.time_s] + [t for t, _ in held] + [1.0])
     div, unit = time_axis(span)
     fig, (ax,) = new_figure()
-    for cid, s in steps.items():
-        ax.plot(*s.lines([t / div for t in s.time_s], _window(len(s.loss))),
-                linewidth=1.0, label=f"{cid} training loss")
-    if held:
-        ax.plot([t / div for t, _ in held], [v for _, v in held], "k-o", markersize=5,
-                linewidth=1.6, label="global model, held-out")
+    bad = draw_losses(ax, [*_training_curves(steps, lambda s: [t / div for t in s.time_s],
+                                             " training loss"),
+                           *_heldout_curve([(t / div, v) for t, v in held])], marker=None)
     ax.set_xlabel(f"wall time since the training start ({unit})")
     ax.set_ylabel("loss (nats/token)")
     notes = [] if held else ["no held-out evaluation in the run (summary.json eval_loss_*)"]
     if not steps:
         notes.append("no cluster training losses found (train.jsonl)")
+    notes += _diverged_note(bad)
     ax.set_title(title)
     return finish("loss_vs_time.png", title, fig, "; ".join(notes) or None)
 
@@ -160,24 +185,22 @@ def plot_loss_vs_tokens(run: RunFiles) -> Plot:
     if not steps and not held:
         return _no_losses("loss_vs_tokens.png", title)
     fig, (left, right) = new_figure(ncols=2, width_in=10.0)
-    for cid, s in steps.items():
-        left.plot(*s.lines(s.tokens, _window(len(s.loss))), linewidth=1.0, label=cid)
+    bad = draw_losses(left, _training_curves(steps, lambda s: s.tokens, ""), marker=None)
     left.set_xlabel("tokens trained by the cluster")
     tokens_axis(left.xaxis)
     tokens_axis(right.xaxis)
     left.set_ylabel("training loss (nats/token)")
     left.set_title("each cluster's training loss")
     if held:
-        right.plot([k for k, _ in held], [v for _, v in held], "k-o", markersize=5,
-                   label="global model, held-out")
+        bad += draw_losses(right, _heldout_curve(held), marker=None)
     else:
         right.text(0.5, 0.5, "no held-out evaluation recorded", ha="center", va="center",
                    transform=right.transAxes)
     right.set_xlabel("tokens accepted into the global model")
     right.set_ylabel("held-out loss (nats/token)")
     right.set_title("global model")
-    return finish("loss_vs_tokens.png", title, fig,
-                  None if steps else "no cluster training losses found (train.jsonl)")
+    notes = [] if steps else ["no cluster training losses found (train.jsonl)"]
+    return finish("loss_vs_tokens.png", title, fig, "; ".join(notes + _diverged_note(bad)) or None)
 
 
 def plot_tokens_per_cluster(run: RunFiles) -> Plot:
