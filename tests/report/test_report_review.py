@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from dips.bench.runreport.build import write_report
+from dips.bench.runreport.faults import fault_rows
 from dips.bench.runreport.files import load_run
 from dips.bench.runreport.run_plots import cluster_steps, plot_tokens_per_cluster
 from dips.emu.summary import tokens_consumed
@@ -88,3 +89,61 @@ def test_a_diverging_cluster_does_not_set_the_run_reports_y_axis(tmp_path):
         (note,) = [t for t in ax.texts if "diverged" in t.get_text()]
         assert "final loss" in note.get_text() and note.xy[1] <= hi
         assert "diverged: b" in (plot.note or "")
+
+
+def _faulty_run(run: Path) -> Path:
+    """A launch run: cluster a killed at 5 s (exit -9), restarted by the supervisor, joined
+    again; follower 1 down at 8 s (data plane) and up at 9 s; the leader restarted at 12 s;
+    two pushes rejected while follower 1 was down, one by the penalty."""
+    (run / "train_start").parent.mkdir(parents=True, exist_ok=True)
+    (run / "train_start").write_text(str(T0))
+    _jsonl(run / "events.jsonl", [
+        {"time": T0 - 2, "event": "start", "process": "cluster-a", "pid": 1},
+        {"time": T0 + 5, "event": "fault", "process": "cluster-a", "action": "kill", "pid": 1},
+        {"time": T0 + 5.2, "event": "exited", "process": "cluster-a", "returncode": -9},
+        {"time": T0 + 5.3, "event": "restart", "process": "cluster-a", "pid": 2},
+        {"time": T0 + 20, "event": "stop", "process": "launcher", "reason": "max time"},
+        {"time": T0 + 21, "event": "exited", "process": "follower-0", "returncode": 0}])
+    _jsonl(run / "leader_events.jsonl", [
+        {"time": T0, "event": "cluster_joined", "cluster": "a", "rejoin": False, "version": 0},
+        {"time": T0 + 7, "event": "cluster_joined", "cluster": "a", "rejoin": True, "version": 2},
+        {"time": T0 + 8, "event": "follower_down", "follower": 1, "cause": "data plane",
+         "error": "UNAVAILABLE: failed to connect to all addresses"},
+        {"time": T0 + 9, "event": "follower_up", "follower": 1, "incarnation": 1,
+         "restarted": False},
+        {"time": T0 + 12, "event": "leader_resumed", "version": 3}])
+    down = {"score": None, "reason": "follower 1 down", "code": "followers_not_ready"}
+    _jsonl(run / "outer_steps.jsonl", [
+        {"round": 4, "version": 2, "clusters": ["a", "b"], "accepted": [], "time": T0 + 8.5,
+         "rejected": {"a": down, "b": down}, "tokens": {"a": 100, "b": 100}},
+        {"round": 5, "version": 3, "clusters": ["a", "b"], "accepted": ["a"], "time": T0 + 10,
+         "rejected": {"b": {"score": 9.0, "reason": "penalty", "code": "penalty"}},
+         "tokens": {"a": 100, "b": 100}}])
+    return run
+
+
+def test_the_report_shows_the_runs_faults_and_rejections_by_their_typed_reason(tmp_path):
+    """Finding 4: the page showed no faults and grouped rejections by their raw text."""
+    rep = write_report(_faulty_run(tmp_path / "run"), tmp_path / "out")
+    html = rep.html.read_text(encoding="utf-8")
+    assert "rejections by reason</th><td>followers_not_ready: 2, penalty: 1<" in html
+    assert "follower 1 down" not in html  # the text is not a group
+    rows = [(round(r.time_s, 3), r.kind, r.member, r.source)
+            for r in fault_rows(load_run(tmp_path / "run"))]
+    assert rows == [(5.0, "kill", "cluster-a", "launcher"),
+                    (5.2, "exited", "cluster-a", "launcher"),
+                    (5.3, "restart", "cluster-a", "launcher"),
+                    (7.0, "cluster_rejoined", "cluster-a", "leader"),
+                    (8.0, "follower_down", "follower-1", "leader"),
+                    (9.0, "follower_up", "follower-1", "leader"),
+                    (12.0, "leader_restarted", "leader", "leader")]
+    assert "<h2>Faults and recoveries</h2>" in html
+    assert "follower_down (data_plane): 1" in html and "leader_restarted: 1" in html
+    assert html.count("<td>follower-1</td>") == 2
+
+
+def test_a_run_without_faults_says_so(tmp_path):
+    run = _resumed_cluster(tmp_path / "run").parent.parent.parent
+    html = write_report(run, tmp_path / "out").html.read_text(encoding="utf-8")
+    assert "faults and recoveries</th><td>none recorded<" in html
+    assert "no fault recorded" in html

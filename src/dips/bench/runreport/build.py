@@ -14,15 +14,15 @@ what it drew, so callers (and tests) can inspect the figures and their series.
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from dips.bench.runreport.compare_plots import curves_of, plot_compare_losses
+from dips.bench.runreport.faults import FaultRow, fault_counts, fault_rows, rejections
 from dips.bench.runreport.figs import Plot
 from dips.bench.runreport.files import RunFiles, find, load_run, read_json, read_jsonl
-from dips.bench.runreport.page import Page, render
+from dips.bench.runreport.page import Page, Table, render
 from dips.bench.runreport.round_plots import plot_scores, plot_staleness, plot_timeline
 from dips.bench.runreport.run_plots import (
     plot_followers,
@@ -32,6 +32,8 @@ from dips.bench.runreport.run_plots import (
 )
 
 __all__ = ["Report", "write_report"]
+
+_FAULT_ROWS = 500  # rows of the faults table (the counts cover all of them)
 
 _SUMMARY_FACTS = (("method", "method"), ("clusters", "clusters"), ("followers", "followers"),
                   ("H", "inner steps per push (H)"), ("outer_steps", "outer steps"),
@@ -69,6 +71,19 @@ def _fmt(v: Any) -> str:
     return f"{v:,}" if isinstance(v, int) and not isinstance(v, bool) else str(v)
 
 
+def _fault_table(rows: list[FaultRow]) -> Table:
+    shown = rows[:_FAULT_ROWS]
+    cells = [[f"{r.time_s:,.1f}", r.kind, r.member, r.reason, r.detail, r.source] for r in shown]
+    if not rows:
+        note = ("no fault recorded (leader_events.jsonl, outer_steps.jsonl and the launcher's "
+                "events.jsonl; rejected pushes are counted above)")
+    else:
+        note = (f"the first {_FAULT_ROWS} of {len(rows)}; " if len(rows) > _FAULT_ROWS else "") + \
+            "rejected pushes are counted by reason above, not listed"
+    return Table("Faults and recoveries", ["time (s since start)", "kind", "member", "reason",
+                                           "detail", "from"], cells, note)
+
+
 def _run_page(run: RunFiles) -> Page:
     page = Page(title=f"dips report: {run.root.name}", problems=run.problems, sources=run.sources)
     s = run.summary or {}
@@ -76,10 +91,12 @@ def _run_page(run: RunFiles) -> Page:
     stops = [e.get("reason") for e in run.events if e.get("event") == "stop" and e.get("reason")]
     if stops:
         page.facts.append(("stopped by", str(stops[-1])))
-    reasons = Counter(str(r.get("reason")) for rec in run.outer_steps
-                      for r in (rec.get("rejected") or {}).values() if isinstance(r, dict))
-    if reasons:
+    if reasons := rejections(run):
         page.facts.append(("rejections by reason", ", ".join(f"{k}: {v}" for k, v in reasons.items())))
+    rows = fault_rows(run)
+    page.facts.append(("faults and recoveries", ", ".join(
+        f"{k}: {v}" for k, v in fault_counts(rows).items()) or "none recorded"))
+    page.tables.append(_fault_table(rows))
     page.facts.append(("rounds in outer_steps.jsonl", str(len(run.outer_steps))))
     if run.rollbacks:
         page.facts.append(("rolled-back steps", str(len(run.rollbacks))))

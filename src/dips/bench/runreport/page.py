@@ -1,8 +1,8 @@
 """``report.html``: one self-contained page (inline CSS, every PNG a base64 ``data:`` URI).
 
-The page has a title, a table of key figures, one section per group of plots (each plot with
-its heading, the image and its note), the notes on what the run lacks, and the lines of the
-input files that were skipped (``path:line: reason``).  Nothing refers outside the file: no
+The page has a title, a table of key figures, the notes on what the run lacks, tables (the
+run's faults), one section per group of plots (each plot with its heading, the image and its
+note), and the lines of the input files that were skipped (``path:line: reason``).  Nothing refers outside the file: no
 script, no external style sheet, font or image.  Every text is HTML-escaped.
 """
 
@@ -15,7 +15,7 @@ from pathlib import Path
 
 from dips.bench.runreport.figs import Plot
 
-__all__ = ["Page", "render"]
+__all__ = ["Page", "Table", "render"]
 
 _CSS = """
 body { font-family: system-ui, sans-serif; margin: 1.5em auto; max-width: 1150px; color: #222; }
@@ -30,12 +30,24 @@ img { max-width: 100%; border: 1px solid #eee; }
 
 
 @dataclass
+class Table:
+    """A table of the page: ``heading`` (an ``<h2>``), ``columns``, ``rows`` of cells (text),
+    and a ``note`` under it (None: none)."""
+
+    heading: str
+    columns: list[str]
+    rows: list[list[str]]
+    note: str | None = None
+
+
+@dataclass
 class Page:
     """What :func:`render` puts on the page.
 
     Attributes:
         title: the page title (``<title>`` and ``<h1>``).
         facts: (label, value) rows of the key-figures table.
+        tables: :class:`Table` s, after the notes.
         sections: (heading, plots) in page order.
         notes: page-level notes (missing files, the mode the report ran in).
         problems: skipped input, ``path:line: reason``.
@@ -44,6 +56,7 @@ class Page:
 
     title: str
     facts: list[tuple[str, str]] = field(default_factory=list)
+    tables: list[Table] = field(default_factory=list)
     sections: list[tuple[str, list[Plot]]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
@@ -71,6 +84,14 @@ def render(page: Page, pngs: dict[str, Path]) -> str:
                                        for k, v in page.facts) + "</table>")
     if page.notes:
         out += ["<h2>Notes</h2>", _list(page.notes, "note")]
+    for t in page.tables:
+        out.append(f"<h2>{escape(t.heading)}</h2>")
+        if t.rows:
+            out.append("<table><tr>" + "".join(f"<th>{escape(c)}</th>" for c in t.columns)
+                       + "</tr>" + "".join("<tr>" + "".join(f"<td>{escape(v)}</td>" for v in r)
+                                           + "</tr>" for r in t.rows) + "</table>")
+        if t.note:
+            out.append(f'<p class="note">{escape(t.note)}</p>')
     for heading, plots in page.sections:
         out.append(f"<h2>{escape(heading)}</h2>")
         for plot in plots:
