@@ -137,7 +137,7 @@ def main() -> None:
     subprocess.run([sys.executable, "-m", "dips.cli", "report", str(run_dir)], cwd=ROOT,
                    check=True)
     for name in ("loss_vs_time.png", "timeline.png"):
-        shutil.copy(run_dir / name, HERE / f"report_{name}")
+        shutil.copy(run_dir / "report" / name, HERE / f"report_{name}")
     print("report images:", *sorted(p.name for p in HERE.glob("report_*.png")))
 
 

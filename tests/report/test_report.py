@@ -156,7 +156,7 @@ def test_weak_scaling_and_a_folder_of_comparisons(tmp_path):
 def test_missing_pieces_become_notes(tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
-    rep = write_report(empty)
+    rep = write_report(empty, tmp_path / "out")
     page = check_page(rep.html)
     assert rep.pngs == [] and page.images == [] and rep.problems == []
     text = rep.html.read_text(encoding="utf-8")
@@ -181,7 +181,7 @@ def test_follower_utilisation_when_recorded(tmp_path):
     (root / "followers" / "0").mkdir(parents=True)
     (root / "followers" / "0" / "applied.jsonl").write_text("".join(
         json.dumps({"version": v, "time": T0 + v, "idle_fraction": 0.25}) + "\n" for v in (1, 2)))
-    rep = write_report(root)
+    rep = write_report(root, tmp_path / "out")
     plot = next(p for p in rep.plots if p.name == "followers.png")
     assert plot.series == 1 and plot.note is None
     assert plot.figure.axes[0].get_ylabel() == "utilisation (% busy)"

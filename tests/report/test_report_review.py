@@ -9,10 +9,14 @@ import json
 from pathlib import Path
 from typing import Any
 
-from dips.bench.runreport.build import write_report
+import pytest
+from typer.testing import CliRunner
+
+from dips.bench.runreport.build import OutRequired, SeveralRuns, write_report
 from dips.bench.runreport.faults import fault_rows
 from dips.bench.runreport.files import load_run
 from dips.bench.runreport.run_plots import cluster_steps, plot_tokens_per_cluster
+from dips.cli import app
 from dips.emu.summary import tokens_consumed
 from dips.spec import ClusterConfig, RunConfig
 from tests.report.fixtures import T0
@@ -147,3 +151,61 @@ def test_a_run_without_faults_says_so(tmp_path):
     html = write_report(run, tmp_path / "out").html.read_text(encoding="utf-8")
     assert "faults and recoveries</th><td>none recorded<" in html
     assert "no fault recorded" in html
+
+
+def test_duplicate_copies_are_read_once_and_said_so(tmp_path):
+    """Finding 5: a run directory holding host copies of the same files was merged silently
+    (each of a's steps counted twice). Duplicates are read once and named."""
+    run = tmp_path / "run"
+    train = _resumed_cluster(run)
+    copy = run / "hosts" / "site-a" / "state" / "train.jsonl"
+    copy.parent.mkdir(parents=True)
+    copy.write_bytes(train.read_bytes())
+    early = run / "hosts" / "site-a" / "older" / "train.jsonl"  # a copy taken earlier
+    early.parent.mkdir(parents=True)
+    early.write_text("".join(train.read_text().splitlines(keepends=True)[:3]))
+    (run / "hosts" / "train_start").write_text((run / "train_start").read_text())
+    files = load_run(run)
+    assert cluster_steps(files, files.clusters["a"]).tokens[-1] == 1024 + 768 + 256
+    assert sorted(files.notes) == sorted([
+        f"{copy} is the same as {train}: read once",
+        f"{early} is an earlier copy of {train}: read once",
+        f"{run / 'hosts' / 'train_start'} is the same as {run / 'train_start'}: read once"])
+    res = CliRunner().invoke(app, ["report", str(run)])
+    assert res.exit_code == 0, res.output
+    assert f"note: {copy} is the same as {train}: read once" in res.output
+    assert "read once" in (run / "report" / "report.html").read_text(encoding="utf-8")
+
+
+def test_several_runs_in_one_directory_are_refused_naming_them(tmp_path):
+    """Finding 5: two runs under one directory were merged into one report."""
+    one, two = _resumed_cluster(tmp_path / "runs" / "one"), _faulty_run(tmp_path / "runs" / "two")
+    assert one and two
+    (tmp_path / "runs" / "two" / "train_start").write_text(str(T0 + 100))
+    with pytest.raises(SeveralRuns) as err:
+        write_report(tmp_path / "runs", tmp_path / "out")
+    assert str(tmp_path / "runs" / "one" / "train_start") in str(err.value)
+    assert str(tmp_path / "runs" / "two" / "train_start") in str(err.value)
+    res = CliRunner().invoke(app, ["report", str(tmp_path / "runs"), "--out", str(tmp_path / "o")])
+    assert res.exit_code == 2 and "several runs" in res.output
+    assert not (tmp_path / "o").exists()
+
+
+def test_the_output_goes_to_a_folder_of_its_own_and_only_where_it_is_asked(tmp_path):
+    """Finding 5: ``dips report /tmp`` wrote report.html and the PNGs into /tmp. By default
+    the report goes to RUN_DIR/report/, and only when RUN_DIR is a run's own directory."""
+    run = _faulty_run(tmp_path / "top" / "run")
+    res = CliRunner().invoke(app, ["report", str(run)])
+    assert res.exit_code == 0, res.output
+    assert (run / "report" / "report.html").is_file() and not (run / "report.html").exists()
+    before = sorted(p.name for p in (tmp_path / "top").iterdir())
+    res = CliRunner().invoke(app, ["report", str(tmp_path / "top")])  # runs below, none here
+    assert res.exit_code == 2 and "give --out DIR" in res.output
+    assert str(run) in res.output
+    assert sorted(p.name for p in (tmp_path / "top").iterdir()) == before  # nothing written
+    with pytest.raises(OutRequired, match="its run files lie below"):
+        write_report(tmp_path / "top")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(OutRequired, match="holds no run's files"):
+        write_report(empty)

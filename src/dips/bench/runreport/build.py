@@ -21,7 +21,7 @@ from typing import Any
 from dips.bench.runreport.compare_plots import curves_of, plot_compare_losses
 from dips.bench.runreport.faults import FaultRow, fault_counts, fault_rows, rejections
 from dips.bench.runreport.figs import Plot
-from dips.bench.runreport.files import RunFiles, find, load_run, read_json, read_jsonl
+from dips.bench.runreport.files import RunFiles, SeveralRuns, find, load_run, read_json, read_jsonl
 from dips.bench.runreport.page import Page, Table, render
 from dips.bench.runreport.round_plots import plot_scores, plot_staleness, plot_timeline
 from dips.bench.runreport.run_plots import (
@@ -31,7 +31,7 @@ from dips.bench.runreport.run_plots import (
     plot_tokens_per_cluster,
 )
 
-__all__ = ["Report", "write_report"]
+__all__ = ["OutRequired", "Report", "SeveralRuns", "default_out", "write_report"]
 
 _FAULT_ROWS = 500  # rows of the faults table (the counts cover all of them)
 
@@ -56,6 +56,7 @@ class Report:
         plots: every plot, drawn or not (a plot without a figure has a note).
         pngs: the PNG files written, in page order.
         problems: input skipped, ``path:line: reason``.
+        notes: input merged or read once (duplicate copies, a member's several files).
     """
 
     html: Path
@@ -63,6 +64,7 @@ class Report:
     plots: list[Plot] = field(default_factory=list)
     pngs: list[Path] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
 
 
 def _fmt(v: Any) -> str:
@@ -85,7 +87,9 @@ def _fault_table(rows: list[FaultRow]) -> Table:
 
 
 def _run_page(run: RunFiles) -> Page:
-    page = Page(title=f"dips report: {run.root.name}", problems=run.problems, sources=run.sources)
+    page = Page(title=f"dips report: {run.root.name}", problems=run.problems, sources=run.sources,
+                merged=run.notes)
+    page.notes += run.notes
     s = run.summary or {}
     page.facts = [(label, _fmt(s[k])) for k, label in _SUMMARY_FACTS if k in s]
     stops = [e.get("reason") for e in run.events if e.get("event") == "stop" and e.get("reason")]
@@ -152,17 +156,48 @@ def _compare_page(root: Path, docs: list[Path]) -> Page:
     return page
 
 
-def write_report(run_dir: Path, out_dir: Path | None = None) -> Report:
-    """Write ``report.html`` and the PNGs of ``run_dir`` into ``out_dir`` (default: run_dir).
+#: Files that make a directory a run's (or a comparison's) own: ``dips report DIR`` writes into
+#: ``DIR/report/`` by default only when one of them lies at DIR's top.
+RUN_MARKERS = ("summary.json", "outer_steps.jsonl", "leader_events.jsonl", "train_start",
+               "events.jsonl", "run.json", "leader.json", "compare.json")
 
-    Raises NotADirectoryError if ``run_dir`` is not a directory; nothing in its content makes
-    it raise: a missing piece becomes a note on the page, a bad line a ``problems`` entry.
+
+class OutRequired(ValueError):
+    """``dips report DIR`` without ``--out`` on a directory that is not itself a run's: its
+    files lie only in folders below (a copy from several hosts, or a directory such as /tmp
+    that holds runs), so the report would land somewhere unexpected."""
+
+
+def default_out(run_dir: Path) -> Path:
+    """Where the report of ``run_dir`` goes without ``--out``: ``run_dir/report/`` (a folder
+    of its own, never among the run's files). Raises OutRequired when ``run_dir`` is not
+    itself a run's or comparison's directory (no :data:`RUN_MARKERS` file at its top, nor a
+    ``compare.json`` one folder below), naming what it holds below."""
+    run_dir = Path(run_dir)
+    if any((run_dir / m).is_file() for m in RUN_MARKERS) or any(
+            p.is_file() for p in run_dir.glob("*/compare.json")):
+        return run_dir / "report"
+    below = sorted({str(p.parent) for m in RUN_MARKERS for p in find(run_dir, m)})
+    where = (f"its run files lie below, in {', '.join(below[:5])}"
+             f"{' …' if len(below) > 5 else ''}" if below else "it holds no run's files")
+    raise OutRequired(f"{run_dir} is not a run directory ({where}): give --out DIR, the "
+                      f"folder report.html and the PNGs go to")
+
+
+def write_report(run_dir: Path, out_dir: Path | None = None) -> Report:
+    """Write ``report.html`` and the PNGs of ``run_dir`` into ``out_dir`` (default:
+    :func:`default_out`, ``run_dir/report/``).
+
+    Raises NotADirectoryError if ``run_dir`` is not a directory; OutRequired (a ValueError)
+    without ``out_dir`` when ``run_dir`` is not itself a run's directory; SeveralRuns (a
+    ValueError, naming the files) when it holds the files of several runs. Nothing else in
+    its content makes it raise: a missing piece becomes a note on the page, a bad line a
+    ``problems`` entry, duplicate copies of a file are read once (``notes``).
     """
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise NotADirectoryError(f"{run_dir}: not a directory (give a run or comparison directory)")
-    out_dir = Path(out_dir) if out_dir is not None else run_dir
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = Path(out_dir) if out_dir is not None else default_out(run_dir)
     top = run_dir / "compare.json"
     docs = [top] if top.is_file() else find(run_dir, "compare.json")
     if docs:
@@ -170,7 +205,9 @@ def write_report(run_dir: Path, out_dir: Path | None = None) -> Report:
         page.notes.append(f"comparison output ({len(docs)} compare.json): loss curves per method")
     else:
         page, mode = _run_page(load_run(run_dir)), "run"
-    report = Report(html=out_dir / "report.html", mode=mode, problems=page.problems)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    report = Report(html=out_dir / "report.html", mode=mode, problems=page.problems,
+                    notes=page.merged)
     written: dict[str, Path] = {}
     for _, plots in page.sections:
         for plot in plots:

@@ -17,17 +17,21 @@ def report(run_dir: Path = typer.Argument(..., exists=True, file_okay=False, met
                                                "host's state directory) or a dips bench compare "
                                                "output."),
            out: Optional[Path] = typer.Option(None, "--out",
-                                              help="Where report.html and the PNGs go "
-                                                   "(default: RUN_DIR).")) -> None:
+                                              help="The folder report.html and the PNGs go "
+                                                   "to (default: RUN_DIR/report, and only "
+                                                   "when RUN_DIR is a run's own directory)."
+                                              )) -> None:
     """Write report.html (self-contained, plots embedded) and the plots as PNGs."""
-    from dips.bench.runreport.build import write_report
+    from dips.bench.runreport.build import OutRequired, SeveralRuns, write_report
     from dips.wire.ratelog import printable  # the files quote members' text (review 21, F4)
 
     try:
         rep = write_report(run_dir, out)
-    except OSError as exc:  # an output directory that cannot be written
-        typer.echo(f"dips report: {exc}", err=True)
+    except (OSError, OutRequired, SeveralRuns) as exc:  # an output that cannot be written,
+        typer.echo(f"dips report: {printable(str(exc))}", err=True)  # no --out, several runs
         raise typer.Exit(2)
+    for line in rep.notes:
+        typer.echo(f"note: {printable(line)}", err=True)
     for line in rep.problems[:_SHOWN]:
         typer.echo(f"skipped: {printable(line)}", err=True)
     if len(rep.problems) > _SHOWN:

@@ -27,10 +27,47 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["RunFiles", "find", "load_run", "read_json", "read_jsonl"]
+__all__ = ["RunFiles", "SeveralRuns", "distinct", "find", "load_run", "read_json", "read_jsonl"]
 
 _EPOCH_MIN = 1e8  # a time above this is epoch seconds (1973); below: seconds since the start
 _EVAL_NAMES = ("eval.jsonl", "evals.jsonl", "evaluator.jsonl", "evaluations.jsonl")
+
+
+class SeveralRuns(ValueError):
+    """The directory holds the leader's files of more than one run (or of more than one
+    leader state directory): they would be merged into one report. ``paths``: the files."""
+
+    def __init__(self, name: str, paths: list[Path]) -> None:
+        self.paths = paths
+        super().__init__(f"several runs: {len(paths)} different {name} files "
+                         f"({', '.join(map(str, paths))}); give the directory of one run")
+
+
+#: Files only the leader (or the launcher) writes, once per run: two different ones under
+#: a directory are two runs, which ``dips report`` refuses to merge.
+ONE_PER_RUN = ("summary.json", "outer_steps.jsonl", "train_start")
+
+
+def distinct(paths: list[Path], notes: list[str]) -> list[Path]:
+    """``paths`` without the duplicate copies: a file whose bytes equal another's, or are a
+    beginning of another's (a copy taken earlier), is left out (the longest copy is kept),
+    and each left out gets a line in ``notes`` naming both paths (of equal copies the one
+    nearest the top is kept)."""
+    datas: dict[Path, bytes] = {}
+    for p in paths:
+        try:
+            datas[p] = p.read_bytes()
+        except OSError:
+            datas[p] = b""  # the reader reports it
+    kept: list[Path] = []
+    for p in sorted(paths, key=lambda q: (-len(datas[q]), len(q.parts), str(q))):
+        same = next((k for k in kept if datas[k].startswith(datas[p])), None)
+        if same is not None and datas[p]:
+            how = "the same as" if datas[same] == datas[p] else "an earlier copy of"
+            notes.append(f"{p} is {how} {same}: read once")
+            continue
+        kept.append(p)
+    return sorted(kept)
 
 
 def find(root: Path, name: str) -> list[Path]:
@@ -130,6 +167,8 @@ class RunFiles:
         train_start: epoch seconds of the training start (the ``train_start`` file), or None.
         sources: what was read, as paths relative to ``root``.
         problems: ``path:line: reason`` for every line or file skipped.
+        notes: what was merged or left out: duplicate copies read once, a member's records
+            taken from several files.
     """
 
     root: Path
@@ -145,6 +184,8 @@ class RunFiles:
     train_start: float | None = None
     sources: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    _found: dict[str, list[Path]] = field(default_factory=dict, repr=False, compare=False)
     _origin: float | None = field(default=None, repr=False, compare=False)
 
     def origin(self) -> float:
@@ -232,14 +273,30 @@ def _rel(path: Path, root: Path) -> str:
     return str(path.relative_to(root))
 
 
+def _files(root: Path, name: str, run: RunFiles) -> list[Path]:
+    """Every ``name`` under ``root``, duplicate copies left out (:func:`distinct`; looked
+    for once per name, so each duplicate is noted once)."""
+    if name not in run._found:
+        run._found[name] = distinct(find(root, name), run.notes)
+    return run._found[name]
+
+
 def load_run(root: Path) -> RunFiles:
-    """Read every known file under ``root`` (module docstring); never raises on content."""
+    """Read every known file under ``root`` (module docstring); never raises on content.
+
+    Raises SeveralRuns when ``root`` holds two different copies of a file a run has once
+    (:data:`ONE_PER_RUN`): two runs (or two leaders' state directories) would be merged.
+    Duplicate copies of a file are read once, and a member whose records come from several
+    files is named, both in :attr:`RunFiles.notes`."""
     root = Path(root)
     run = RunFiles(root=root)
-    for p in find(root, "summary.json")[:1]:
+    for name in ONE_PER_RUN:
+        if len(paths := _files(root, name, run)) > 1:
+            raise SeveralRuns(name, paths)
+    for p in _files(root, "summary.json", run):
         run.summary = read_json(p, run.problems)
         run.sources.append(_rel(p, root))
-    for p in find(root, "outer_steps.jsonl"):
+    for p in _files(root, "outer_steps.jsonl", run):
         run.sources.append(_rel(p, root))
         for rec in read_jsonl(p, run.problems, DECISION_SHAPE):
             kind = rec.get("event")
@@ -250,7 +307,7 @@ def load_run(root: Path) -> RunFiles:
             elif kind is None and "round" in rec:
                 run.outer_steps.append(rec)
     for name, target in (("leader_events.jsonl", run.leader_events), ("events.jsonl", run.events)):
-        for p in find(root, name):
+        for p in _files(root, name, run):
             if p.parent.parent.name == "methods":  # a comparison's per-method events
                 continue
             run.sources.append(_rel(p, root))
@@ -260,17 +317,25 @@ def load_run(root: Path) -> RunFiles:
                                      ("applied.jsonl", "follower", set(), run.followers)):
         files = {p: read_jsonl(p, run.problems) for p in find(root, name)}
         who = owners(files, root, key, known)
+        kept: set[Path] = set()  # a member's duplicate copies read once; two members' files
+        for owner in set(who.values()):  # alike (older files naming no one) both read
+            kept.update(distinct([p for p in files if who[p] == owner], run.notes))
         for p, recs in files.items():
-            run.sources.append(_rel(p, root))
-            target.setdefault(who[p], []).extend(recs)
+            if p in kept:
+                run.sources.append(_rel(p, root))
+                target.setdefault(who[p], []).extend(recs)
+        for owner in sorted(set(who.values())):
+            if len(paths := [str(p) for p in files if who[p] == owner and p in kept]) > 1:
+                run.notes.append(f"{name} of {owner}: the records of {len(paths)} files "
+                                 f"appended in path order ({', '.join(paths)})")
     for name in _EVAL_NAMES:
-        for p in find(root, name):
+        for p in _files(root, name, run):
             run.sources.append(_rel(p, root))
             run.evals += [r for r in read_jsonl(p, run.problems) if num(r, "eval_loss") is not None]
     run.evals += [r for r in run.leader_events
                   if r.get("event") == "eval" and num(r, "eval_loss") is not None]
     run.evals.sort(key=lambda r: num(r, "time") or 0.0)
-    for p in find(root, "train_start")[:1]:
+    for p in _files(root, "train_start", run):
         try:
             run.train_start = float(p.read_text(encoding="utf-8").strip())
         except (OSError, ValueError):

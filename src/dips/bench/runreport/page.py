@@ -52,6 +52,7 @@ class Page:
         notes: page-level notes (missing files, the mode the report ran in).
         problems: skipped input, ``path:line: reason``.
         sources: the files read, relative to the run directory.
+        merged: input merged or read once (also in ``notes``; the command echoes them).
     """
 
     title: str
@@ -61,6 +62,7 @@ class Page:
     notes: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
     sources: list[str] = field(default_factory=list)
+    merged: list[str] = field(default_factory=list)
 
 
 def _img(path: Path, alt: str) -> str:
