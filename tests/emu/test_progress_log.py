@@ -56,7 +56,7 @@ def test_off_a_terminal_one_line_per_round_and_per_fault(tmp_path: Path):
     progress, out = _progress(tmp_path, terminal=False)
     with progress.live() as live:
         _append(tmp_path / "outer_steps.jsonl", _decision(1, 1, ["a"], t=12.0), _round_end(1, 1),
-                _decision(2, 2, ["a", "c"], {"b": {"score": 9.1, "reason": "penalty"}}, t=30.0),
+                _decision(2, 2, ["a", "c"], {"b": {"score": 9.1, "reason": "penalty", "code": "penalty"}}, t=30.0),
                 _round_end(2, 2))
         _append(tmp_path / "events.jsonl",
                 {"time": T0 - 5, "event": "start", "process": "cluster-b", "pid": 7},
@@ -98,7 +98,7 @@ def test_half_written_lines_wait_and_rollbacks_take_tokens_back(tmp_path: Path):
     _append(path, {**_round_end(2, 2, failed=[1]), "time": T0 + 11},
             {"event": "rollback", "version": 1, "lost": 1, "time": T0 + 30},
             _decision(3, 2, ["c"], t=40.0),
-            _decision(4, 2, [], {"a": {"score": 8.0, "reason": "penalty"}}, t=50.0))
+            _decision(4, 2, [], {"a": {"score": 8.0, "reason": "penalty", "code": "penalty"}}, t=50.0))
     progress.log()
     lines = out.getvalue().splitlines()
     assert lines[1:] == [
@@ -119,3 +119,46 @@ def test_on_a_terminal_the_table_stays_and_only_faults_are_lines(tmp_path: Path)
     progress.log()
     text = out.getvalue()
     assert "exited: follower-0 returncode=1" in text and "outer step" not in text
+
+
+def test_a_follower_down_is_one_line_its_failed_rounds_one_more_and_its_return_one(tmp_path):
+    """Review of issue 15, #6: with a follower down, each round's line repeated the same
+    gRPC error once per cluster, round after round (5.4-8.5 KB per minute of log). The
+    rejections are grouped by their typed reason with the text once, rounds alike are counted
+    in one line, a follower_down is said once, and its return once."""
+    progress, out = _progress(tmp_path, terminal=False)
+    err = ("round failed: UNAVAILABLE: failed to connect to all addresses; last error: "
+           "UNKNOWN: ipv4:127.0.0.1:40123: Failed to connect to remote host: Connection refused")
+    failed = {c: {"score": None, "reason": err, "code": "round_failed"} for c in "abcd"}
+    records = [_decision(1, 1, ["a"], t=5.0)]
+    records += [{**_decision(r, 1, [], failed, t=5.0 + r), "error": err} for r in range(2, 12)]
+    records += [_decision(12, 2, ["a", "b"], t=20.0)]
+    _append(tmp_path / "outer_steps.jsonl", *records)
+    _append(tmp_path / "leader_events.jsonl",
+            {"time": T0 + 6.5, "event": "follower_down", "follower": 1, "cause": "data plane",
+             "error": err},
+            {"time": T0 + 9.5, "event": "follower_down", "follower": 1, "silent_s": 3.0},
+            {"time": T0 + 18.5, "event": "follower_up", "follower": 1, "incarnation": 1,
+             "restarted": False},
+            {"time": T0 + 19.0, "event": "follower_up", "follower": 1, "incarnation": 1,
+             "restarted": False})
+    progress.log()
+    lines = out.getvalue().splitlines()
+    assert [ln[:30] for ln in lines] == [
+        "[     5 s] outer step v1 (roun",
+        "[     6 s] follower_down: lead",
+        "[     7 s] round 2: nothing ap",
+        "[    16 s] rounds 3-11: 9 more",
+        "[    18 s] follower_up: leader",
+        "[    20 s] outer step v2 (roun"]
+    assert lines[2].count("UNAVAILABLE") == 2  # the round's error, and a-d's text once
+    assert "a, b, c, d (round_failed: round failed: UNAVAILABLE" in lines[2]
+    assert lines[4] == "[    18 s] follower_up: leader follower=1 serving again after 12 s down"
+    assert all(len(ln) < 400 for ln in lines)
+    # rounds alike at the end of the run: counted by the launcher's last call
+    _append(tmp_path / "outer_steps.jsonl",
+            *[{**_decision(r, 2, [], failed, t=r + 10.0), "error": err} for r in (13, 14, 15)])
+    progress.log(final=True)
+    tail = out.getvalue().splitlines()[len(lines):]
+    assert [ln[:30] for ln in tail] == ["[    23 s] round 13: nothing a",
+                                        "[    25 s] rounds 14-15: 2 mor"]

@@ -346,7 +346,7 @@ def _finish(run: Launch, client: Any, creds: Credentials, spec: RunSpec, t_start
     if status is not None and EVALUATOR in run.children and (status.finished or not interrupted):
         status = _final_eval(run, client, status)  # (Ctrl-C: only if the leader ended the run)
     if run.progress is not None:  # the last rounds' lines, before the summary
-        run.progress.log(status)
+        run.progress.log(status, final=True)
     key = None
     if status is not None:  # the operator's pull-only data-plane key
         try:

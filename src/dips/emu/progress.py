@@ -20,6 +20,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from dips.algo.faultlog import reason_class
 from dips.spec import RunConfig
 from dips.wire.ratelog import printable
 
@@ -51,6 +52,9 @@ class Progress:
         self._tails = {n: _Tail(run_dir / n) for n in names} if run_dir is not None else {}
         self._tokens: dict[int, int] = {}  # version -> tokens accepted into it (the ledger's)
         self._loss: dict[str, float] = {}  # cluster -> its last training loss (nats/token)
+        self._alike: str | None = None  # what the last printed round that applied nothing said
+        self._alike_rounds: list[tuple[float, Any]] = []  # (time, round) left out since
+        self._down: dict[Any, float] = {}  # follower -> when it went down (epoch s)
 
     def live(self) -> Live | _Quiet:
         """A rich Live context on a terminal; otherwise a context that draws nothing (the
@@ -65,11 +69,13 @@ class Progress:
                   f"budget {self.cfg.token_budget:,}; one line per outer step and per fault")
         return _Quiet()
 
-    def log(self, status: Any = None) -> None:
+    def log(self, status: Any = None, final: bool = False) -> None:
         """Print what the run recorded since the last call, in time order: off a terminal one
-        line per decided round (:func:`step_line`), on both one line per fault event
-        (:func:`event_line`) and per held-out evaluation (:func:`heldout_line`). ``status``: the leader's latest ``StatusReply``, or None (its
-        clusters' last training losses go into the step lines)."""
+        line per decided round (:func:`step_line`; rounds alike that applied nothing counted
+        in one line), on both one line per fault event (:func:`event_line`) and per held-out
+        evaluation (:func:`heldout_line`). ``status``: the leader's latest ``StatusReply``, or
+        None (its clusters' last training losses go into the step lines). ``final``: the run's last call,
+        which also counts the rounds left out as alike since the last line."""
         for c in status.clusters if status is not None else []:
             if not math.isnan(c.last_loss):
                 self._loss[c.cluster_id] = c.last_loss
@@ -78,41 +84,79 @@ class Progress:
         steps = not self.console.is_terminal
         lines: list[tuple[float, str]] = []
         for rec in self._tails["outer_steps.jsonl"].new():
-            line = self._outer(rec)
-            if line is not None and (steps or "event" in rec):
-                lines.append((rec.get("time", 0.0), line))
+            for t, line in self._outer(rec):
+                if steps or "event" in rec:
+                    lines.append((t, line))
         for rec in self._tails["leader_events.jsonl"].new():
-            if _leader_fault(rec):
-                lines.append((rec.get("time", 0.0), event_line(rec, self.t0, "leader")))
+            if (line := self._leader_line(rec)) is not None:
+                lines.append((rec.get("time", 0.0), line))
         for rec in self._tails["events.jsonl"].new():
             if rec.get("event") not in LAUNCHER_QUIET:
                 lines.append((rec.get("time", 0.0), event_line(rec, self.t0)))
         for rec in self._tails["eval.jsonl"].new():  # the evaluator's reports (issue 15)
             lines.append((rec.get("time", 0.0), heldout_line(rec, self.t0)))
+        if final and steps:
+            lines += self._alike_line()
         for _, line in sorted(lines, key=lambda tl: tl[0]):  # stable: in time order
             self._say(line)
 
-    def _outer(self, rec: dict[str, Any]) -> str | None:
-        """The line of one ``outer_steps.jsonl`` record (None: nothing to say), keeping the
-        tokens accepted per version (a rollback takes its versions' tokens back)."""
+    def _outer(self, rec: dict[str, Any]) -> list[tuple[float, str]]:
+        """The lines of one ``outer_steps.jsonl`` record, (time, line) each, keeping the
+        tokens accepted per version (a rollback takes its versions' tokens back). A round
+        that applied nothing, alike the one before it (the same error, the same rejections
+        by reason: a follower down fails round after round), is not printed; the next line
+        that differs comes after one line counting them (:meth:`_alike_line`)."""
         kind = rec.get("event")
+        t = rec.get("time", 0.0)
         if kind is None:
             accepted = rec.get("accepted") or []
             if accepted:
                 self._tokens[rec["version"]] = sum(rec.get("tokens", {}).get(c, 0)
                                                    for c in accepted)
             losses = [self._loss[c] for c in accepted if c in self._loss]
-            return step_line(rec, sum(self._tokens.values()), self.cfg.token_budget,
+            line = step_line(rec, sum(self._tokens.values()), self.cfg.token_budget,
                              sum(losses) / len(losses) if losses else None, self.t0)
+            alike = None if accepted else _nothing_applied(rec)
+            if alike is not None and alike == self._alike:
+                self._alike_rounds.append((t, rec.get("round")))
+                return []
+            out = self._alike_line()
+            self._alike = alike
+            return [*out, (t, line)]
         if kind == "rollback":
             for v in [v for v in self._tokens if v > rec.get("version", 0)]:
                 del self._tokens[v]
-            return event_line(rec, self.t0, "leader")
+            return [(t, event_line(rec, self.t0, "leader"))]
         if kind == "round_end" and rec.get("commit_failed"):
-            return event_line({"time": rec.get("time", self.t0), "event": "commit_failed",
-                               "round": rec.get("round"), "version": rec.get("version"),
-                               "followers": rec["commit_failed"]}, self.t0, "leader")
-        return None
+            return [(t, event_line({"time": rec.get("time", self.t0), "event": "commit_failed",
+                                    "round": rec.get("round"), "version": rec.get("version"),
+                                    "followers": rec["commit_failed"]}, self.t0, "leader"))]
+        return []
+
+    def _alike_line(self) -> list[tuple[float, str]]:
+        """The line counting the rounds left out as alike since the last printed (none if
+        none were), at the last one's time."""
+        rounds, self._alike_rounds = self._alike_rounds, []
+        if not rounds:
+            return []
+        t = rounds[-1][0]
+        return [(t, f"{_stamp({'time': t}, self.t0)} rounds {rounds[0][1]}-{rounds[-1][1]}: "
+                    f"{len(rounds)} more alike ({self._alike})")]
+
+    def _leader_line(self, rec: dict[str, Any]) -> str | None:
+        """The line of a ``leader_events.jsonl`` record, or None: faults and recoveries
+        (:func:`_leader_fault`); a follower's ``follower_down`` once while it stays down, and
+        one ``follower_up`` line when it serves again, with how long it was down."""
+        kind, who = rec.get("event"), rec.get("follower")
+        if kind == "follower_down":
+            if who in self._down:
+                return None
+            self._down[who] = float(rec.get("time", self.t0))
+        elif kind == "follower_up" and who in self._down:
+            down_s = float(rec.get("time", self.t0)) - self._down.pop(who)
+            return (f"{_stamp(rec, self.t0)} follower_up: leader follower={who} serving again "
+                    f"after {down_s:.0f} s down")
+        return event_line(rec, self.t0, "leader") if _leader_fault(rec) else None
 
     def _say(self, line: str) -> None:
         # Lines quote members' text (a rejected push's reason): printable, never markup.
@@ -150,25 +194,54 @@ def _leader_fault(rec: dict[str, Any]) -> bool:
             or (kind == "reconciled" and bool(rec.get("lost") or rec.get("changed"))))
 
 
+def _nothing_applied(rec: dict[str, Any]) -> str:
+    """What a round that applied nothing said, without its round number and time: its error
+    and its rejections by reason (two rounds alike say the same)."""
+    error = f" ({_clip(str(rec['error']))})" if rec.get("error") else ""
+    rejected = f"; rejected {rejected_text(rec['rejected'])}" if rec.get("rejected") else ""
+    return f"nothing applied{error}{rejected}"
+
+
 def _stamp(rec: dict[str, Any], t0: float) -> str:
     return f"[{max(0.0, rec.get('time', t0) - t0):6.0f} s]"
+
+
+def rejected_text(rejected: dict[str, Any]) -> str:
+    """A round's rejected pushes grouped by their typed reason (the record's ``code``,
+    :func:`dips.algo.faultlog.reason_class`): ``b (penalty)``, ``a, c (followers_not_ready:
+    follower 1 down)``. A group's free text is shown once, and only when every push of the
+    group has the same one (the same gRPC error of every cluster is one text, not one each)."""
+    groups: dict[str, list[tuple[str, str]]] = {}
+    for c, why in rejected.items():
+        text = str(why.get("reason", "") if isinstance(why, dict) else why)
+        groups.setdefault(reason_class(why), []).append((str(c), text))
+    parts = []
+    for code, items in groups.items():
+        texts = {t for _, t in items}
+        detail = texts.pop() if len(texts) == 1 else ""
+        shown = f"{code}: {_clip(detail)}" if detail and detail != code else code
+        parts.append(f"{', '.join(c for c, _ in items)} ({shown})")
+    return "; ".join(parts)
+
+
+def _clip(text: str, n: int = 120) -> str:
+    return text if len(text) <= n else text[:n] + "…"
 
 
 def step_line(rec: dict[str, Any], tokens: int, budget: int, loss: float | None,
               t0: float) -> str:
     """One decided round of ``outer_steps.jsonl`` as a line: seconds since ``t0`` (wall
     clock), the version it made (or that nothing was applied), the accepted clusters, the
-    rejected ones with their reason, the accepted clusters' mean last training ``loss``
-    (nats/token; omitted when None), and ``tokens`` accepted so far of the ``budget``."""
-    rejected = "; rejected " + ", ".join(
-        f"{c} ({v.get('reason', '?') if isinstance(v, dict) else v})"
-        for c, v in rec["rejected"].items()) if rec.get("rejected") else ""
+    rejected ones by reason (:func:`rejected_text`), the accepted clusters' mean last
+    training ``loss`` (nats/token; omitted when None), and ``tokens`` accepted so far of the
+    ``budget``."""
+    rejected = f"; rejected {rejected_text(rec['rejected'])}" if rec.get("rejected") else ""
     if rec.get("accepted"):
         what = f"outer step v{rec['version']} (round {rec['round']}): accepted " + \
             ", ".join(rec["accepted"])
     else:
         what = f"round {rec['round']}: nothing applied" + (
-            f" ({rec['error']})" if rec.get("error") else "")
+            f" ({_clip(str(rec['error']))})" if rec.get("error") else "")
     loss_s = f"; train loss {loss:.3f}" if loss is not None else ""
     return f"{_stamp(rec, t0)} {what}{rejected}{loss_s}; tokens {tokens:,}/{budget:,}"
 
@@ -188,7 +261,7 @@ def event_line(rec: dict[str, Any], t0: float, source: str | None = None) -> str
     """One fault event as a line: seconds since ``t0`` (wall clock), its kind, the process
     (or ``source``), then its other fields as ``key=value``."""
     who = rec.get("process", source or "")
-    rest = " ".join(f"{k}={v}" for k, v in rec.items()
+    rest = " ".join(f"{k}={_clip(str(v))}" for k, v in rec.items()
                     if k not in ("time", "event", "process") and v not in (None, ""))
     return f"{_stamp(rec, t0)} {rec.get('event')}: {who} {rest}".rstrip()
 
