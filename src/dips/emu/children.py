@@ -84,6 +84,8 @@ class Launch:
     net: Any = None  # dips.emu.netns.ShapedNetwork when cfg.network == "netns"
     progress: Any = None  # dips.emu.progress.Progress once training started
     interrupts: InterruptLatch = field(default_factory=InterruptLatch)
+    #: monotonic seconds when training stopped (the stop decided, or Ctrl-C), None before
+    t_stop: float | None = None
 
     def prefix_of(self, name: str) -> list[str]:
         """argv prefix that runs child ``name`` in its network namespace ([] on loopback)."""

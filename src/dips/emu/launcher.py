@@ -38,7 +38,7 @@ from dips.algo.round import Phase
 from dips.emu.children import EVALUATOR, CpuWindow, Interrupted, Launch, free_port, wait_for
 from dips.emu.faults import FaultInjector, FaultPlan
 from dips.emu.link_schedule import LinkSchedule
-from dips.emu.progress import Progress
+from dips.emu.progress import Progress, summary_table
 from dips.spec import RunConfig, RunSpec
 from dips.wire.control import refusal_of
 from dips.wire.pb import control_pb2 as pb
@@ -239,7 +239,7 @@ def _interrupted_summary(run: Launch, client: Any, spec: RunSpec | None, t_start
     summary = {"method": "di-ps", "run_dir": str(run.run_dir), "interrupted": error is None,
                "interrupted_phase": phase, "error": error, "clusters": len(run.cfg.clusters),
                "followers": run.cfg.followers, "outer_steps": 0, "eval_loss_final": None,
-               "eval_loss_initial": round(spec.eval_loss_initial, 5) if spec else None,
+               "eval_loss_initial": spec.eval_loss_initial if spec else None,
                "wall_time_s": round(time.time() - t_start, 2), "model_dir": None}
     status = _status(client) if client is not None else None
     if status is not None:
@@ -317,9 +317,11 @@ def _train(run: Launch, client: Any, progress: Progress, t_train: float,
         for sig in (signal.SIGINT, signal.SIGTERM):  # the clean-up runs to its end
             signal.signal(sig, signal.SIG_IGN)
         run.interrupts.handled()
+        run.t_stop = time.monotonic()
         run.console.print(f"[yellow]interrupted ({exc or 'SIGINT'}): stopping every process[/]")
         run.event("interrupt", "launcher", phase="training")
         return True
+    run.t_stop = time.monotonic()  # training ends here: not the shutdown, nor the final eval
     run.event("stop", "launcher", reason=reason)
     run.console.print(f"stopping: {reason}")
     return False
@@ -332,6 +334,7 @@ def _finish(run: Launch, client: Any, creds: Credentials, spec: RunSpec, t_start
     from dips.wire.keys import MemberKey
 
     cfg = run.cfg
+    t_stop = run.t_stop if run.t_stop is not None else time.monotonic()
     clusters = [n for n in run.children if n.startswith("cluster-")]
     run.stop(clusters, cfg.timeouts.shutdown_s)
     status = None
@@ -343,6 +346,7 @@ def _finish(run: Launch, client: Any, creds: Credentials, spec: RunSpec, t_start
             if status is None or status.phase == Phase.IDLE.value:
                 break
             time.sleep(0.2)
+    t_idle = time.monotonic()
     if status is not None and EVALUATOR in run.children and (status.finished or not interrupted):
         status = _final_eval(run, client, status)  # (Ctrl-C: only if the leader ended the run)
     if run.progress is not None:  # the last rounds' lines, before the summary
@@ -354,8 +358,9 @@ def _finish(run: Launch, client: Any, creds: Credentials, spec: RunSpec, t_start
             key = MemberKey(reply.key_id, reply.key, reply.encrypt)
         except grpc.RpcError as exc:
             run.event("export_failed", "launcher", error=f"observer join: {exc.code().name}")
-    train_s = time.monotonic() - t_train if t_train is not None else 0.0
-    summary = export_and_summarize(cfg, run.run_dir, spec, key, status, t_start, train_s,
+    times = {"train_time_s": t_stop - t_train if t_train is not None else 0.0,
+             "shutdown_s": t_idle - t_stop, "final_eval_s": time.monotonic() - t_idle}
+    summary = export_and_summarize(cfg, run.run_dir, spec, key, status, t_start, times,
                                    interrupted)
     run.console.print(summary_table(summary))
     return summary
@@ -391,10 +396,3 @@ def _ask_final(run: Launch) -> bool:
         os.kill(pid, signal.SIGUSR1)
         run.event("final_eval_asked", EVALUATOR, pid=pid)
     return ready
-
-
-def summary_table(summary: dict[str, Any]) -> str:
-    keys = ["outer_steps", "updates_pushed", "updates_rejected", "tokens_consumed",
-            "tokens_accepted", "eval_loss_initial", "eval_loss_final", "wall_time_s", "tokens_per_s"]
-    lines = [f"  {k:<18} {summary.get(k)}" for k in keys]
-    return "summary (" + str(summary.get("run_dir")) + "/summary.json):\n" + "\n".join(lines)

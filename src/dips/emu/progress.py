@@ -305,3 +305,20 @@ class _Quiet:
 
     def update(self, renderable: Any) -> None:
         """Ignore ``renderable``: off a terminal no table is drawn."""
+
+
+def summary_table(summary: dict[str, Any]) -> str:
+    """The launcher's last lines: the key figures of ``summary.json``. Numbers are rounded
+    here, for display only (losses to 4 decimals, seconds to 0.1 s); the file keeps them
+    whole (review of issue 15, #9)."""
+    keys = ["outer_steps", "updates_pushed", "updates_rejected", "tokens_consumed",
+            "tokens_accepted", "eval_loss_initial", "eval_loss_final", "train_time_s",
+            "shutdown_s", "final_eval_s", "wall_time_s", "tokens_per_s"]
+    lines = [f"  {k:<18} {_shown(k, summary.get(k))}" for k in keys if k in summary]
+    return "summary (" + str(summary.get("run_dir")) + "/summary.json):\n" + "\n".join(lines)
+
+
+def _shown(key: str, v: Any) -> str:
+    if isinstance(v, float) and math.isfinite(v):
+        return f"{v:.4f}" if key.startswith("eval_loss") else f"{v:,.1f}"
+    return f"{v:,}" if isinstance(v, int) and not isinstance(v, bool) else str(v)

@@ -12,8 +12,10 @@ cluster and of the leader, less the steps rolled back; and its ``tokens_consumed
 (every push not accepted, whatever the reason: penalty, invalid, a failed round; each
 decision line of ``outer_steps.jsonl`` says why), ``outer_steps_lost`` (steps rolled back by
 reconciliation), ``eval_loss_initial`` / ``eval_loss_final`` (nats/token on the
-held-out split), ``wall_time_s`` (launch to summary), ``train_time_s`` (first cluster start
-to stop), ``tokens_per_s`` (tokens_consumed / train_time_s), ``final_version``,
+held-out split, full precision: only displays round them), ``wall_time_s`` (launch to
+summary), ``train_time_s`` (training start to the stop: training only), ``shutdown_s`` (the
+stop to the clusters stopped and the last round done), ``final_eval_s`` (the final
+evaluation and export), ``tokens_per_s`` (tokens_consumed / train_time_s), ``final_version``,
 ``interrupted``, ``model_dir``.
 """
 
@@ -203,11 +205,18 @@ def export_model(cfg: RunConfig, cache: Path, source: Callable[[], tuple[list[An
 
 
 def export_and_summarize(cfg: RunConfig, run_dir: Path, spec: RunSpec, key: MemberKey | None,
-                         status: Any, t_start: float, train_s: float,
+                         status: Any, t_start: float, times: dict[str, float],
                          interrupted: bool) -> dict[str, Any]:
     """Pull the final FP32 model with the observer ``key`` (None: no model), save it (HF
     safetensors + tokenizer), evaluate, summarize. A pull that fails leaves
-    ``eval_loss_final`` null (the error is in ``export_error``); the summary is written."""
+    ``eval_loss_final`` null (the error is in ``export_error``); the summary is written.
+
+    ``times`` (seconds): ``train_time_s`` (the training start to the stop: the leader ended
+    the run, a limit, or Ctrl-C), ``shutdown_s`` (the stop to the clusters stopped and the
+    last round done), ``final_eval_s`` (the evaluator's final evaluation so far; the export's
+    pull and held-out evaluation here are added to it). ``t_start``: ``time.time()`` of the
+    launch (``wall_time_s`` counts from it)."""
+    t_export = time.monotonic()
     cache = (spec.cache_dir or cfg.data.cache_dir).resolve()
     final_loss = None
     model_dir = run_dir / "final"
@@ -222,6 +231,8 @@ def export_and_summarize(cfg: RunConfig, run_dir: Path, spec: RunSpec, key: Memb
                  for f in status.followers]
         final_loss, export_error = export_model(cfg, cache, lambda: (local, version), key,
                                                 model_dir)
+    final_eval_s = times.get("final_eval_s", 0.0) + time.monotonic() - t_export
+    train_s = times.get("train_time_s", 0.0)
     clusters = per_cluster(run_dir, cfg)
     consumed = {cid: row["tokens_consumed"] for cid, row in clusters.items()}
     total = sum(consumed.values())
@@ -240,9 +251,10 @@ def export_and_summarize(cfg: RunConfig, run_dir: Path, spec: RunSpec, key: Memb
         "updates_accepted": status.updates_accepted if status else 0,
         "updates_rejected": status.updates_rejected if status else 0,
         "outer_steps_lost": status.outer_steps_lost if status else 0,
-        "eval_loss_initial": round(spec.eval_loss_initial, 5),
-        "eval_loss_final": None if final_loss is None else round(final_loss, 5),
+        "eval_loss_initial": spec.eval_loss_initial, "eval_loss_final": final_loss,
         "wall_time_s": round(time.time() - t_start, 2), "train_time_s": round(train_s, 2),
+        "shutdown_s": round(times.get("shutdown_s", 0.0), 2),
+        "final_eval_s": round(final_eval_s, 2),
         "tokens_per_s": round(total / train_s, 1) if train_s > 0 else 0.0,
         "interrupted": interrupted, "export_error": export_error, "model_dir": str(model_dir) if final_loss is not None else None,
         "torch_threads": torch.get_num_threads(),

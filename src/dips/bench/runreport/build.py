@@ -42,7 +42,10 @@ _SUMMARY_FACTS = (("method", "method"), ("clusters", "clusters"), ("followers", 
                   ("tokens_accepted", "tokens accepted"),
                   ("eval_loss_initial", "held-out loss, initial (nats/token)"),
                   ("eval_loss_final", "held-out loss, final (nats/token)"),
-                  ("train_time_s", "training time (s)"), ("wall_time_s", "wall time (s)"),
+                  ("train_time_s", "training time (s)"),
+                  ("shutdown_s", "shutdown after the stop (s)"),
+                  ("final_eval_s", "final evaluation and export (s)"),
+                  ("wall_time_s", "wall time (s)"),
                   ("tokens_per_s", "tokens/s"))
 
 
