@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 
 from dips.cli import app
 from dips.node.status import Faults, snapshot, staleness
-from dips.node.status_cli import NoStatus, render, watch
+from dips.node.status_cli import NoStatus, _json_line, render, watch
 from dips.roles.leader import FollowerEntry
 from dips.wire.control import make_server
 from dips.wire.pb import control_pb2 as pb
@@ -28,7 +28,7 @@ from tests.roles.test_hostile_leader import Site, make_leader
 
 pytestmark = pytest.mark.timeout(120)
 
-TOP = {"leader", "time", "version", "outer_steps", "rounds", "phase", "finished",
+TOP = {"leader", "time", "reachable", "version", "outer_steps", "rounds", "phase", "finished",
        "finished_reason", "counts", "ledger", "followers_ready", "followers_total", "clusters",
        "followers", "heldout", "faults", "fault_counts", "fault_window_s", "conditions"}
 CLUSTER = {"cluster_id", "inner_step", "tokens", "last_loss", "last_push", "pulled_version",
@@ -137,6 +137,44 @@ def test_a_finished_run_lists_no_cluster_as_quiet():
     faults.update(snapshot(reply(finished="token budget reached"), "l:1", 1000.0))
     later = faults.update(snapshot(reply(finished="token budget reached"), "l:1", 2000.0))
     assert {f["kind"] for f in later} == {"push_rejected"}
+
+
+def test_clusters_leaving_a_finished_run_are_not_gone():
+    """Review of issue 15, #8: a normal finish showed every cluster as an active
+    ``cluster_gone``: they leave once the leader says the run finished."""
+    faults = Faults(quiet_after_s=60.0)
+    faults.update(snapshot(reply(finished="token budget"), "l:1", 1000.0))
+    left = reply(finished="token budget", clusters=[])
+    assert [f for f in faults.update(snapshot(left, "l:1", 1002.0))
+            if f["kind"] == "cluster_gone"] == []
+    faults = Faults(quiet_after_s=60.0)  # while it runs, a cluster that leaves is gone
+    faults.update(snapshot(reply(), "l:1", 1000.0))
+    gone = faults.update(snapshot(reply(clusters=[]), "l:1", 1002.0))
+    assert {f["member"] for f in gone if f["kind"] == "cluster_gone" and f["active"]} == {
+        "cluster-a", "cluster-b", "cluster-c"}
+
+
+def test_watch_json_prints_a_record_while_the_leader_is_unreachable(capsys):
+    """Review of issue 15, #8: ``--watch --json`` printed nothing while the leader was down."""
+    answers = [NoStatus("leader l:1: UNAVAILABLE"), snapshot(reply(), "l:1", 1000.0),
+               NoStatus("leader l:1: DEADLINE_EXCEEDED")]
+    stop = threading.Event()
+
+    def look():
+        got = answers.pop(0)
+        if not answers:
+            stop.set()
+        if isinstance(got, Exception):
+            raise got
+        return got
+
+    watch(look, lambda doc, err: _json_line("l:1", doc, err), 0.0, stop)
+    out = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(d["reachable"], d.get("error")) for d in out] == [
+        (False, "leader l:1: UNAVAILABLE"), (True, None),
+        (False, "leader l:1: DEADLINE_EXCEEDED")]
+    assert out[0]["leader"] == "l:1" and out[0]["last_answer"] is None
+    assert out[2]["last_answer"] == 1000.0 and out[1]["version"] == 7
 
 
 def test_watch_keeps_the_last_answer_under_an_error_and_stops_on_the_event():

@@ -74,7 +74,7 @@ def snapshot(reply: pb.StatusReply, leader: str, now: float) -> dict[str, Any]:
             "control_endpoint": f.control_endpoint, "data_endpoint": f.data_endpoint,
             "layers": len(f.layers),
             "heartbeat_age_s": None if h is None else _age(h.heartbeat_age_s, True)})
-    return {"leader": leader, "time": round(now, 3), "version": reply.version,
+    return {"leader": leader, "time": round(now, 3), "reachable": True, "version": reply.version,
             "outer_steps": reply.outer_steps, "rounds": reply.rounds, "phase": reply.phase,
             "finished": bool(reply.finished), "finished_reason": reply.finished,
             "counts": {k: getattr(reply, k) for k in _COUNTS},
@@ -87,6 +87,15 @@ def snapshot(reply: pb.StatusReply, leader: str, now: float) -> dict[str, Any]:
             "fault_counts": [{"kind": c.kind, "reason": c.reason, "count": c.count}
                              for c in reply.fault_counts],
             "conditions": []}
+
+
+def unreachable(leader: str, error: str, now: float,
+                last: dict[str, Any] | None) -> dict[str, Any]:
+    """The JSON object ``dips status --watch --json`` prints for a look the leader did not
+    answer (a leader down or restarting): ``leader``, ``time`` (epoch s), ``reachable``
+    false, ``error`` (why), ``last_answer`` (epoch s of the last answer, null before any)."""
+    return {"leader": leader, "time": round(now, 3), "reachable": False, "error": error,
+            "last_answer": None if last is None else last.get("time")}
 
 
 def _heldout(reply: pb.StatusReply) -> dict[str, Any] | None:
@@ -105,7 +114,8 @@ class Faults:
     ``last`` are the epoch seconds of the first and latest answer that showed it, ``active``
     whether the latest one does. Kinds: ``follower_down`` (fewer followers ready than
     registered), ``push_rejected`` (a cluster's last verdict), ``cluster_gone`` (a cluster
-    listed before is no longer a member: removed or left), ``follower_restarted`` (a new
+    listed before is no longer a member: removed or left while the run goes on; the clusters
+    leave a finished run, and are not gone), ``follower_restarted`` (a new
     incarnation), ``outer_steps_lost`` (rolled back since the previous answer) and
     ``no_progress`` (a cluster's inner step and tokens unchanged for ``quiet_after_s``
     seconds while the run goes on). One answer shows only the first two; the others need
@@ -163,8 +173,8 @@ class Faults:
         """The faults that only a change between two answers shows."""
         out: dict[tuple[str, str], str] = {}
         now_ids = {c["cluster_id"] for c in doc["clusters"]}
-        for c in prev["clusters"]:
-            if c["cluster_id"] not in now_ids:
+        for c in prev["clusters"]:  # a cluster that left once the run finished is not gone
+            if c["cluster_id"] not in now_ids and not doc["finished"]:
                 out["cluster_gone", f"cluster-{c['cluster_id']}"] = "no longer a member"
         for (kind, member), fault in self._faults.items():  # still absent: it holds
             if kind == "cluster_gone" and member.removeprefix("cluster-") not in now_ids:

@@ -22,7 +22,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from dips.node.status import QUIET_AFTER_S, Faults, snapshot
+from dips.node.status import QUIET_AFTER_S, Faults, snapshot, unreachable
 from dips.wire.ratelog import printable
 
 _PUSH_STYLE = {"accepted": "green", "rejected": "red"}
@@ -269,7 +269,7 @@ def status(leader: Annotated[str, typer.Option(
             else:
                 console.print(render(doc))
         elif as_json:
-            watch(look, _json_line, every, threading.Event())
+            watch(look, lambda doc, err: _json_line(leader, doc, err), every, threading.Event())
         elif not console.is_terminal:  # a pipe or a file: each look as it comes, one after another
             watch(look, lambda doc, err: _snapshot(console, doc, err), every, threading.Event())
         else:
@@ -311,8 +311,12 @@ def _snapshot(console: Console, doc: dict[str, Any] | None, error: str) -> None:
     console.file.flush()
 
 
-def _json_line(doc: dict[str, Any] | None, error: str) -> None:
+def _json_line(leader: str, doc: dict[str, Any] | None, error: str) -> None:
+    """One look of ``--watch --json``: the answer's object, or, when the leader did not
+    answer, an object saying so (:func:`dips.node.status.unreachable`; review of issue 15,
+    #8: nothing was printed while the leader was down), its error on stderr too."""
     if error:
+        print(json.dumps(unreachable(leader, error, time.time(), doc)), flush=True)
         print(f"dips status: {error}", file=sys.stderr, flush=True)
     else:
         print(json.dumps(doc), flush=True)
