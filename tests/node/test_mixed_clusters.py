@@ -91,5 +91,9 @@ def test_ddp_pipeline_and_one_process_clusters_train_one_model(tmp_path):
                 want = {c: expected_connections(tmp_path / "leader" / "run.json",
                                                 stages[c])[f] for c in r["accepted"]}
                 assert r["connections"] == want, (f, r)
+                # Review of issue 15, #10: busy time by phase since the previous record
+                # (its pushes were received and its update made within the span)
+                assert r["busy_s"]["update"] > 0 and r["busy_s"]["push"] > 0, r
+                assert 0 < sum(r["busy_s"].values()) <= 3 * r["span_s"]
     finally:
         kill_left(procs)

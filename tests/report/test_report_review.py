@@ -209,3 +209,25 @@ def test_the_output_goes_to_a_folder_of_its_own_and_only_where_it_is_asked(tmp_p
     empty.mkdir()
     with pytest.raises(OutRequired, match="holds no run's files"):
         write_report(empty)
+
+
+def test_follower_utilisation_from_the_busy_time_the_followers_record(tmp_path):
+    """Finding 10: the report had no follower utilisation. A follower's applied records carry
+    its busy seconds by phase (update, push, pull) over the span since the previous one."""
+    run = _resumed_cluster(tmp_path / "run").parent.parent.parent
+    for f, push in ((0, 0.5), (1, 1.5)):
+        _jsonl(run / "followers" / str(f) / "applied.jsonl", [
+            {"version": v, "round": v, "accepted": ["a"], "follower": f, "time": T0 + 2.0 * v,
+             "busy_s": {"update": 0.2, "push": push, "pull": 0.1}, "span_s": 2.0}
+            for v in range(1, 11)])
+    plot = next(p for p in write_report(run, tmp_path / "out").plots if p.name == "followers.png")
+    assert plot.note is None and len(plot.figure.axes) == 2
+    assert plot.series == 6  # three phases on each follower's axes
+    for ax, push in zip(plot.figure.axes, (0.5, 1.5)):
+        assert ax.get_ylim() == (0, 100.0) and "% of wall time" in ax.get_ylabel()
+        heights = [round(b.get_height(), 6) for b in ax.patches]
+        assert heights == [10.0] * 10 + [50.0 * push] * 10 + [5.0] * 10  # update, push, pull
+        busy = 10.0 + 50.0 * push + 5.0
+        assert ax.get_title() == f"follower {ax.get_ylabel().split()[1]}: busy {busy:.1f}% " \
+                                 "of the time, idle the rest"
+    assert "wall time since the training start (s)" in plot.figure.axes[-1].get_xlabel()

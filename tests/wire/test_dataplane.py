@@ -1,6 +1,7 @@
 """ZeroMQ data plane on loopback: request/reply, refusals, timeouts."""
 
 import re
+import time
 
 import pytest
 import torch
@@ -207,6 +208,23 @@ def test_stream_push_arrives_whole(streams):
     # limiter saw begin + every chunk (64*65*2 = 8320 B -> 9 chunks; 6 B -> 1) + end
     assert len(sent) == 1 + 9 + 1 + 1 and sum(sent[1:-1]) == 64 * 65 * 2 + 6
     c.close()
+    # Review of issue 15, #10: the consumer's work is busy time of phase push (added once
+    # the message's work returns, which may be just after the client has its reply).
+    busy = _busy_until(server, "push")
+    assert busy["push"] > 0 and busy["update"] == 0
+
+
+def _busy_until(server, phase: str) -> dict:
+    """The server's busy seconds by phase, taken until ``phase`` has some (20 s at most)."""
+    total: dict = {}
+    deadline = time.monotonic() + 20.0
+    while not total.get(phase):
+        assert time.monotonic() < deadline, f"no {phase} busy time"
+        got = server.busy.take()
+        assert 0 <= sum(got["busy_s"].values()) and got["span_s"] >= 0
+        total = {k: total.get(k, 0.0) + v for k, v in got["busy_s"].items()}
+        time.sleep(0.01)
+    return total
 
 
 def test_stream_push_refusals_and_server_keeps_serving(streams):
@@ -293,6 +311,7 @@ def test_stream_pull_lands_in_destination(streams):
     st.stale = False
     assert c.pull({"op": "pull", "want": 5}, out, chunk_bytes=512)["got"] == 5
     c.close()
+    assert _busy_until(server, "pull")["pull"] > 0
 
 
 def test_stream_pull_timeout_when_nobody_answers():

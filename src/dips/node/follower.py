@@ -130,6 +130,7 @@ def run_follower(leader_addr: str, index: int, listen: str, advertise: str, data
         shard.close()  # its checkpoint writer thread must not outlive the failed start
         raise RoleError(f"--data-listen {data_listen}: cannot bind ({exc})") from None
     shard.push_connections = data.push_connections  # recorded in applied.jsonl
+    shard.busy = data.busy.take  # and the busy time by phase since the last record
     if data_ipc is not None:  # a local reader outside the servers' network namespace
         data.bind(f"ipc://{data_ipc}")
     data.start()
@@ -144,9 +145,12 @@ def run_follower(leader_addr: str, index: int, listen: str, advertise: str, data
             data.stop()
             shard.close()
             raise
+    from dips.node.metrics_members import TimedShard
+
     server = make_server(max_workers=8)
     pbg.add_FollowerServicer_to_server(
-        FollowerServicer(observed.timed(shard) if observed else shard, fence), server)
+        FollowerServicer(observed.timed(shard, data.busy) if observed
+                         else TimedShard(shard, None, data.busy), fence), server)
     # A member or `dips status` given this port as the leader's is told what it reached.
     pbg.add_LeaderServicer_to_server(NotLeaderServicer(
         f"follower {index}'s control service (its leader: {leader_addr})"), server)

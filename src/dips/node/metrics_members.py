@@ -26,25 +26,31 @@ RATE_WINDOW = 32
 
 class TimedShard:
     """A follower's shard as its control service sees it, with the duration of each call of
-    :data:`CALLS` observed into ``histogram`` (label ``call``); every other attribute is the
-    shard's own."""
+    :data:`CALLS` observed into ``histogram`` (label ``call``; None: no metrics) and added to
+    ``busy`` as phase ``update`` (a :class:`dips.wire.workers.BusyTime`; None: not counted);
+    every other attribute is the shard's own."""
 
-    def __init__(self, shard: Any, histogram: Histogram) -> None:
+    def __init__(self, shard: Any, histogram: Histogram | None, busy: Any = None) -> None:
         self._shard = shard
         self._histogram = histogram
+        self._busy = busy
 
     def __getattr__(self, name: str) -> Any:
         attr = getattr(self._shard, name)
         if name not in CALLS:
             return attr
-        child = self._histogram.labels(call=name)
+        child = self._histogram.labels(call=name) if self._histogram is not None else None
 
         def timed(*args: Any, **kwargs: Any) -> Any:
             started = time.monotonic()
             try:
                 return attr(*args, **kwargs)
             finally:
-                child.observe(time.monotonic() - started)
+                took = time.monotonic() - started
+                if child is not None:
+                    child.observe(took)
+                if self._busy is not None:
+                    self._busy.add("update", took)
 
         return timed
 
@@ -67,9 +73,10 @@ class FollowerMetrics:
                                       "write (θ and momentum, fsynced), seconds",
                                       buckets=SECONDS, registry=registry)
 
-    def timed(self, shard: Any) -> TimedShard:
-        """``shard`` with its control calls timed (give this to the control service)."""
-        return TimedShard(shard, self.calls)
+    def timed(self, shard: Any, busy: Any = None) -> TimedShard:
+        """``shard`` with its control calls timed (give this to the control service);
+        ``busy``: a :class:`dips.wire.workers.BusyTime` they are also added to."""
+        return TimedShard(shard, self.calls, busy)
 
     def on_checkpoint(self, version: int, seconds: float) -> None:
         """The checkpoint hook (``FollowerShard(on_checkpoint=...)``)."""

@@ -183,6 +183,9 @@ class FollowerShard(DataPlaneSide):
         #: ``(cluster, round) -> connections that pushed`` (the data server's
         #: ``push_connections``); when set, each applied record carries ``connections``.
         self.push_connections: Callable[[str, int], int] | None = None
+        #: Busy time since the last record (``BusyTime.take``); when set, each applied record
+        #: carries its ``busy_s`` by phase and ``span_s`` (seconds).
+        self.busy: Callable[[], dict[str, Any]] | None = None
         # A restarted follower keeps refusing pushes of the rounds it applied before.
         self._admission = Admission(require_tickets, closed=last_round(self._log),
                                     state_dir=log_dir)
@@ -350,6 +353,8 @@ class FollowerShard(DataPlaneSide):
             if self.push_connections is not None:  # per accepted cluster (§5: its stages)
                 rec["connections"] = {c: self.push_connections(c, prep.round)
                                       for c in prep.accepted}
+            if self.busy is not None:  # utilisation since the last record (dips report)
+                rec.update(self.busy())
             self._record(rec)
             if self._writer is not None:
                 # No copy: the committed tensors are not modified until they are recycled as

@@ -86,7 +86,7 @@ from dips.wire.serving import (
     allow_all,
     streams_of,
 )
-from dips.wire.workers import SingleMessages, consume, produce
+from dips.wire.workers import BusyTime, SingleMessages, consume, produce
 
 log = logging.getLogger(__name__)
 _OUTBOX_IDS = itertools.count()
@@ -217,13 +217,16 @@ class DataServer:
         single = SingleMessages(handler, authorize, self._check_member, self._incident,
                                 self.pulls, self._push_conns)
         self._stop = threading.Event()
+        #: the consumer's and producer's busy seconds (``push``, ``pull``; the follower adds
+        #: ``update``), taken into each applied record (:class:`dips.wire.workers.BusyTime`)
+        self.busy = BusyTime()
         work = {"data-io": (self._serve, ()),
                 "data-consumer": (consume, (self._ctx, self._outbox_addr, self._gate,
                                             self._push_streams, single, self._incident,
-                                            self._stop, poll_s)),
+                                            self._stop, poll_s, self.busy)),
                 "data-producer": (produce, (self._ctx, self._outbox_addr, self._gate,
                                             self._pull_streams, self._incident, self._stop,
-                                            poll_s))}
+                                            poll_s, self.busy))}
         self._threads = [threading.Thread(target=self._run, args=(f, a, n), name=n, daemon=True)
                          for n, (f, a) in work.items()]
         self._started = False

@@ -23,6 +23,8 @@ import threading
 import time
 from collections import deque
 
+from typing import Any
+
 import zmq
 
 from dips.algo.refusal import Refusal, Refused
@@ -110,6 +112,35 @@ class SingleMessages:
         self._pulls.finish(mk.identity.name, deque([(tracker, nbytes)]), stream=False)
 
 
+class BusyTime:
+    """Seconds a follower was busy, by phase, since the last :meth:`take` (monotonic clock;
+    thread-safe): ``push`` (the consumer verifying push chunks and answering single
+    messages), ``pull`` (the producer answering pull requests and sending pull streams),
+    ``update`` (the leader's control calls: score, aggregate, apply, commit, restore). Each
+    phase has its own thread, so the phases may add up to more than the span."""
+
+    PHASES = ("update", "push", "pull")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._busy = dict.fromkeys(self.PHASES, 0.0)
+        self._since = time.monotonic()
+
+    def add(self, phase: str, seconds: float) -> None:
+        """``seconds`` more of ``phase`` (one of :data:`PHASES`)."""
+        with self._lock:
+            self._busy[phase] += max(0.0, seconds)
+
+    def take(self) -> dict[str, Any]:
+        """``{"busy_s": {phase: seconds}, "span_s": seconds since the last take}``, and start
+        counting again."""
+        now = time.monotonic()
+        with self._lock:
+            busy, self._busy = self._busy, dict.fromkeys(self.PHASES, 0.0)
+            span, self._since = now - self._since, now
+        return {"busy_s": {k: round(v, 6) for k, v in busy.items()}, "span_s": round(span, 6)}
+
+
 def _outbox(ctx: zmq.Context, addr: str, hwm: int | None = None) -> zmq.Socket:
     out = ctx.socket(zmq.PUSH)
     out.setsockopt(zmq.LINGER, 0)
@@ -121,20 +152,24 @@ def _outbox(ctx: zmq.Context, addr: str, hwm: int | None = None) -> zmq.Socket:
 
 def consume(ctx: zmq.Context, outbox: str, gate: Gate, pushes: PushStreams,
             single: SingleMessages, incident: Incidents, stop: threading.Event,
-            poll_s: float) -> None:
+            poll_s: float, busy: BusyTime | None = None) -> None:
     """The consumer: push streams (BEGIN, chunks, END) and single messages, until ``stop``;
     every ``poll_s`` seconds (also under a steady flow) it purges stale or revoked streams
-    and writes the refusals' log line if one is due."""
+    and writes the refusals' log line if one is due. ``busy``: where the time of each
+    message's work goes (phase ``push``)."""
     out = _outbox(ctx, outbox)
     purge_at = 0.0
     try:
         while not stop.is_set():
             got = gate.inq.get(poll_s)
             if got is not None:
+                started = time.monotonic()
                 try:
                     _dispatch(out, gate, pushes, single, got[1])
                 except Exception as exc:
                     incident("consumer", exc)
+                if busy is not None:
+                    busy.add("push", time.monotonic() - started)
             now = time.monotonic()
             if now >= purge_at:
                 purge_at = now + poll_s
@@ -168,9 +203,11 @@ def _dispatch(out: zmq.Socket, gate: Gate, pushes: PushStreams, single: SingleMe
 
 
 def produce(ctx: zmq.Context, outbox: str, gate: Gate, pulls: PullStreams,
-            incident: Incidents, stop: threading.Event, poll_s: float) -> None:
+            incident: Incidents, stop: threading.Event, poll_s: float,
+            busy: BusyTime | None = None) -> None:
     """The producer: answers pull requests (each connection in turn) and pumps the pull
-    streams, until ``stop``."""
+    streams, until ``stop``. ``busy``: where the time of that work goes (phase ``pull``; the
+    waits for a request or for a member's budget are idle)."""
     out = _outbox(ctx, outbox, SEND_HWM)  # streams are windowed: the HWM only paces a burst
     try:
         while not stop.is_set():
@@ -180,12 +217,15 @@ def produce(ctx: zmq.Context, outbox: str, gate: Gate, pulls: PullStreams,
                 if first is None:
                     pulls.release_written()
                     continue
+            started = time.monotonic()
             _intake(out, gate, pulls, incident, first)
             try:
                 moved = pulls.pump(out)
             except Exception as exc:  # each stream answers its own failure; a bug here
                 incident("producer", exc)
                 moved = True
+            if busy is not None:
+                busy.add("pull", time.monotonic() - started)
             if not moved and pulls.active and not pulls.wait(WAIT_S):
                 # every stream waits for its member's budget: look for requests
                 _intake(out, gate, pulls, incident, gate.pullq.get(WAIT_S))
@@ -212,4 +252,4 @@ def _intake(out: zmq.Socket, gate: Gate, pulls: PullStreams, incident: Incidents
             incident("producer", exc)
 
 
-__all__ = ["INTAKE", "WAIT_S", "SingleMessages", "consume", "produce"]
+__all__ = ["INTAKE", "WAIT_S", "BusyTime", "SingleMessages", "consume", "produce"]

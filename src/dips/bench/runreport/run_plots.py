@@ -7,8 +7,11 @@
   global model; a cluster's line breaks between two of its processes (:meth:`ClusterSteps.
   lines`);
 * ``tokens_per_cluster.png``: tokens each cluster trained on and tokens accepted from it;
-* ``followers.png``: each follower's utilisation (% busy) if its ``applied.jsonl`` records
-  carry ``idle_fraction`` or ``utilisation``; otherwise the version it applied over time.
+* ``followers.png``: each follower's utilisation: the % of wall time it was busy updating
+  (the leader's score, aggregate, apply and commit calls), receiving pushes and serving
+  pulls, stacked, from its ``applied.jsonl`` records' ``busy_s`` and ``span_s``
+  (:class:`dips.wire.workers.BusyTime`); for older files their ``idle_fraction`` or
+  ``utilisation``, else the version each applied over time.
 
 Held-out points: ``eval_loss_initial`` (at 0 s, 0 tokens), every evaluation record (the
 leader's ``eval.jsonl`` of ``dips evaluate``: at its ``time`` and ``tokens_accepted``), and
@@ -37,7 +40,8 @@ from dips.bench.runreport.figs import (
 )
 from dips.bench.runreport.files import RunFiles, num
 
-__all__ = ["ClusterSteps", "cluster_steps", "heldout_points", "plot_followers", "plot_loss_vs_time",
+__all__ = ["ClusterSteps", "busy_spans", "cluster_steps", "heldout_points", "plot_followers",
+           "plot_loss_vs_time",
            "plot_loss_vs_tokens", "plot_tokens_per_cluster"]
 
 
@@ -240,6 +244,59 @@ def plot_tokens_per_cluster(run: RunFiles) -> Plot:
     return finish("tokens_per_cluster.png", title, fig, note)
 
 
+#: Busy phases of a follower's ``applied.jsonl`` records (:class:`dips.wire.workers.BusyTime`)
+PHASES = (("update", "update (score, aggregate, apply, commit)"),
+          ("push", "receiving pushes"), ("pull", "serving pulls"))
+_BARS = 150  # bars per follower at most: records are summed into as many time spans
+
+
+def busy_spans(run: RunFiles, recs: list[dict[str, Any]]) -> list[tuple[float, float,
+                                                                         dict[str, float]]]:
+    """A follower's utilisation: ``(start s, end s, {phase: % of the span busy})`` over the
+    records that carry ``busy_s`` and ``span_s`` (each covers the ``span_s`` seconds before
+    its ``time``), consecutive records summed into at most :data:`_BARS` spans."""
+    pts = [(run.rel(t), span, rec["busy_s"]) for rec in recs
+           if (t := num(rec, "time")) is not None and (span := num(rec, "span_s")) is not None
+           and span > 0 and isinstance(rec.get("busy_s"), dict)]
+    k = max(1, -(-len(pts) // _BARS))
+    out = []
+    for i in range(0, len(pts), k):
+        group = pts[i:i + k]
+        span = sum(g[1] for g in group)
+        busy = {p: sum(num(g[2], p) or 0.0 for g in group) for p, _ in PHASES}
+        out.append((max(0.0, group[0][0] - group[0][1]), group[-1][0],
+                    {p: 100.0 * b / span for p, b in busy.items()}))
+    return out
+
+
+def _plot_busy(run: RunFiles) -> Plot:
+    """One axes per follower: the % of wall time it was busy in each phase, stacked."""
+    spans = {fid: busy_spans(run, recs) for fid, recs in sorted(run.followers.items())}
+    spans = {fid: sp for fid, sp in spans.items() if sp}
+    end = max(e for sp in spans.values() for _, e, _ in sp)
+    div, unit = time_axis(max(end, 1.0))
+    fig, axes = new_figure(nrows=len(spans), height_in=1.2 + 1.8 * len(spans))
+    for ax, (fid, sp) in zip(axes, spans.items()):
+        bottom = [0.0] * len(sp)
+        for (phase, label), color in zip(PHASES, ("C0", "C1", "C2")):
+            ys = [pct[phase] for _, _, pct in sp]
+            ax.bar([s / div for s, _, _ in sp], ys, width=[(e - s) / div for s, e, _ in sp],
+                   bottom=bottom, align="edge", color=color, label=label, linewidth=0)
+            bottom = [b + y for b, y in zip(bottom, ys)]
+        ax.set_ylim(0, max(100.0, max(bottom) * 1.05))
+        ax.set_xlim(0, end / div)
+        ax.set_ylabel(f"follower {fid}\n% of wall time")
+        mean = sum(sum(p.values()) * (e - s) for s, e, p in sp) / max(
+            1e-9, sum(e - s for s, e, _ in sp))
+        ax.set_title(f"follower {fid}: busy {mean:.1f}% of the time, idle the rest", fontsize=9)
+    axes[-1].set_xlabel(f"wall time since the training start ({unit})")
+    fig.suptitle("Follower utilisation: busy time by phase")
+    missing = sorted(set(run.followers) - set(spans))
+    return finish("followers.png", "Followers", fig,
+                  f"no busy time recorded by follower {', '.join(missing)} (an older version)"
+                  if missing else None)
+
+
 def _utilisation(rec: dict[str, Any]) -> float | None:
     if (u := num(rec, "utilisation")) is not None:
         return 100.0 * u
@@ -249,10 +306,15 @@ def _utilisation(rec: dict[str, Any]) -> float | None:
 
 
 def plot_followers(run: RunFiles) -> Plot:
-    """Each follower's utilisation over time if recorded, else the version it applied."""
+    """Each follower's utilisation over time: its busy time by phase (``busy_s`` and
+    ``span_s`` of its ``applied.jsonl`` records) stacked as % of wall time, one axes per
+    follower; from an older version's ``idle_fraction``/``utilisation``; else the version
+    it applied."""
     title = "Followers"
     if not run.followers:
         return empty_plot("followers.png", title, "no follower applied.jsonl found")
+    if any(busy_spans(run, recs) for recs in run.followers.values()):
+        return _plot_busy(run)
     util = any(_utilisation(r) is not None for recs in run.followers.values() for r in recs)
     fig, (ax,) = new_figure()
     span = max([run.rel(t) for recs in run.followers.values() for r in recs
