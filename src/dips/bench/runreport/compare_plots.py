@@ -9,7 +9,8 @@
 * the ``di-ps`` method's ``methods/di-ps/events.jsonl`` gives the staleness and score plots of
   :mod:`dips.bench.runreport.round_plots`.
 
-Curve points are ``{"time_s", "tokens", "eval_loss"}`` (``dips.emu.result.MethodResult``).
+Curve points are ``{"time_s", "tokens", "eval_loss"}`` (``dips.emu.result.MethodResult``);
+a point without them is skipped and listed among the page's skipped input.
 """
 
 from __future__ import annotations
