@@ -283,7 +283,8 @@ def _plot_busy(run: RunFiles) -> Plot:
             ax.bar([s / div for s, _, _ in sp], ys, width=[(e - s) / div for s, e, _ in sp],
                    bottom=bottom, align="edge", color=color, label=label, linewidth=0)
             bottom = [b + y for b, y in zip(bottom, ys)]
-        ax.set_ylim(0, max(100.0, max(bottom) * 1.05))
+        ax.set_ylim(0, max(100.0, max(bottom)) * 1.3)  # headroom for the legend above
+        ax.set_yticks([t for t in range(0, int(max(100.0, max(bottom))) + 1, 25)])
         ax.set_xlim(0, end / div)
         ax.set_ylabel(f"follower {fid}\n% of wall time")
         mean = sum(sum(p.values()) * (e - s) for s, e, p in sp) / max(
@@ -292,9 +293,12 @@ def _plot_busy(run: RunFiles) -> Plot:
     axes[-1].set_xlabel(f"wall time since the training start ({unit})")
     fig.suptitle("Follower utilisation: busy time by phase")
     missing = sorted(set(run.followers) - set(spans))
-    return finish("followers.png", "Followers", fig,
+    plot = finish("followers.png", "Followers", fig,
                   f"no busy time recorded by follower {', '.join(missing)} (an older version)"
                   if missing else None)
+    for ax in axes:  # one row above the bars, never over them
+        ax.legend(fontsize=7, loc="upper center", ncols=3, frameon=False)
+    return plot
 
 
 def _utilisation(rec: dict[str, Any]) -> float | None:
