@@ -243,7 +243,16 @@ def step_line(rec: dict[str, Any], tokens: int, budget: int, loss: float | None,
         what = f"round {rec['round']}: nothing applied" + (
             f" ({_clip(str(rec['error']))})" if rec.get("error") else "")
     loss_s = f"; train loss {loss:.3f}" if loss is not None else ""
-    return f"{_stamp(rec, t0)} {what}{rejected}{loss_s}; tokens {tokens:,}/{budget:,}"
+    return f"{_stamp(rec, t0)} {what}{rejected}{loss_s}; tokens {tokens:,}/{_short(budget)}"
+
+
+def _short(n: int) -> str:
+    """A token budget as few characters say it exactly (20M, 2.5M, 300k, 1,234): one line per
+    outer step repeats it, and a weeks-long run's log grows with those lines."""
+    for div, unit in ((10**9, "G"), (10**6, "M"), (10**3, "k")):
+        if n >= div and n % (div // 100) == 0:
+            return f"{n / div:g}{unit}"
+    return f"{n:,}"
 
 
 def heldout_line(rec: dict[str, Any], t0: float) -> str:
@@ -257,12 +266,17 @@ def heldout_line(rec: dict[str, Any], t0: float) -> str:
             f"{'' if tokens is None else f'; tokens {tokens:,}'}")
 
 
+#: Fields an event line leaves out: its stamp says the time; a pid or an epoch second says
+#: nothing an operator reads (they stay in events.jsonl).
+_UNSAID = ("time", "event", "process", "pid", "fired_at")
+
+
 def event_line(rec: dict[str, Any], t0: float, source: str | None = None) -> str:
     """One fault event as a line: seconds since ``t0`` (wall clock), its kind, the process
     (or ``source``), then its other fields as ``key=value``."""
     who = rec.get("process", source or "")
     rest = " ".join(f"{k}={_clip(str(v))}" for k, v in rec.items()
-                    if k not in ("time", "event", "process") and v not in (None, ""))
+                    if k not in _UNSAID and v not in (None, ""))
     return f"{_stamp(rec, t0)} {rec.get('event')}: {who} {rest}".rstrip()
 
 
