@@ -276,6 +276,7 @@ def _plot_busy(run: RunFiles) -> Plot:
     end = max(e for sp in spans.values() for _, e, _ in sp)
     div, unit = time_axis(max(end, 1.0))
     fig, axes = new_figure(nrows=len(spans), height_in=1.2 + 1.8 * len(spans))
+    tops: list[float] = []
     for ax, (fid, sp) in zip(axes, spans.items()):
         bottom = [0.0] * len(sp)
         for (phase, label), color in zip(PHASES, ("C0", "C1", "C2")):
@@ -283,13 +284,14 @@ def _plot_busy(run: RunFiles) -> Plot:
             ax.bar([s / div for s, _, _ in sp], ys, width=[(e - s) / div for s, e, _ in sp],
                    bottom=bottom, align="edge", color=color, label=label, linewidth=0)
             bottom = [b + y for b, y in zip(bottom, ys)]
-        ax.set_ylim(0, max(100.0, max(bottom)) * 1.3)  # headroom for the legend above
-        ax.set_yticks([t for t in range(0, int(max(100.0, max(bottom))) + 1, 25)])
+        tops.append(max(bottom))
         ax.set_xlim(0, end / div)
         ax.set_ylabel(f"follower {fid}\n% of wall time")
         mean = sum(sum(p.values()) * (e - s) for s, e, p in sp) / max(
             1e-9, sum(e - s for s, e, _ in sp))
         ax.set_title(f"follower {fid}: busy {mean:.1f}% of the time, idle the rest", fontsize=9)
+    for ax in axes:  # one scale for all, from the busiest, with room for the legend above
+        ax.set_ylim(0, max(5.0, 1.35 * max(tops)))
     axes[-1].set_xlabel(f"wall time since the training start ({unit})")
     fig.suptitle("Follower utilisation: busy time by phase")
     missing = sorted(set(run.followers) - set(spans))
