@@ -1,5 +1,5 @@
 """The per-shard checksum the followers, the leader and a torchrun cluster's replicas compare
-(dips.roles.follower.shard_checksum), and its one-parameter-at-a-time form (ShardHasher) that
+(dips.roles.shard_checksum.shard_checksum), and its one-parameter-at-a-time form (ShardHasher) that
 a sharded or GPU replica uses so it never holds a whole shard on the host."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 import torch
 import xxhash
 
-from dips.roles.follower import ShardHasher, shard_checksum
+from dips.roles.shard_checksum import ShardHasher, shard_checksum
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -19,7 +19,7 @@ it with its own :class:`RankWorker`:
 * ``pull``: each rank fetches its block at the verdict's version; only if every rank got all
   of its tensors (all-gather) does each widen its block into its replica and broadcast it to
   the others, so every replica holds the same complete model of one version; then the ranks
-  compare per-shard checksums (:func:`dips.roles.follower.shard_checksum`) and fail if any
+  compare per-shard checksums (:func:`dips.roles.shard_checksum.shard_checksum`) and fail if any
   replica differs;
 * ``end``: the command sequence of one inner step (or join) is over; it carries rank 0's data
   position (:class:`dips.train.ddp.RankSampler` state) and whether to stop.
@@ -51,7 +51,7 @@ from dips.roles.client import ClusterClient
 from dips.roles.client_sync import AHEAD_CAP_S, PullFailed, StageFailures, _in_threads
 from dips.roles.cluster import StageWorker
 from dips.roles.cluster_shards import LayerSlots, ShardedPull, ShardedPush, beside
-from dips.roles.follower import ShardHasher
+from dips.roles.shard_checksum import ShardHasher
 from dips.roles.rank_comm import Ranks, broadcast_params
 from dips.wire.dataclient import DataPlaneError
 from dips.wire.frames import DTYPES

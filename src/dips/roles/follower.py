@@ -32,14 +32,15 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-import xxhash
 
 from dips.algo import pseudo_gradient, squared_norm, weighted_mean
 from dips.algo.outer import nesterov_step_fused, round_state_
 from dips.roles import failpoints
 from dips.roles.follower_admit import Admission, last_round
 from dips.roles.follower_data import DataPlaneSide, StagedPush
+from dips.roles.follower_restore import ShardRecovery
 from dips.roles.round_sum import RoundSum
+from dips.roles.shard_checksum import shard_checksum
 from dips.roles.spare import SpareState
 from dips.roles.staging import delta_sq
 
@@ -68,40 +69,7 @@ class _PreparedStep:
     clip_factor: float
 
 
-def shard_checksum(params: dict[str, torch.Tensor]) -> str:
-    """XXH3-64 (16 hex digits, the ``xxhash`` library) of the names and FP32 bytes of
-    ``params`` in name order.
-
-    An integrity check that all followers and the leader compare after every step, not a
-    security measure (frames are authenticated separately). XXH3 reads ~25 GB/s straight from
-    the tensors' memory here, 6x CRC-32 (which cost twice the Nesterov step on the update path).
-    """
-    h = ShardHasher()
-    for name in sorted(params):
-        h.add(name, params[name])
-    return h.hexdigest()
-
-
-class ShardHasher:
-    """:func:`shard_checksum` fed one parameter at a time, so a caller that materialises each
-    parameter in turn (a sharded or GPU model) holds one on the host, not the shard.
-    :meth:`add` must be called in name order (``sorted``); the result is then
-    ``shard_checksum`` of the same parameters."""
-
-    def __init__(self) -> None:
-        self._h = xxhash.xxh3_64()
-
-    def add(self, name: str, tensor: torch.Tensor) -> None:
-        """Add the parameter ``name``: ``tensor`` on the host in FP32 (any shape)."""
-        self._h.update(name.encode())
-        self._h.update(tensor.contiguous().view(torch.uint8).numpy())
-
-    def hexdigest(self) -> str:
-        """The checksum of what was added (16 hex digits)."""
-        return self._h.hexdigest()
-
-
-class FollowerShard(DataPlaneSide):
+class FollowerShard(DataPlaneSide, ShardRecovery):
     """State machine of one follower.
 
     Args:
@@ -378,40 +346,6 @@ class FollowerShard(DataPlaneSide):
         self._prepared = None
         self._spare.refresh(self.version, self.params, self.momenta)
 
-    def restore(self, version: int) -> tuple[int, str]:
-        """Make ``version`` current: commit it if prepared, else load its checkpoint.
-
-        Used by the leader to bring every follower to one common version after a failure
-        (roll forward or back). Raises FileNotFoundError if no complete checkpoint of that
-        version exists here.
-        """
-        from dips.roles.checkpoint import load_checkpoint
-
-        with self._lock:
-            if self._prepared is not None and self._prepared.version == version:
-                return self.commit(version)
-            if self._prepared is not None:
-                self._drop_prepared()
-            if version == self.version:
-                return self.version, self.checksum
-            if self._ckpt_dir is None:
-                raise FileNotFoundError(f"follower {self.index}: no checkpoints to restore {version}")
-            params, momenta, _ = load_checkpoint(self._ckpt_dir, version, self.names)
-            self.params, self.momenta, self.version = params, momenta, version
-            if getattr(self, "_pools", None) is not None:
-                self._pools[1].forget_after(version - 1)  # its snapshot may be of other θ
-            self._spare.refresh(version, self.params, self.momenta)
-            self._drop(None)
-            self.checksum = shard_checksum(self.params)
-            self._record({"event": "restore", "version": version, "checksum": self.checksum})
-            return version, self.checksum
-
-    def checkpoint_versions(self) -> list[int]:
-        """Complete checkpoint versions on disk (ascending); [] without a checkpoint dir."""
-        from dips.roles.checkpoint import complete_versions
-
-        return complete_versions(self._ckpt_dir) if self._ckpt_dir else []
-
     def _record(self, rec: dict[str, Any]) -> None:
         if self._log:
             with open(self._log, "a") as f:
@@ -442,10 +376,6 @@ class FollowerShard(DataPlaneSide):
         """(index, version, checksum of the shard)."""
         with self._lock:
             return self.index, self.version, self.checksum
-
-    def report(self) -> tuple[int, int, list[int]]:
-        """(committed version, prepared version or -1, complete checkpoint versions)."""
-        return self.version, self.prepared_version, self.checkpoint_versions()
 
     @property
     def prepared_version(self) -> int:
