@@ -62,6 +62,43 @@ def test_a_step_over_its_bound_calls_on_stall_once_and_a_normal_one_never():
     watch.close()
 
 
+def test_a_per_step_collective_is_bounded_too_and_does_not_make_the_median():
+    """Review 24, F1: rank 1 stopped while it paced held rank 0 in the broadcast that ends a
+    step's commands, outside the timed step, until the 1800 s collective timeout."""
+    clock, stalls = Clock(), []
+    watch = StepWatch(factor=20, floor_s=60, first_s=600, warmup=3, poll_s=3600,
+                      on_stall=stalls.append, clock=clock)
+    inside, release = threading.Event(), threading.Event()
+
+    def step() -> None:
+        clock.t += 2.0
+
+    def end(block: bool = False) -> None:
+        clock.t += 0.001
+        if block:
+            inside.set()
+            release.wait(10)
+
+    timed_step, timed_end = watch.wrap(step), watch.wrap(end, "the end of a step", record=False)
+    for _ in range(3):
+        timed_step()
+        timed_end()
+    assert list(watch.recent) == pytest.approx([2.0] * 3)  # the collectives are no steps
+    t = threading.Thread(target=timed_end, args=(True,))
+    t.start()
+    assert inside.wait(10)
+    clock.t += 59.0
+    assert watch.check() is None
+    clock.t += 2.0
+    message = watch.check()
+    assert message is not None and message.startswith("the end of a step has run 61 s, over its "
+                                                      "bound of 60 s")
+    assert stalls == [message]
+    release.set()
+    t.join(10)
+    watch.close()
+
+
 def test_the_bound_is_a_cluster_setting_checked_by_name():
     """``stall_factor`` and ``stall_floor_s`` of a cluster's entry are what rank 0's watch
     takes (tests/node/test_stepwatch_sigstop.py runs one with a 5 s floor); a bad value is

@@ -5,7 +5,8 @@ A 2-rank DDP cluster (gloo on CPU) with ``stall_floor_s: 5`` joins a real leader
 and trains; its sync interval H is far longer than the test, so after its join every rank is
 in its inner steps (never in a sync command, where the transfer deadlines bound a stop
 instead). Once rank 0 has logged a few steps, rank 1 is stopped with SIGSTOP. Rank 0's next
-inner step waits in the gradient all-reduce; once it has run over its bound (the floor: 20 ×
+inner step waits in the gradient all-reduce (or, rank 1 stopped while it paced, the per-step
+collective after rank 0's step); once it has run over its bound (the floor: 20 ×
 the median step is far less here) rank 0 logs why and exits, and torchrun ends the job
 non-zero while the leader and the follower keep serving. Restarted as an operator would,
 the cluster re-joins and trains on without a stall. Every process started is SIGCONTed and
@@ -27,13 +28,14 @@ from .torchrun import lines, torchrun, wait
 
 pytestmark = [pytest.mark.integration, pytest.mark.long, pytest.mark.timeout(420)]
 
-STALLED = "an inner step has run"
+STALLED = "over its bound of"  # an inner step or a per-step collective
 
 
-def _config(tmp: Path) -> Path:
+def _config(tmp: Path, slowdown: float) -> Path:
     cfg = yaml.safe_load((ROOT / "configs" / "tiny.yaml").read_text())
     cfg["inner"]["H"] = 1_000_000  # no sync while the test runs: only inner steps
-    cfg.update(clusters=[{"id": "d", "stall_floor_s": 5.0}], max_time_s=None, followers=1)
+    cfg.update(clusters=[{"id": "d", "stall_floor_s": 5.0, "slowdown": slowdown}],
+               max_time_s=None, followers=1)
     (tmp / "run.yaml").write_text(yaml.safe_dump(cfg))
     return tmp / "run.yaml"
 
@@ -58,8 +60,12 @@ def _steps(state: Path, join: int) -> int:
     return sum(1 for r in recs[joins[join]:] if "step" in r)
 
 
-def test_a_stopped_rank_ends_its_cluster_which_rejoins_when_restarted(tmp_path):
-    leader, procs = start_roles(tmp_path, _config(tmp_path), followers=1)
+@pytest.mark.parametrize("slowdown", [1.0, 10.0])
+def test_a_stopped_rank_ends_its_cluster_which_rejoins_when_restarted(tmp_path, slowdown):
+    """``slowdown: 10``: nine tenths of each step's time is the pacing after it, so rank 1 is
+    most likely stopped there, outside the step: rank 0 then waits in a per-step collective
+    (review 24, F1), bounded as the step is."""
+    leader, procs = start_roles(tmp_path, _config(tmp_path, slowdown), followers=1)
     log, state = tmp_path / "d.log", tmp_path / "d"
     stopped = None
     try:

@@ -317,6 +317,11 @@ def _train(cfg: Any, me: Any, trainer: Any, ranks: Any, worker: Any, sampler: An
             watch = StepWatch(factor=me.stall_factor, floor_s=me.stall_floor_s,
                               first_s=collective_timeout(me.collective_timeout_s, cfg.timeouts))
             trainer.step = watch.wrap(trainer.step)  # type: ignore[method-assign]
+            # A rank stopped while it paces or logs holds rank 0 in these instead (review 24).
+            sync.before_step = watch.wrap(sync.before_step, "the ranks' agreement before an "
+                                          "inner step", record=False)
+            client.end = watch.wrap(client.end, "the end of an inner step's commands",
+                                    record=False)
         try:
             run_loop(trainer, sync, stop, pacer, out, clock=lambda: time.time() - t_start)
         finally:

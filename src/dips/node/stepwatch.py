@@ -7,8 +7,9 @@ the others inside it until the in-cluster collective timeout (``collective_timeo
 by default, sized for rank 0's talks with the leader), while rank 0's heartbeat thread keeps
 the cluster a member: the leader sees it alive and never pushing, its leased data idle.
 
-:class:`StepWatch` bounds one inner step instead: rank 0 times each step, and once the
-current one has run longer than :func:`step_bound` of the steps before it (``factor`` × the
+:class:`StepWatch` bounds one inner step instead: rank 0 times each step (and the
+collectives every rank meets once per step outside it: the agreement before the step, the end
+of rank 0's per-step commands after it), and once the current one has run longer than :func:`step_bound` of the steps before it (``factor`` × the
 median of the recent ones, at least ``floor_s``; ``first_s`` until ``warmup`` steps are
 measured: compilation, caches, the first collectives), it logs why and calls ``on_stall``
 (by default ``os._exit(1)``: the other ranks' collectives then fail at once, torchrun ends
@@ -61,25 +62,31 @@ class StepWatch:
         self.poll_s, self.clock = poll_s, clock
         self.on_stall = on_stall or _exit
         self.started: float | None = None
+        self.what = "an inner step"  # what is being timed now (the message names it)
         self.fired = False
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def wrap(self, step: Callable[..., Any]) -> Callable[..., Any]:
-        """``step`` timed; starts the watching thread on the first call."""
+    def wrap(self, step: Callable[..., Any], what: str = "an inner step",
+             record: bool = True) -> Callable[..., Any]:
+        """``step`` timed under the same bound; starts the watching thread on the first call.
+        ``what`` names it in the message; ``record``: its durations make the median (the
+        inner step), else it is only bounded (the per-step collectives every rank meets
+        outside the step: a rank stopped while it paces or logs holds rank 0 there; issue
+        14 review 24, F1)."""
         def timed(*args: Any, **kwargs: Any) -> Any:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._watch, name="step-watch",
                                                 daemon=True)
                 self._thread.start()
             with self._lock:
-                self.started = self.clock()
+                self.started, self.what = self.clock(), what
             try:
                 return step(*args, **kwargs)
             finally:
                 with self._lock:
-                    if self.started is not None:
+                    if self.started is not None and record:
                         self.recent.append(self.clock() - self.started)
                     self.started = None
         return timed
@@ -90,13 +97,13 @@ class StepWatch:
         with self._lock:
             if self.started is None or self.fired:
                 return None
-            took = self.clock() - self.started
+            took, what = self.clock() - self.started, self.what
             bound = step_bound(list(self.recent), self.factor, self.floor_s, self.first_s,
                                self.warmup)
             if took <= bound:
                 return None
             self.fired = True
-        message = (f"an inner step has run {took:.0f} s, over its bound of {bound:.0f} s "
+        message = (f"{what} has run {took:.0f} s, over its bound of {bound:.0f} s "
                    f"({self.factor:g} x the median step, at least {self.floor_s:g} s): a rank "
                    "of this cluster is hung or stopped; this rank exits so the cluster restarts")
         log.error(message)
