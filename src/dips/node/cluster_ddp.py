@@ -42,6 +42,8 @@ from dips.wire.security import Credentials
 
 log = logging.getLogger(__name__)
 
+#: Exit status of a rank whose cluster broke after it started (another rank lost).
+EXIT_RANK_LOST = 1
 #: Collective timeout while the ranks start (spec fetch, data preparation), seconds.
 BOOT_TIMEOUT_S = 1800.0
 
@@ -324,6 +326,11 @@ def _train(cfg: Any, me: Any, trainer: Any, ranks: Any, worker: Any, sampler: An
                                     record=False)
         try:
             run_loop(trainer, sync, stop, pacer, out, clock=lambda: time.time() - t_start)
+        except RuntimeError as exc:  # a rank lost mid-run (a broken collective): exit 1, not
+            # the 2 of a cluster that could not start (review 24, F4)
+            log.error("cluster %s: rank %d: %s: the cluster stops; restart it to re-join",
+                      cluster_id, ranks.rank, exc)
+            return EXIT_RANK_LOST
         finally:
             out.close()
             if watch is not None:
