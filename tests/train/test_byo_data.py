@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from dips.spec import DataConfig, ModelConfig, RunConfig
-from dips.train.datasource import load_data, load_vocab, save_tokenizer
+from dips.train.datasource import DIGEST_BLOCKS, DIGEST_TOKENS, load_data, load_vocab, save_tokenizer
 from dips.train.model import build_model, check_built
 from dips.roles.layers import blocks_prefix, layer_table
 from tests.train import byo
@@ -345,3 +345,38 @@ def test_run_json_records_the_sizes_of_the_model_it_loaded(user, tmp_path):
     assert (spec.model.architecture, spec.model.hidden_size, spec.model.num_layers) == \
         ("LlamaForCausalLM", 48, 3)
     assert spec.config.model.hidden_size == 48 and spec.model.params == spec.params
+
+
+DIGEST_RSS = """
+import os, re, sys
+import numpy as np
+from types import SimpleNamespace
+from dips.train.datasource import token_digest
+path = sys.argv[1]
+fd = os.open(path, os.O_RDONLY)
+os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # cold: as on a host that just copied it
+os.close(fd)
+train = np.memmap(path, dtype=np.uint16, mode="r")
+def rss_file():
+    return int(re.search(r"RssFile:\\s+(\\d+)", open("/proc/self/status").read())[1]) * 1024
+before = rss_file()
+token_digest(SimpleNamespace(train=train, val=train[:4096]))  # no TokenData: it checks every id
+print(rss_file() - before)
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="needs /proc")
+def test_the_digest_pages_in_what_it_samples_not_the_kernels_readahead(tmp_path):
+    """Review 24, F3: the digest's 256 sampled blocks of 8 KiB paged in 448 MB of a 953 MB
+    memmap on a host that reads ahead 8 MiB a fault (19 MB of it here); read without
+    readahead they map about 3 MB (``madvise(MADV_RANDOM)`` while the digest reads)."""
+    path = tmp_path / "train.bin"
+    with open(path, "wb") as f:  # 128 MB, on disk: the kernel may then drop it from its cache
+        np.arange(64 << 20, dtype=np.uint64).view(np.uint16)[: 64 << 20].tofile(f)
+        f.flush()
+        os.fsync(f.fileno())
+    out = subprocess.run([sys.executable, "-c", DIGEST_RSS, str(path)], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    sampled = DIGEST_BLOCKS * DIGEST_TOKENS * 2
+    assert int(out.stdout) <= 4 * sampled, f"{int(out.stdout) / 2**20:.1f} MB paged in"
