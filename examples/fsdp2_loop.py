@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch.distributed.fsdp import fully_shard
 
 from dips.node.job import ClusterJob
+from dips.roles.layers import blocks_prefix
 from dips.train.lease import NoData
 from dips.train.model import build_model
 from dips.train.run import stop_on_signals
@@ -67,8 +68,8 @@ def main() -> None:
     data = job.data(a.cache_dir)  # this rank's rows of the cluster's leased windows
 
     model = build_model(cfg.model, cfg.seed).to(device)
-    for block in model.model.layers:  # your own sharding: each decoder block, then the rest
-        fully_shard(block)
+    for block in model.get_submodule(blocks_prefix(model)):  # each decoder block (LLaMA's
+        fully_shard(block)  # model.layers, GPT-2's transformer.h, ...), then the rest
     fully_shard(model)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.inner.lr, betas=(0.9, 0.95),
                             weight_decay=cfg.inner.weight_decay)
@@ -98,6 +99,8 @@ def main() -> None:
             print(f"step {step}: loss {float(mean) / job.world:.3f}; pushed "
                   f"{'accepted' if push['accepted'] else 'rejected: ' + push['reason']}, "
                   f"now at version {push['version']}", flush=True)
+    if rank == 0:
+        print(f"stopping after {step} steps: {job.finished or 'stopped'}", flush=True)
     job.close()
     dist.destroy_process_group()
 

@@ -47,6 +47,7 @@ def test_the_fsdp2_example_trains_as_a_cluster_until_the_run_ends(tmp_path):
         assert len(decided) >= 3 and all(d["accepted"] == ["e"] for d in decided.values())
         printed = [l for l in log.read_text().splitlines() if "pushed accepted" in l]
         assert len(printed) >= 3, log.read_text()[-3000:]
+        assert "steps: the run finished (max outer steps)" in log.read_text()
         stop_cleanly(procs, ("f0", "f1", "leader"))
     finally:
         kill_left(procs)

@@ -158,6 +158,13 @@ class ClusterJob:
                 return True
         return False
 
+    @property
+    def finished(self) -> str | None:
+        """Why the run finished (the leader's reason, e.g. ``"max outer steps"``) on rank 0;
+        None while it goes on, after a stop, and on the other ranks."""
+        lead = self._sync.lead if self._sync is not None else None
+        return (lead.client.finished or None) if lead is not None else None
+
     def step_done(self, tokens: int, loss: float | None = None) -> dict[str, Any] | None:
         """Count one inner step of the cluster (``tokens``: all ranks', e.g.
         ``data.tokens_per_batch``; ``loss``: nats/token); every ``inner.H`` steps push, wait
