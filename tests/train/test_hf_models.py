@@ -96,3 +96,29 @@ def test_di_ps_trains_a_gpt2_in_virtual_time(tmp_path):
     r = run_dips(s, tmp_path)
     assert r.updates_accepted > 0 and r.tokens_accepted >= s.token_budget
     assert r.final_eval_loss < r.curve[0].eval_loss - 0.3
+
+
+class TwoLists(torch.nn.Module):
+    """Blocks in two lists (review 24, F7): ``a`` (3 blocks) is found, ``b`` (2) is not."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(8, 4)
+        self.a = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(3))
+        self.mid = torch.nn.LayerNorm(4)
+        self.b = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(2))
+        self.out = torch.nn.Linear(4, 8)
+
+
+def test_blocks_in_a_second_list_are_named_in_a_warning_and_a_pattern_may_not_merge_them(caplog):
+    model = TwoLists()
+    with caplog.at_level("WARNING", logger="dips.roles.layers"):
+        named = layer_namer(model)
+    assert named("a.2.weight") == "layers.2" and named("b.0.weight") == "head"
+    assert "ModuleList 'b' (2 modules" in caplog.text and "layer_pattern" in caplog.text
+    with pytest.raises(ValueError, match=r"index 0 to two blocks, 'a\.0' and 'b\.0'"):
+        layer_namer(model, r"^(?:a|b)\.(\d+)\.")
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="dips.roles.layers"):
+        layer_namer(build_model(ModelConfig(arch="llama"), seed=0))
+    assert caplog.text == ""  # one list of blocks: nothing to say

@@ -14,10 +14,13 @@ overrides the search for unusual models. A caller may still pass its own ``layer
 
 from __future__ import annotations
 
+import logging
 import re
 from typing import Callable
 
 import torch
+
+log = logging.getLogger(__name__)
 
 __all__ = ["blocks_prefix", "group_layers", "layer_namer", "layer_of", "layer_table"]
 
@@ -75,6 +78,23 @@ def blocks_prefix(model: torch.nn.Module) -> str:
     return best
 
 
+def _warn_other_blocks(model: torch.nn.Module, found: str) -> None:
+    """Log a warning naming each other ``ModuleList`` of one class with parameters (outside
+    the blocks ``found``): its parameters go to ``embed`` or ``head``, one unit each, which
+    may be most of the model (review 24, F7: a model with blocks in two lists)."""
+    for name, module in model.named_modules():
+        if (not isinstance(module, torch.nn.ModuleList) or name == found
+                or name.startswith(found + ".") or found.startswith(name + ".")):
+            continue
+        children = list(module.children())
+        count = sum(p.numel() for p in module.parameters())
+        if children and len({type(c) for c in children}) == 1 and count:
+            log.warning("model %s: the ModuleList %r (%d modules, %d parameters) is not the "
+                        "decoder blocks %r: its parameters go to embed or head; set "
+                        "model.layer_pattern if it holds blocks too", type(model).__name__,
+                        name, len(children), count, found)
+
+
 def layer_namer(model: torch.nn.Module, pattern: str | None = None) -> Callable[[str], str]:
     """A ``layer_of`` for ``model`` (parameter name -> ``"embed"``, ``"layers.{i}"``,
     ``"head"``; module docstring). ``pattern``: a regex whose group 1 is the block index,
@@ -89,8 +109,9 @@ def layer_namer(model: torch.nn.Module, pattern: str | None = None) -> Callable[
             one that matches no parameter.
     """
     if pattern is None:
-        prefix = re.escape(blocks_prefix(model))
-        regex = re.compile(rf"^{prefix}\.(\d+)\.")
+        found = blocks_prefix(model)
+        _warn_other_blocks(model, found)
+        regex = re.compile(rf"^{re.escape(found)}\.(\d+)\.")
     else:
         try:
             regex = re.compile(pattern)
@@ -100,10 +121,18 @@ def layer_namer(model: torch.nn.Module, pattern: str | None = None) -> Callable[
             raise ValueError(f"model.layer_pattern {pattern!r} has no group for the block index")
     keys: dict[str, str] = {}
     seen_block = False
+    block_at: dict[int, str] = {}  # index -> the module path of its first parameter
     for name, _ in model.named_parameters():
         match = regex.match(name)
         if match:
-            keys[name] = f"layers.{int(match.group(1))}"
+            index = int(match.group(1))
+            path = name[:match.end(1)]  # the block's module path, up to its index
+            first = block_at.setdefault(index, path)
+            if first != path:  # two modules would share one layer key, silently
+                raise ValueError(f"model.layer_pattern {pattern!r} gives index {index} to "
+                                 f"two blocks, {first!r} and {path!r}: match one list of "
+                                 "blocks (the others then go to embed or head)")
+            keys[name] = f"layers.{index}"
             seen_block = True
         else:
             keys[name] = "head" if seen_block else "embed"
