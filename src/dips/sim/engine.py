@@ -345,9 +345,14 @@ class Simulation(RoundActions, ServerFaults):
         """Start ``m``'s push for round ``rnd`` (0: sent ahead) along the §10 schedule."""
         steps = self.book.schedule(rnd, m.stage_layers, self.owner, self.sc.followers.count)
         plan: list[list[tuple[int, float]]] = [[] for _ in m.stage_layers]
+        merge = not m.cfg.shared_links or len(plan) == 1
         for st in steps:
             for tr in st:
-                plan[tr.worker].append((tr.follower, self.layer_bytes[tr.layer]))
+                mine = plan[tr.worker]
+                if merge and mine and mine[-1][0] == tr.follower:  # back to back: one flow
+                    mine[-1] = (tr.follower, mine[-1][1] + self.layer_bytes[tr.layer])
+                else:
+                    mine.append((tr.follower, self.layer_bytes[tr.layer]))
         m.set_state("push", t)
         m.admitted_at = t
         if self._fault_due(m, "window", t):
@@ -376,4 +381,4 @@ class Simulation(RoundActions, ServerFaults):
                 by_follower[self.owner[k]] = by_follower.get(self.owner[k], 0.0) + self.layer_bytes[k]
             plan.append(list(by_follower.items()))
         return Job(self.net, m.cid, "out", plan, m.cfg.downlink or m.cfg.uplink,
-                   m.cfg.latency_s, False, on_done)
+                   m.cfg.latency_s, False, on_done, merge=True)

@@ -12,7 +12,16 @@ starts or ends or a link's rate changes; each flow's completion is an event of t
 :class:`dips.sim.events.FastQueue`: one event per follower NIC direction, for its flow that
 ends first (an allocation makes the group's earlier event stale: its generation is old).
 Flows of one NIC direction over one link share a rate class timed by one service counter
-(:class:`Network`), so a run of a thousand clusters stays fast.
+(:class:`Network`), so a run of a thousand clusters stays fast. A NIC's completion event is
+pushed again only when its rates or its first flow to end changed (an unchanged allocation keeps
+its pending event).
+
+Identical concurrent jobs are merged (``Job.merge``, the pulls): the clusters of one type whose
+verdicts come out together start the same pull plan over the same link at the same instant, so
+their flows move in lockstep; they are carried as one set of flows of ``weight`` k (k flows in
+the max-min share, k times the bytes). A cluster lost meanwhile leaves the set (its weight
+drops, the others go on). The rates, and so every time, are those of k separate flows; only
+the order of events at one instant can differ (one completion instead of k).
 
 A :class:`Job` is one cluster's push or pull: per stage worker, its transfers in order. A push
 follows the leader's §10 schedule (:class:`dips.algo.schedule.ScheduleBook`); with ``exclusive``
@@ -40,8 +49,9 @@ __all__ = ["Flow", "Job", "Network"]
 @dataclass(eq=False)
 class Flow:
     """One transfer of ``total_bits`` between a stage worker of ``job`` and ``follower`` in
-    ``direction``, over ``link``; it ends when its rate class's service counter reaches
-    ``finish`` (bits: the counter when it started + its bits)."""
+    ``direction``, over ``link``, for ``weight`` identical jobs (``job`` and its riders); it
+    ends when its rate class's service counter reaches ``finish`` (bits: the counter when it
+    started + its bits)."""
 
     fid: int
     job: "Job"
@@ -50,15 +60,18 @@ class Flow:
     direction: str
     total_bits: float
     link: LinkConfig
+    weight: int = 1
     finish: float = 0.0
     alive: bool = True
+    cls: "_Class | None" = None
 
 
 @dataclass(eq=False)
 class _Class:
     """The flows of one NIC direction over one link (one rate class): under max-min sharing
     they always move at the same ``rate`` (bits/s), so one service counter ``served`` (bits
-    each has moved since the class began) times them all; ``heap`` orders them by finish."""
+    each has moved since the class began) times them all; ``heap`` orders them by finish
+    (dead entries, of cancelled jobs, are skipped lazily); ``count``: the live flows' weights."""
 
     link: LinkConfig
     order: int
@@ -66,6 +79,13 @@ class _Class:
     served: float = 0.0
     count: int = 0
     heap: list[tuple[float, int, Flow]] = field(default_factory=list)
+
+    def head(self) -> tuple[float, int, Flow] | None:
+        """The live flow that ends first, dropping dead ones from the top."""
+        heap = self.heap
+        while heap and not heap[0][2].alive:
+            heapq.heappop(heap)
+        return heap[0] if heap else None
 
 
 class Network:
@@ -89,14 +109,41 @@ class Network:
             (f, d): {} for f in range(len(loads)) for d in ("in", "out")}
         self.last: dict[tuple[int, str], float] = {k: 0.0 for k in self.groups}
         self.gen: dict[tuple[int, str], int] = {k: 0 for k in self.groups}
+        #: key -> (rates by class order, fid) of its pending completion event (None: none).
+        self.pending: dict[tuple[int, str], tuple[tuple[float, ...], int] | None] = {
+            k: None for k in self.groups}
+        self.total: dict[tuple[int, str], float] = {k: 0.0 for k in self.groups}
         self.down: set[int] = set()
+        self.merged = 0  # jobs carried by an identical one (see the module docstring)
         self._next_id = 0
+        self._twins: dict[Any, Job] = {}
+        self._twins_t = -1.0
+
+    def twin(self, t: float, job: "Job") -> "Job | None":
+        """A mergeable job begun at ``t`` with ``job``'s plan, link, latency and direction that
+        ``job`` can ride (its flows carry one more weight from now); None: ``job`` runs alone
+        (and may be ridden by the next one)."""
+        if t != self._twins_t:
+            self._twins, self._twins_t = {}, t
+        key = (job.direction, id(job.link), job.latency_s, job.exclusive,
+               tuple(tuple(p) for p in job.plan))
+        other = self._twins.get(key)
+        if other is None or other.interest == 0:
+            self._twins[key] = job
+            return None
+        other.riders.append(job)
+        self.merged += 1
+        self._reweight(t, other, +1)
+        return other
 
     def launch(self, t: float, job: "Job", stage: int, follower: int, direction: str,
                nbytes: float, delay_s: float) -> Flow:
-        """A flow of ``nbytes`` bytes that starts ``delay_s`` seconds after ``t``."""
+        """A flow of ``nbytes`` bytes (per job carried) that starts ``delay_s`` seconds after
+        ``t``."""
         self._next_id += 1
-        flow = Flow(self._next_id, job, stage, follower, direction, 8.0 * nbytes, job.link)
+        flow = Flow(self._next_id, job, stage, follower, direction, 8.0 * nbytes, job.link,
+                    job.interest)
+        job.flows.add(flow)
         if delay_s > 0:
             self.queue.push(t + delay_s, "flow_start", flow)
         else:
@@ -104,8 +151,8 @@ class Network:
         return flow
 
     def start(self, t: float, flow: Flow) -> None:
-        """Flow ``flow`` begins moving bits at ``t`` (ignored if its job was cancelled)."""
-        if flow.job.cancelled:
+        """Flow ``flow`` begins moving bits at ``t`` (ignored if its jobs were cancelled)."""
+        if not flow.alive:
             return
         key = (flow.follower, flow.direction)
         self._progress(key, t)
@@ -113,9 +160,10 @@ class Network:
         cls = group.get(id(flow.link))
         if cls is None:
             cls = group[id(flow.link)] = _Class(flow.link, len(group))
+        flow.cls = cls
         flow.finish = cls.served + flow.total_bits
         heapq.heappush(cls.heap, (flow.finish, flow.fid, flow))
-        cls.count += 1
+        cls.count += flow.weight
         self._allocate(key, t)
 
     def finish(self, t: float, fid: int, gen: int, follower: int, direction: str) -> Flow | None:
@@ -127,35 +175,49 @@ class Network:
         self._progress(key, t)
         flow = None
         for cls in self.groups[key].values():
-            if cls.heap and cls.heap[0][1] == fid:
+            top = cls.head()
+            if top is not None and top[1] == fid:
                 flow = heapq.heappop(cls.heap)[2]
-                cls.count -= 1
+                cls.count -= flow.weight
                 break
         if flow is None:
             return None
         flow.alive = False
-        self.loads[follower].moved(direction, flow.total_bits / 8.0)
+        flow.job.flows.discard(flow)
+        self.pending[key] = None
+        self.loads[follower].moved(direction, flow.weight * flow.total_bits / 8.0)
         self._allocate(key, t)
         return flow
 
     def cancel(self, t: float, job: "Job") -> None:
-        """Drop every flow of ``job`` at ``t`` (its cluster failed)."""
+        """``job``'s cluster failed at ``t``: it no longer counts in its flows (they stop when
+        no job rides them any more)."""
+        if job.cancelled:
+            return
         job.cancelled = True
-        for key, group in self.groups.items():
-            hit = False
-            for cls in group.values():
-                mine = [e for e in cls.heap if e[2].job is job and e[2].alive]
-                for e in mine:
-                    e[2].alive = False
-                if mine:
-                    if not hit:
-                        self._progress(key, t)
-                        hit = True
-                    cls.heap = [e for e in cls.heap if e[2].alive]
-                    heapq.heapify(cls.heap)
-                    cls.count = len(cls.heap)
-            if hit:
-                self._allocate(key, t)
+        carrier = job.carrier or job
+        if carrier is not job:
+            carrier.riders.remove(job)
+            job.carrier = None
+        self._reweight(t, carrier, -1)
+
+    def _reweight(self, t: float, job: "Job", delta: int) -> None:
+        """``job``'s flows carry ``delta`` more jobs from ``t`` on (dying at weight 0)."""
+        touched = []
+        for flow in list(job.flows):
+            flow.weight += delta
+            if flow.weight <= 0:
+                flow.alive = False
+                job.flows.discard(flow)
+            if flow.cls is not None:
+                key = (flow.follower, flow.direction)
+                if key not in touched:
+                    self._progress(key, t)
+                    touched.append(key)
+                flow.cls.count += delta
+        for key in touched:
+            self.pending[key] = None  # the allocation changed
+            self._allocate(key, t)
 
     def set_down(self, t: float, follower: int, down: bool) -> None:
         """Follower ``follower`` stops (``down``) or resumes serving at ``t``: its flows stall
@@ -166,6 +228,7 @@ class Network:
             self._progress((follower, d), t)
         self.down.symmetric_difference_update({follower})
         for d in ("in", "out"):
+            self.pending[(follower, d)] = None
             self._allocate((follower, d), t)
 
     def relink(self, t: float) -> None:
@@ -173,6 +236,7 @@ class Network:
         for key, group in self.groups.items():
             if any(c.count for c in group.values()):
                 self._progress(key, t)
+                self.pending[key] = None
                 self._allocate(key, t)
 
     def _progress(self, key: tuple[int, str], t: float) -> None:
@@ -184,33 +248,44 @@ class Network:
         self.last[key] = t
 
     def _allocate(self, key: tuple[int, str], t: float) -> None:
-        """Water-filling of the follower NIC ``key`` among its rate classes (module docstring)."""
+        """Water-filling of the follower NIC ``key`` among its rate classes (module docstring);
+        the completion event is pushed again only if a rate or the first flow changed."""
         classes = sorted((c.link.rate_at(t) if c.link.schedule else c.link.bps, c.order, c)
                          for c in self.groups[key].values() if c.count)
         left, total = (0.0 if key[0] in self.down else self.nic_bps), 0.0
         n = sum(c.count for _, _, c in classes)
         first: tuple[float, int] | None = None
+        rates = []
         for link_bps, _, c in classes:
             c.rate = min(link_bps, left / n)
+            rates.append(c.rate)
             left -= c.rate * c.count
             n -= c.count
             total += c.rate * c.count
             if c.rate <= 0:
                 continue  # a follower that is down: nothing moves, nothing ends
-            end = t + max(0.0, c.heap[0][0] - c.served) / c.rate
-            if first is None or (end, c.heap[0][1]) < first:
-                first = (end, c.heap[0][1])
+            top = c.head()
+            end = t + max(0.0, top[0] - c.served) / c.rate
+            if first is None or (end, top[1]) < first:
+                first = (end, top[1])
+        if total != self.total[key]:
+            self.total[key] = total
+            self.loads[key[0]].nic(key[1], total, t)
+        state = (tuple(rates), first[1] if first is not None else -1)
+        if state == self.pending[key]:
+            return  # the pending event still holds: same rates, same first flow
         self.gen[key] += 1
+        self.pending[key] = state if first is not None else None
         if first is not None:
             self.queue.push(first[0], "flow_done", (first[1], self.gen[key], key[0], key[1]))
-        self.loads[key[0]].nic(key[1], total, t)
 
 
 @dataclass(eq=False)
 class Job:
     """One cluster's push ("in") or pull ("out"): ``plan[s]`` is stage worker s's transfers in
     order, ``(follower, bytes)``; ``exclusive``: two workers never use one follower at once;
-    ``on_done(t)`` runs when every worker finished."""
+    ``on_done(t)`` runs when every worker finished; ``merge``: it may ride an identical job
+    begun at the same instant (``carrier``; the carrier's ``riders`` are done when it is)."""
 
     net: Network
     cluster: str
@@ -220,15 +295,28 @@ class Job:
     latency_s: float
     exclusive: bool
     on_done: Callable[[float], None]
+    merge: bool = False
     info: dict[str, Any] = field(default_factory=dict)
     cancelled: bool = False
+    carrier: "Job | None" = None
+    riders: list["Job"] = field(default_factory=list)
+    flows: set[Flow] = field(default_factory=set)
     _pos: list[int] = field(default_factory=list)
     _busy: set[int] = field(default_factory=set)
     _waiting: dict[int, deque[int]] = field(default_factory=dict)
     _left: int = 0
 
+    @property
+    def interest(self) -> int:
+        """Jobs its flows carry: itself unless cancelled, and its riders."""
+        return (not self.cancelled) + len(self.riders)
+
     def begin(self, t: float) -> None:
-        """Start every stage worker at ``t``."""
+        """Start every stage worker at ``t`` (or ride an identical job begun at ``t``)."""
+        if self.merge:
+            self.carrier = self.net.twin(t, self)
+            if self.carrier is not None:
+                return
         self._pos = [0] * len(self.plan)
         self._left = len(self.plan)
         for s in range(len(self.plan)):
@@ -237,8 +325,13 @@ class Job:
     def _next(self, s: int, t: float) -> None:
         if self._pos[s] == len(self.plan[s]):
             self._left -= 1
-            if self._left == 0 and not self.cancelled:
-                self.on_done(t)
+            if self._left == 0:
+                if not self.cancelled:
+                    self.on_done(t)
+                for rider in list(self.riders):
+                    rider.on_done(t)
+            return
+        if not self.interest:
             return
         follower, nbytes = self.plan[s][self._pos[s]]
         if self.exclusive and follower in self._busy:
