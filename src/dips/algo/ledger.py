@@ -102,6 +102,10 @@ class ChunkLedger:
     _held: dict[str, set[int]] = field(default_factory=dict, repr=False, compare=False)
     _free_partial: set[int] = field(default_factory=set, repr=False, compare=False)
     _free_fresh: set[int] = field(default_factory=set, repr=False, compare=False)
+    #: Members whose progress time :meth:`observe` must look at again (derived): a new holder,
+    #: one whose accepted position advanced, one that holds nothing any more. Keeps
+    #: :meth:`observe` O(members changed) instead of O(holders) (1,024 clusters: each lease).
+    _unstamped: set[str] = field(default_factory=set, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.num_chunks < 1 or self.windows_per_chunk < 1:
@@ -110,6 +114,7 @@ class ChunkLedger:
         if not self.chunks:
             self.chunks = [_Chunk() for _ in range(self.num_chunks)]
         self._held, self._free_partial, self._free_fresh = self._index()
+        self._unstamped = set(self._held) | set(self.progressed_at)
 
     def _index(self) -> tuple[dict[str, set[int]], set[int], set[int]]:
         """The indexes built from ``chunks`` (see the fields)."""
@@ -132,6 +137,7 @@ class ChunkLedger:
             mine.discard(i)
             if not mine:
                 del self._held[c.holder]
+                self._unstamped.add(c.holder)
         self._free_partial.discard(i)
         self._free_fresh.discard(i)
         c.holder = holder
@@ -140,7 +146,10 @@ class ChunkLedger:
         if finished is not None:
             c.finished = finished
         if holder is not None:
-            self._held.setdefault(holder, set()).add(i)
+            if holder not in self._held:
+                self._held[holder] = set()
+                self._unstamped.add(holder)
+            self._held[holder].add(i)
         elif not c.finished:
             (self._free_partial if c.accepted else self._free_fresh).add(i)
 
@@ -180,13 +189,15 @@ class ChunkLedger:
         """Time the progress made since the last call: a holder whose accepted position
         advanced meanwhile, or first seen holding chunks, counts as having progressed at
         ``now`` (seconds); a member holding nothing is forgotten."""
-        holders = set(self._held)
-        for h in holders:
-            if self.progressed_at.get(h) is None and h in self._previous:
-                self.interval[h] = now - self._previous.pop(h)
-        self.progressed_at = {h: now if self.progressed_at.get(h) is None else
-                              self.progressed_at[h] for h in holders}
-        self.interval = {h: v for h, v in self.interval.items() if h in holders}
+        for h in sorted(self._unstamped):
+            if h not in self._held:
+                self.progressed_at.pop(h, None)
+                self.interval.pop(h, None)
+            elif self.progressed_at.get(h) is None:
+                if h in self._previous:
+                    self.interval[h] = now - self._previous.pop(h)
+                self.progressed_at[h] = now
+        self._unstamped.clear()
 
     # ----- transitions ------------------------------------------------------------------
     def lease(self, cluster: str, n: int, now: float | None = None,
@@ -289,6 +300,7 @@ class ChunkLedger:
             if upto > c.accepted and self.progressed_at.get(cluster) is not None:
                 self._previous[cluster] = self.progressed_at[cluster]
                 self.progressed_at[cluster] = None  # timed at the next observe
+                self._unstamped.add(cluster)
             gained += upto - c.accepted
             ranges.append((chunk, c.accepted, upto))
             c.accepted = upto  # still held: no index changes

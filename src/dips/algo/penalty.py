@@ -285,12 +285,17 @@ def _absorb(sources: Mapping[str, Moments], items: list[tuple[str, float]],
     """The moments after adding each ``(cluster, G)`` in order with its EMA rate: every earlier
     mass decays by (1 − rate) and the new G gets weight rate. Shares below PRUNE_MASS are folded
     into the unattributed history."""
-    out = dict(sources)
+    # On (w, a, b) tuples: the same float operations, in the same order, as Moments.scaled
+    # and Moments.__add__ (bit for bit), without an object per source and item (a round of
+    # 100 pushes over 1,024 sources made 100,000 of them).
+    out = {c: (m.w, m.a, m.b) for c, m in sources.items()}
     for (cid, g), r in zip(items, rates):
-        out = {c: m.scaled(1.0 - r) for c, m in out.items()}
-        out[cid] = out.get(cid, Moments()) + Moments(r, r * g, r * g * g)
-    pruned = {c: m for c, m in out.items() if c == SHARED or m.w >= PRUNE_MASS}
-    folded = [m for c, m in out.items() if c not in pruned]
+        k = 1.0 - r
+        out = {c: (w * k, a * k, b * k) for c, (w, a, b) in out.items()}
+        w, a, b = out.get(cid, (0.0, 0.0, 0.0))
+        out[cid] = (w + r, a + r * g, b + r * g * g)
+    pruned = {c: Moments(*m) for c, m in out.items() if c == SHARED or m[0] >= PRUNE_MASS}
+    folded = [Moments(*m) for c, m in out.items() if c not in pruned]
     if folded:
         pruned[SHARED] = sum(folded, pruned.get(SHARED, Moments()))
     return pruned

@@ -10,6 +10,8 @@ decided and :func:`pull_stalls` when it ends. Pure: no clock, threads or I/O.
 
 from __future__ import annotations
 
+import bisect
+
 from dataclasses import replace
 
 from dips.algo.round_types import Round, RoundPolicy, RoundState, UpdateOutcome
@@ -52,6 +54,9 @@ def scored(state: RoundState, rnd: Round, outcome: UpdateOutcome,
     """
     push_s, owed, stalls = dict(state.push_s), dict(state.send_ahead), dict(state.stalls)
     a = policy.estimate_alpha
+    # The pushes of the members that owe nothing, sorted once per round: each member's
+    # "others" are these without its own (the median of a round of 100 over 1,024 members).
+    settled = sorted(v for k, v in state.push_s.items() if k not in state.send_ahead)
     for c, s in rnd.slots.items():
         if s.excused or s.admitted_at is None or s.reported_at is None:
             continue
@@ -65,8 +70,8 @@ def scored(state: RoundState, rnd: Round, outcome: UpdateOutcome,
         # just before their deadline, estimates lowered by instant reports sent ahead).
         # Judged against the others' median push too (review 19, B′: a member reporting just
         # under a threshold of its own estimate raised that estimate round after round).
-        others = sorted(v for k, v in state.push_s.items() if k != c and k not in state.send_ahead)
-        typical = others[len(others) // 2] if others else None
+        typical = _median_without(settled, state.push_s.get(c)
+                                  if c not in state.send_ahead else None)
         pred = min(x for x in (s.expected_s, typical) if x is not None) \
             if (s.expected_s, typical) != (None, None) else None
         late = (not s.ahead and pred is not None
@@ -83,6 +88,19 @@ def scored(state: RoundState, rnd: Round, outcome: UpdateOutcome,
             push_s[c] = mean if old is None else max(old, mean)
             _stalled(c, owed, stalls)
     return replace(state, push_s=push_s, send_ahead=owed, stalls=stalls)
+
+
+def _median_without(values: list[float], own: float | None) -> float | None:
+    """The upper median of sorted ``values`` less one occurrence of ``own`` (None: nothing
+    removed; ``own`` must then be one of them), or None when nothing is left: the same element
+    as ``sorted(values without own)[n // 2]``, found in O(log n)."""
+    if own is None:
+        return values[len(values) // 2] if values else None
+    n = len(values) - 1
+    if n <= 0:
+        return None
+    i, p = n // 2, bisect.bisect_left(values, own)
+    return values[i] if i < p else values[i + 1]
 
 
 def _stalled(cluster: str, owed: dict[str, int], stalls: dict[str, int]) -> None:

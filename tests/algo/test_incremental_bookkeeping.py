@@ -1,0 +1,103 @@
+"""The leader's bookkeeping made incremental for 1,024 clusters (issue 16, SCALE.md "Engine
+speed") decides exactly what the full scans it replaced decided: the ledger's progress times
+(:meth:`ChunkLedger.observe`, now O(members changed)), the median of the others' pushes in
+:func:`dips.algo.stalls.scored` (sorted once per round) and the penalty's EMA absorb (on tuples)."""
+
+from __future__ import annotations
+
+import random
+
+from dips.algo import stalls
+from dips.algo.ledger import ChunkLedger
+from dips.algo.penalty import Moments, _absorb
+
+
+class _FullScan(ChunkLedger):
+    """The ledger with the O(holders) ``observe`` it had before (the reference)."""
+
+    def observe(self, now: float) -> None:
+        holders = set(self._held)
+        for h in holders:
+            if self.progressed_at.get(h) is None and h in self._previous:
+                self.interval[h] = now - self._previous.pop(h)
+        self.progressed_at = {h: now if self.progressed_at.get(h) is None else
+                              self.progressed_at[h] for h in holders}
+        self.interval = {h: v for h, v in self.interval.items() if h in holders}
+
+
+def _drive(led: ChunkLedger, seed: int) -> list[object]:
+    rng, out, now = random.Random(seed), [], 0.0
+    members = [f"c{i}" for i in range(6)]
+    for _ in range(400):
+        now += rng.random() * 10
+        c, op = rng.choice(members), rng.random()
+        held = led.holdings(c)
+        if op < 0.35:
+            out.append(led.lease(c, rng.randint(1, 3), now, 25.0))
+        elif op < 0.6 and held:
+            led.report(c, {k: min(a + rng.randint(0, 4), led.windows_per_chunk) for k, a in held})
+        elif op < 0.8:
+            out.append(led.resolve(c, rng.random() < 0.8, version=len(out)))
+        elif op < 0.87:
+            out.append(led.release(c))
+        elif op < 0.92:
+            out.append(led.rollback(max(0, len(out) - rng.randint(1, 5))))
+        else:
+            out.append(led.idle_chunks(c, now, 25.0))
+        led.observe(now)
+        out.append((dict(sorted(led.progressed_at.items())), dict(sorted(led.interval.items()))))
+    return out
+
+
+def test_observe_matches_the_full_scan():
+    for seed in range(8):
+        fast, full = ChunkLedger(12, 6), _FullScan(12, 6)
+        assert _drive(fast, seed) == _drive(full, seed)
+        fast.check()
+
+
+def test_observe_after_restore_stamps_every_holder():
+    led = ChunkLedger(8, 4)
+    led.lease("a", 2, 0.0)
+    again = ChunkLedger.from_dict(led.to_dict())
+    assert again.progressed_at == {}
+    again.observe(5.0)
+    assert again.progressed_at == {"a": 5.0}
+
+
+def test_median_without_matches_sorting_the_others():
+    rng = random.Random(1)
+    for _ in range(2000):
+        values = sorted(rng.choice([1.0, 2.0, 3.0, rng.random()]) for _ in range(rng.randint(0, 9)))
+        own = rng.choice(values) if values and rng.random() < 0.7 else None
+        rest = list(values)
+        if own is not None:
+            rest.remove(own)
+        expected = rest[len(rest) // 2] if rest else None
+        assert stalls._median_without(values, own) == expected
+
+
+def _absorb_by_objects(sources, items, rates):
+    """The absorb on Moments objects, as it was (the reference)."""
+    out = dict(sources)
+    for (cid, g), r in zip(items, rates):
+        out = {c: m.scaled(1.0 - r) for c, m in out.items()}
+        out[cid] = out.get(cid, Moments()) + Moments(r, r * g, r * g * g)
+    pruned = {c: m for c, m in out.items() if c == "" or m.w >= 1e-9}
+    folded = [m for c, m in out.items() if c not in pruned]
+    if folded:
+        pruned[""] = sum(folded, pruned.get("", Moments()))
+    return pruned
+
+
+def test_absorb_is_bit_identical_to_the_objects():
+    rng = random.Random(2)
+    sources = {f"c{i}": Moments(rng.random(), rng.random(), rng.random()) for i in range(30)}
+    sources["tiny"] = Moments(1e-12, 1e-12, 1e-12)
+    for _ in range(50):
+        items = [(f"c{rng.randint(0, 40)}", rng.random() * 5) for _ in range(rng.randint(1, 12))]
+        rates = [rng.choice([0.02, 0.5, 0.999]) for _ in items]
+        fast = _absorb(sources, items, rates)
+        assert fast == _absorb_by_objects(sources, items, rates)
+        assert list(fast) == list(_absorb_by_objects(sources, items, rates))
+        sources = fast
