@@ -42,6 +42,34 @@ def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+def _valid_fast(worker_layers: list[list[int]], owner: dict[int, int], num_followers: int,
+                last_used: dict[int, int] | None, reserved: Sequence[Collection[int]]) -> bool:
+    """True if :func:`_validate` would accept these arguments with plain ints only (no
+    call per element: the leader schedules every push of a round of hundreds); False means
+    "let :func:`_validate` look" (it accepts int subclasses too, and names what is wrong)."""
+    if type(num_followers) is not int or num_followers < 1:
+        return False
+    seen: set[int] = set()
+    count = 0
+    for layers in worker_layers:
+        for layer in layers:
+            f = owner.get(layer) if type(layer) is int else None
+            if type(f) is not int or not 0 <= f < num_followers:
+                return False
+            seen.add(layer)
+            count += 1
+    if len(seen) != count:
+        return False
+    for f, step in (last_used or {}).items():
+        if type(f) is not int or type(step) is not int or not 0 <= f < num_followers:
+            return False
+    for fs in reserved:
+        for f in fs:
+            if type(f) is not int or not 0 <= f < num_followers:
+                return False
+    return True
+
+
 def _validate(
     worker_layers: list[list[int]],
     owner: dict[int, int],
@@ -113,7 +141,8 @@ def greedy_schedule(
             an owner out of range, or a malformed ``last_used`` / ``reserved`` (naming the
             value).
     """
-    _validate(worker_layers, owner, num_followers, last_used, reserved)
+    if not _valid_fast(worker_layers, owner, num_followers, last_used, reserved):
+        _validate(worker_layers, owner, num_followers, last_used, reserved)
     lru = {f: -1 for f in range(num_followers)}
     lru.update(last_used or {})
     # pending[w][f] = w's unsent layers owned by f, lowest first (popped from the end).

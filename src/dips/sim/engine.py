@@ -373,12 +373,16 @@ class Simulation(RoundActions, ServerFaults):
         self._fault_due(m, "update", t)  # lost after its push, before the verdict
 
     def _pull_job(self, m: Member, on_done: Any) -> Job:
-        """Each stage worker fetches its layers, one owning follower after another."""
-        plan = []
-        for layers in m.stage_layers:
-            by_follower: dict[int, float] = {}
-            for k in layers:
-                by_follower[self.owner[k]] = by_follower.get(self.owner[k], 0.0) + self.layer_bytes[k]
-            plan.append(list(by_follower.items()))
+        """Each stage worker fetches its layers, one owning follower after another (the plan
+        depends only on the member's stages and the ownership: computed once, kept)."""
+        plan = m.pull_plan
+        if plan is None:
+            plan = m.pull_plan = []
+            for layers in m.stage_layers:
+                by_follower: dict[int, float] = {}
+                for k in layers:
+                    by_follower[self.owner[k]] = (by_follower.get(self.owner[k], 0.0)
+                                                  + self.layer_bytes[k])
+                plan.append(list(by_follower.items()))
         return Job(self.net, m.cid, "out", plan, m.cfg.downlink or m.cfg.uplink,
                    m.cfg.latency_s, False, on_done, merge=True)

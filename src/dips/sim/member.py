@@ -36,6 +36,7 @@ class Member:
                                   transient=cfg.transient, link=cfg.uplink)
         self.rng = costs.streams(sc.seed, index)
         self.stage_layers = [list(r) for r in stages]
+        self.pull_plan: list[list[tuple[int, float]]] | None = None  # per stage worker
         self.windows_per_chunk = sc.data.windows_per_chunk
         self.timeline_s = sc.timeline_s
         self.state, self.since = "idle", 0.0
