@@ -202,7 +202,7 @@ class Simulation(RoundActions, ServerFaults):
     def _on_flow_start(self, t: float, flow: Any) -> None:
         self.net.start(t, flow)
 
-    def _on_flow_done(self, t: float, payload: tuple[int, int, int, str]) -> None:
+    def _on_flow_done(self, t: float, payload: tuple[Any, int, tuple[int, str]]) -> None:
         flow = self.net.finish(t, *payload)
         if flow is None:
             return

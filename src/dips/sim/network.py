@@ -45,6 +45,11 @@ from dips.spec import LinkConfig
 
 __all__ = ["Flow", "Job", "Network"]
 
+#: Merge identical concurrent jobs (module docstring); tests turn it off to compare.
+MERGE_JOBS = True
+#: Keep a NIC's pending completion event while its allocation is unchanged; tests turn it off.
+KEEP_PENDING = True
+
 
 @dataclass(eq=False)
 class Flow:
@@ -109,8 +114,9 @@ class Network:
             (f, d): {} for f in range(len(loads)) for d in ("in", "out")}
         self.last: dict[tuple[int, str], float] = {k: 0.0 for k in self.groups}
         self.gen: dict[tuple[int, str], int] = {k: 0 for k in self.groups}
-        #: key -> (rates by class order, fid) of its pending completion event (None: none).
-        self.pending: dict[tuple[int, str], tuple[tuple[float, ...], int] | None] = {
+        #: key -> ((class order, rate) of each class, fid) of its pending completion event
+        #: (None: none).
+        self.pending: dict[tuple[int, str], tuple[tuple[tuple[int, float], ...], int] | None] = {
             k: None for k in self.groups}
         self.total: dict[tuple[int, str], float] = {k: 0.0 for k in self.groups}
         self.down: set[int] = set()
@@ -128,7 +134,7 @@ class Network:
         key = (job.direction, id(job.link), job.latency_s, job.exclusive,
                tuple(tuple(p) for p in job.plan))
         other = self._twins.get(key)
-        if other is None or other.interest == 0:
+        if not MERGE_JOBS or other is None or other.interest == 0:
             self._twins[key] = job
             return None
         other.riders.append(job)
@@ -166,26 +172,22 @@ class Network:
         cls.count += flow.weight
         self._allocate(key, t)
 
-    def finish(self, t: float, fid: int, gen: int, follower: int, direction: str) -> Flow | None:
-        """Complete flow ``fid`` at ``t`` if the NIC's allocation ``gen`` is still current;
-        returns it."""
-        key = (follower, direction)
-        if self.gen[key] != gen:
+    def finish(self, t: float, flow: Flow, gen: int, key: tuple[int, str]) -> Flow | None:
+        """Complete ``flow`` at ``t`` if the NIC ``key``'s allocation ``gen`` is still current
+        (it is then the first of its class to end); returns it."""
+        if self.gen[key] != gen or not flow.alive:
             return None
         self._progress(key, t)
-        flow = None
-        for cls in self.groups[key].values():
-            top = cls.head()
-            if top is not None and top[1] == fid:
-                flow = heapq.heappop(cls.heap)[2]
-                cls.count -= flow.weight
-                break
-        if flow is None:
+        cls = flow.cls
+        top = cls.head()
+        if top is None or top[2] is not flow:
             return None
+        heapq.heappop(cls.heap)
+        cls.count -= flow.weight
         flow.alive = False
         flow.job.flows.discard(flow)
         self.pending[key] = None
-        self.loads[follower].moved(direction, flow.weight * flow.total_bits / 8.0)
+        self.loads[key[0]].moved(key[1], flow.weight * flow.total_bits / 8.0)
         self._allocate(key, t)
         return flow
 
@@ -250,34 +252,38 @@ class Network:
     def _allocate(self, key: tuple[int, str], t: float) -> None:
         """Water-filling of the follower NIC ``key`` among its rate classes (module docstring);
         the completion event is pushed again only if a rate or the first flow changed."""
-        classes = sorted((c.link.rate_at(t) if c.link.schedule else c.link.bps, c.order, c)
-                         for c in self.groups[key].values() if c.count)
+        live = [(c.link.rate_at(t) if c.link.schedule else c.link.bps, c.order, c)
+                for c in self.groups[key].values() if c.count]
+        if len(live) > 1:
+            live.sort()
         left, total = (0.0 if key[0] in self.down else self.nic_bps), 0.0
-        n = sum(c.count for _, _, c in classes)
-        first: tuple[float, int] | None = None
+        n = 0
+        for _, _, c in live:
+            n += c.count
+        first: tuple[float, int, Flow] | None = None
         rates = []
-        for link_bps, _, c in classes:
-            c.rate = min(link_bps, left / n)
-            rates.append(c.rate)
-            left -= c.rate * c.count
+        for link_bps, order, c in live:
+            rate = c.rate = min(link_bps, left / n)
+            rates.append((order, rate))
+            left -= rate * c.count
             n -= c.count
-            total += c.rate * c.count
-            if c.rate <= 0:
+            total += rate * c.count
+            if rate <= 0:
                 continue  # a follower that is down: nothing moves, nothing ends
             top = c.head()
-            end = t + max(0.0, top[0] - c.served) / c.rate
-            if first is None or (end, top[1]) < first:
-                first = (end, top[1])
+            end = t + max(0.0, top[0] - c.served) / rate
+            if first is None or (end, top[1]) < first[:2]:
+                first = (end, top[1], top[2])
         if total != self.total[key]:
             self.total[key] = total
             self.loads[key[0]].nic(key[1], total, t)
         state = (tuple(rates), first[1] if first is not None else -1)
-        if state == self.pending[key]:
+        if KEEP_PENDING and state == self.pending[key]:
             return  # the pending event still holds: same rates, same first flow
         self.gen[key] += 1
         self.pending[key] = state if first is not None else None
         if first is not None:
-            self.queue.push(first[0], "flow_done", (first[1], self.gen[key], key[0], key[1]))
+            self.queue.push(first[0], "flow_done", (first[2], self.gen[key], key))
 
 
 @dataclass(eq=False)
