@@ -1,10 +1,12 @@
 """The leader's bookkeeping made incremental for 1,024 clusters (issue 16, SCALE.md "Engine
 speed") decides exactly what the full scans it replaced decided: the ledger's progress times
-(:meth:`ChunkLedger.observe`, now O(members changed)), the median of the others' pushes in
+(:meth:`ChunkLedger.observe`, now O(members changed)), its lowest fresh chunks (a heap) and
+its end of an epoch (from the indexes), the median of the others' pushes in
 :func:`dips.algo.stalls.scored` (sorted once per round) and the penalty's EMA absorb (on tuples)."""
 
 from __future__ import annotations
 
+import heapq
 import random
 
 from dips.algo import stalls
@@ -13,7 +15,11 @@ from dips.algo.penalty import Moments, _absorb
 
 
 class _FullScan(ChunkLedger):
-    """The ledger with the O(holders) ``observe`` it had before (the reference)."""
+    """The ledger with the O(holders) ``observe`` and the O(fresh) choice of fresh chunks it
+    had before (the reference)."""
+
+    def _lowest_fresh(self, n: int) -> list[int]:
+        return heapq.nsmallest(n, self._free_fresh)
 
     def observe(self, now: float) -> None:
         holders = set(self._held)
@@ -35,7 +41,7 @@ def _drive(led: ChunkLedger, seed: int) -> list[object]:
         if op < 0.35:
             out.append(led.lease(c, rng.randint(1, 3), now, 25.0))
         elif op < 0.6 and held:
-            led.report(c, {k: min(a + rng.randint(0, 4), led.windows_per_chunk) for k, a in held})
+            led.report(c, {k: min(a + rng.randint(0, 5), led.windows_per_chunk) for k, a in held})
         elif op < 0.8:
             out.append(led.resolve(c, rng.random() < 0.8, version=len(out)))
         elif op < 0.87:
@@ -45,15 +51,20 @@ def _drive(led: ChunkLedger, seed: int) -> list[object]:
         else:
             out.append(led.idle_chunks(c, now, 25.0))
         led.observe(now)
-        out.append((dict(sorted(led.progressed_at.items())), dict(sorted(led.interval.items()))))
+        led.check()
+        assert (not (led._held or led._free_partial or led._free_fresh)) == all(
+            c.finished for c in led.chunks)
+        out.append((led.epoch, dict(sorted(led.progressed_at.items())), dict(sorted(led.interval.items()))))
     return out
 
 
 def test_observe_matches_the_full_scan():
+    epochs = []
     for seed in range(8):
-        fast, full = ChunkLedger(12, 6), _FullScan(12, 6)
+        fast, full = ChunkLedger(6, 4), _FullScan(6, 4)
         assert _drive(fast, seed) == _drive(full, seed)
-        fast.check()
+        epochs.append(fast.epoch)
+    assert max(epochs) >= 2  # epochs rolled over (every chunk finished) in the drives
 
 
 def test_observe_after_restore_stamps_every_holder():

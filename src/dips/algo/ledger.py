@@ -102,6 +102,10 @@ class ChunkLedger:
     _held: dict[str, set[int]] = field(default_factory=dict, repr=False, compare=False)
     _free_partial: set[int] = field(default_factory=set, repr=False, compare=False)
     _free_fresh: set[int] = field(default_factory=set, repr=False, compare=False)
+    #: The fresh chunks as a min-heap (entries no longer fresh are skipped when met): a lease
+    #: takes the lowest in O(log chunks), not a pass over every fresh chunk (500,000 chunks
+    #: for a 30-day run of 1,024 clusters).
+    _fresh_heap: list[int] = field(default_factory=list, repr=False, compare=False)
     #: Members whose progress time :meth:`observe` must look at again (derived): a new holder,
     #: one whose accepted position advanced, one that holds nothing any more. Keeps
     #: :meth:`observe` O(members changed) instead of O(holders) (1,024 clusters: each lease).
@@ -114,6 +118,7 @@ class ChunkLedger:
         if not self.chunks:
             self.chunks = [_Chunk() for _ in range(self.num_chunks)]
         self._held, self._free_partial, self._free_fresh = self._index()
+        self._fresh_heap = sorted(self._free_fresh)
         self._unstamped = set(self._held) | set(self.progressed_at)
 
     def _index(self) -> tuple[dict[str, set[int]], set[int], set[int]]:
@@ -151,7 +156,21 @@ class ChunkLedger:
                 self._unstamped.add(holder)
             self._held[holder].add(i)
         elif not c.finished:
-            (self._free_partial if c.accepted else self._free_fresh).add(i)
+            if c.accepted:
+                self._free_partial.add(i)
+            else:
+                self._free_fresh.add(i)
+                heapq.heappush(self._fresh_heap, i)
+
+    def _lowest_fresh(self, n: int) -> list[int]:
+        """The ``n`` lowest fresh chunks (fewer if there are not as many), in order; they
+        leave the heap (the caller leases them)."""
+        heap, out = self._fresh_heap, []
+        while heap and len(out) < n:
+            i = heapq.heappop(heap)
+            if i in self._free_fresh and (not out or out[-1] != i):
+                out.append(i)
+        return out
 
     # ----- queries ----------------------------------------------------------------------
     def holdings(self, cluster: str) -> list[tuple[int, int]]:
@@ -212,10 +231,12 @@ class ChunkLedger:
         """
         if not cluster or n < 1:
             raise LedgerError(f"lease(cluster={cluster!r}, n={n}): need an id and n >= 1")
-        if all(c.finished for c in self.chunks):
+        # Every chunk finished = none held and none free (a finished chunk is never held):
+        # from the indexes, not a scan that grows with the finished chunks.
+        if not (self._held or self._free_partial or self._free_fresh):
             self._new_epoch()
         take = sorted(self._free_partial)[:n]
-        take += heapq.nsmallest(n - len(take), self._free_fresh)
+        take += self._lowest_fresh(n - len(take))
         if now is not None:
             self.observe(now)
             if idle_s is not None and len(take) < n:
@@ -359,6 +380,8 @@ class ChunkLedger:
             raise LedgerError(f"accepted windows {total} in chunks != {expected} accounted")
         if (self._held, self._free_partial, self._free_fresh) != self._index():
             raise LedgerError("the ledger's holder and free-chunk indexes disagree with its chunks")
+        if not self._free_fresh <= set(self._fresh_heap):
+            raise LedgerError("the ledger's fresh-chunk heap misses fresh chunks")
 
     def summary(self) -> dict[str, Any]:
         """Counts for logs: epoch, accepted windows (all epochs), finished/held/free chunks."""
