@@ -1,7 +1,7 @@
 """Projections of a Di-PS run to 64, 256 and 1,024 clusters (issue 16; seed §16, §17).
 
-``python -m dips.sim.scale --out DIR [--days D] [--clusters 64,256,1024] [--models 100b,14b]``
-(``make simulate-scale``) takes a base scenario per model (``configs/simulate/scale-100b.yaml``,
+``python -m dips.sim.scale --out DIR [--days D] [--clusters 64,256,1024] [--models 100b,14b]
+[--followers 32,64] [--search-h]`` (``make simulate-scale``) takes a base scenario per model (``configs/simulate/scale-100b.yaml``,
 ``scale-14b.yaml``: the §16 cluster types, links, costs and faults), multiplies its cluster
 types to N clusters in the base's proportions, runs :func:`dips.sim.simulate` for each
 (model, N, followers, H) of the grid, and writes ``scale.json``, ``scale.md`` (the table of
@@ -12,7 +12,7 @@ wall and CPU seconds of each run are printed (not stored: they are the only figu
 Per run: the leader's control messages per second (average, busiest 1-s bin), its CPU share at
 ``rpc_cpu_s`` per message, the largest per-cluster overhead (PS time / compute), the H that
 would bring it under 5% (overhead per push is about constant, compute grows with H:
-H × overhead / 5%), staleness (mean, p95, max), the share of pushes the §8 penalty rejected
+H × overhead / 5%; with ``--search-h`` also found by simulating, :func:`search_h`), staleness (mean, p95, max), the share of pushes the §8 penalty rejected
 (no corrupted pushes in the model: staleness and noise alone), and a follower's peak memory
 (bytes per parameter in the base file's ``followers.memory``).
 """
@@ -28,25 +28,40 @@ from typing import Any
 
 from dips.spec.simulate import SimScenario, load_sim_scenario
 
-__all__ = ["GRID", "plot_load", "run_grid", "scaled", "table"]
+__all__ = ["GRID", "SEARCH_SYNCS", "chunks_for", "plot_load", "run_grid", "scaled", "search_h",
+           "table"]
 
 ROOT = Path(__file__).resolve().parents[3]
 #: (clusters, followers) of the projections; followers at most the model's layers + 2.
 GRID = {64: (16, 32), 256: (32, 64), 1024: (64, 96)}
 
 
+def chunks_for(types: list[Any], data: Any, horizon_s: float) -> int:
+    """Data chunks enough for ``horizon_s`` seconds: what the cluster ``types`` could train
+    if they never waited (windows per step / (step s × slowdown) each, in chunks of
+    ``data.windows_per_chunk``) plus ``lease_ahead`` + 1 chunks per cluster being held, so a
+    projection never runs out of data (an epoch ends only when every chunk is finished, and
+    clusters holding theirs would stall the others: a figure of the data size, not the PS)."""
+    windows = sum(c.count * c.windows_per_step * horizon_s / (c.step_s * c.slowdown)
+                  for c in types)
+    clusters = sum(c.count for c in types)
+    return math.ceil(windows / data.windows_per_chunk) + (data.lease_ahead + 1) * clusters
+
+
 def scaled(base: SimScenario, clusters: int, followers: int, days: float,
            H: int | None = None) -> SimScenario:
     """``base`` with its cluster types multiplied to ``clusters`` clusters (counts in the base's
     proportions, the remainder to the first type), ``followers`` followers (capped at the
-    model's layers + 2), ``days`` simulated days and, if given, ``H`` inner steps per push."""
+    model's layers + 2), ``days`` simulated days and, if given, ``H`` inner steps per push; the
+    chunks at least 8 × clusters and enough for the horizon (:func:`chunks_for`)."""
     counts = [c.count for c in base.clusters]
     total = sum(counts)
     new = [clusters * k // total for k in counts]
     new[0] += clusters - sum(new)
     types = [c.model_copy(update={"count": k}) for c, k in zip(base.clusters, new) if k]
     layers = base.model.num_layers + 2
-    data = base.data.model_copy(update={"num_chunks": max(base.data.num_chunks, 8 * clusters)})
+    chunks = max(base.data.num_chunks, 8 * clusters, chunks_for(types, base.data, days * 86400.0))
+    data = base.data.model_copy(update={"num_chunks": chunks})
     update: dict[str, Any] = {
         "name": f"{base.name}-n{clusters}-m{followers}" + (f"-h{H}" if H else ""),
         "clusters": types, "horizon_s": days * 86400.0, "data": data, "reference": None,
@@ -58,6 +73,58 @@ def scaled(base: SimScenario, clusters: int, followers: int, days: float,
         k: (v.model_dump() if hasattr(v, "model_dump") else
             [x.model_dump() for x in v] if isinstance(v, list) else v)
         for k, v in update.items()}})
+
+
+#: Sync intervals (H inner steps of the slowest type) a run of :func:`search_h` covers at least.
+SEARCH_SYNCS = 6
+
+
+def search_h(base: SimScenario, clusters: int, followers: int, days: float,
+             target: float = 0.05, resolution: float = 0.1, max_runs: int = 8,
+             run: Any = None) -> dict[str, Any]:
+    """The smallest H (found by simulating, not by the linear estimate) whose largest
+    per-cluster overhead (PS time / compute) is below ``target``, for ``clusters`` clusters
+    and ``followers`` followers. Each trial runs for ``days`` or :data:`SEARCH_SYNCS` sync
+    intervals of the slowest type, whichever is longer (a large H syncs once a day or less),
+    with its data sized for that horizon. Starts at the base's H; if that is over, tries the
+    linear estimate H × overhead / target, doubles until under, then bisects until the
+    bracket is within ``resolution`` (relative) or ``max_runs`` trials ran (overhead taken as
+    falling with H, as it does when the push, update and pull costs stay fixed). ``run(sc)``
+    returns the largest overhead (default: :func:`dips.sim.simulate`).
+
+    Returns ``{"H": smallest H found under target (None: none within max_runs), "over":
+    {H: overhead of each trial}, "bracket": [largest H over, smallest H under]}``.
+    """
+    if run is None:
+        from dips.sim import simulate
+
+        def run(sc: SimScenario) -> float:
+            return simulate(sc, plots=False)["overhead"]["added_time_frac_max"] or 0.0
+
+    slowest = max(c.step_s * c.slowdown for c in base.clusters)
+    over: dict[int, float] = {}
+
+    def trial(h: int) -> float:
+        if h not in over:
+            horizon = max(days, SEARCH_SYNCS * h * slowest / 86400.0)
+            over[h] = run(scaled(base, clusters, followers, horizon, H=h))
+        return over[h]
+
+    lo = base.H
+    if trial(lo) < target:
+        return {"H": lo, "over": over, "bracket": [None, lo]}
+    hi = max(lo + 1, math.ceil(lo * over[lo] / target))
+    while trial(hi) >= target:
+        if len(over) >= max_runs:
+            return {"H": None, "over": over, "bracket": [hi, None]}
+        lo, hi = hi, 2 * hi
+    while hi - lo > max(1, resolution * lo) and len(over) < max_runs:
+        mid = (lo + hi) // 2
+        if trial(mid) < target:
+            hi = mid
+        else:
+            lo = mid
+    return {"H": hi, "over": over, "bracket": [lo, hi]}
 
 
 def _row(model: str, sc: SimScenario, doc: dict[str, Any]) -> dict[str, Any]:
@@ -81,22 +148,32 @@ def _row(model: str, sc: SimScenario, doc: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_grid(models: list[str], clusters: list[int], days: float,
-             out: Path | None = None) -> list[dict[str, Any]]:
-    """Run the grid (:data:`GRID` for each model in ``models`` and N in ``clusters``); returns
-    one row per run (see :func:`_row`) and, with ``out``, writes scale.json and scale.md."""
+             out: Path | None = None, followers: list[int] | None = None,
+             search: bool = False) -> list[dict[str, Any]]:
+    """Run the grid (for each model in ``models`` and N in ``clusters``: the follower counts
+    ``followers``, or :data:`GRID`'s for N); returns one row per run (see :func:`_row`; with
+    ``search``, ``H_for_5pct_simulated`` and its trials from :func:`search_h`) and, with
+    ``out``, writes scale.json and scale.md."""
     from dips.sim import simulate
 
     rows = []
     for model in models:
         base = load_sim_scenario(ROOT / "configs" / "simulate" / f"scale-{model}.yaml")
         for n in clusters:
-            for m in GRID[n]:
+            for m in followers or GRID[n]:
                 sc = scaled(base, n, m, days)
                 wall, cpu = time.perf_counter(), time.process_time()
-                doc = simulate(sc)
-                rows.append(_row(model, sc, doc))
+                doc = simulate(sc, plots=False)
+                row = _row(model, sc, doc)
                 print(f"{sc.name}: {days:g} days in {time.perf_counter() - wall:.1f} s wall, "
                       f"{time.process_time() - cpu:.1f} s CPU", flush=True)
+                if search:
+                    found = search_h(base, n, m, days)
+                    row["H_for_5pct_simulated"] = found["H"]
+                    row["H_search"] = {str(h): o for h, o in sorted(found["over"].items())}
+                    print(f"{sc.name}: H for < 5% (simulated) = {found['H']}, trials "
+                          f"{row['H_search']}", flush=True)
+                rows.append(row)
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         (out / "scale.json").write_text(json.dumps(rows, indent=1) + "\n")
@@ -153,7 +230,9 @@ def table(rows: list[dict[str, Any]]) -> str:
     lines = [f"| {r['model']} | {r['clusters']} | {r['followers']} | {r['msg_avg']:.2f} / "
              f"{r['msg_peak']} ({r['msg_peak_no_hb']}) | {100 * r['leader_cpu']:.3f}% | "
              f"{100 * r['overhead_max']:.2f}% / {100 * (r['overhead_mean'] or 0):.2f}% | "
-             f"{r['H_for_5pct']} | {r['staleness_mean']} / {r['staleness_p95']} / "
+             f"{r['H_for_5pct']}" + (f" (simulated: {r['H_for_5pct_simulated']})"
+                                     if "H_for_5pct_simulated" in r else "") +
+             f" | {r['staleness_mean']} / {r['staleness_p95']} / "
              f"{r['staleness_max']} | {100 * r['rejected_frac']:.2f}% | "
              f"{r['pushes_per_round']} | {100 * r['cpu_idle_min']:.1f}% | "
              f"{r['link_peak_gbps']:.1f} | {r['memory_peak_gb']:.0f} GB "
@@ -168,8 +247,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--days", type=float, default=2.0, help="simulated days per run")
     p.add_argument("--clusters", default="64,256,1024", help="comma-separated, of 64,256,1024")
     p.add_argument("--models", default="100b,14b", help="comma-separated, of 100b,14b")
+    p.add_argument("--followers", default=None,
+                   help="comma-separated follower counts to try at every N (default: GRID's)")
+    p.add_argument("--search-h", action="store_true",
+                   help="also find the H that keeps the largest per-cluster overhead < 5%% by "
+                        "simulating (search_h; several runs per row)")
     a = p.parse_args(argv)
-    rows = run_grid(a.models.split(","), [int(x) for x in a.clusters.split(",")], a.days, a.out)
+    follow = [int(x) for x in a.followers.split(",")] if a.followers else None
+    rows = run_grid(a.models.split(","), [int(x) for x in a.clusters.split(",")], a.days, a.out,
+                    follow, a.search_h)
     print(table(rows))
 
 
