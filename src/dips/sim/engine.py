@@ -52,6 +52,7 @@ from dips.sim.faults import ServerFaults
 from dips.sim.followers import FollowerLoad, ModelledFollower, NormBoard
 from dips.sim.member import Member
 from dips.sim.network import Job, Network
+from dips.sim.random_faults import RandomFaults
 from dips.sim.rounds import RoundActions
 from dips.spec.run import PUSH_TOKENS_SLACK
 from dips.spec.simulate import SimScenario
@@ -62,7 +63,7 @@ __all__ = ["FOLLOWER_CALLS", "Simulation"]
 FOLLOWER_CALLS = ("Score", "Aggregate", "Discard", "Apply", "Commit")
 
 
-class Simulation(RoundActions, ServerFaults):
+class Simulation(RoundActions, ServerFaults, RandomFaults):
     """One simulated run of ``scenario``; :meth:`run` plays it to the end (the horizon, the
     token budget, or nothing left to do). Deterministic: same scenario, same result."""
 
@@ -119,6 +120,7 @@ class Simulation(RoundActions, ServerFaults):
         self.planned_faults = {(cid, f.push): f.phase for c in sc.clusters
                                for cid in c.ids() for f in c.faults}
         self._init_server_faults()
+        self._init_random_faults()
 
     # ----- the loop -------------------------------------------------------------------------
     def run(self) -> "Simulation":

@@ -199,8 +199,8 @@ class ServerFaults:
     def _persist(self) -> None:
         """What ``leader.json`` holds now (:meth:`dips.roles.leader_records.Records.checkpoint`),
         plus the simulator's own counts of the same moment; kept only when a leader fault is
-        scheduled (the ledger's state costs O(chunks) to copy)."""
-        if not self.sc.leader.faults:
+        scheduled or drawn (``leader.mtbf_s``; the ledger's state costs O(chunks) to copy)."""
+        if not (self.sc.leader.faults or self.sc.leader.mtbf_s):
             return
         st = self.state
         known = {**st.verdicts, **self._recorded}

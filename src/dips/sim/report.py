@@ -17,7 +17,8 @@
   the other messages plus that bound. ``cpu_frac``: messages × ``rpc_cpu_s`` / run seconds.
 * ``server_faults``: follower and leader faults (:mod:`dips.sim.faults`): outer steps rolled
   back, leader restarts, clusters that re-joined for a push the restarted leader did not know,
-  and the first 100 events (seconds, what, details).
+  the random (MTBF) follower faults and leader crashes (:mod:`dips.sim.random_faults`), and
+  the first 100 events (seconds, what, details).
 * ``rounds``, ``staleness`` (versions applied between a push's base and its update),
   ``pushes`` (verdicts, rejections by reason), ``tokens``, ``model``, and ``reference``: each
   figure of the scenario's reference next to the simulated one, their ratio and whether it is
@@ -172,6 +173,8 @@ def summarize(sim: Simulation) -> dict[str, Any]:
     doc["server_faults"] = {
         "outer_steps_lost": sim.counts["outer_steps_lost"],
         "leader_restarts": sim.counts["leader_restarts"], "rejoins": sim.counts["rejoins"],
+        "random_follower_faults": sim.counts["random_follower_faults"],
+        "random_leader_faults": sim.counts["random_leader_faults"],
         "events": [[_r(t), kind, detail] for t, kind, detail in sim.fault_log[:100]]}
     doc["reference"] = _reference(sim, doc)
     return doc

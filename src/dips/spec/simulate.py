@@ -179,6 +179,19 @@ class SimFollowers(Strict):
     memory: SimMemory = Field(default_factory=SimMemory, description="memory per parameter")
     faults: list[SimFollowerFault] = Field(default_factory=list,
                                            description="scheduled follower faults")
+    mtbf_s: float | None = Field(None, gt=0, allow_inf_nan=False,
+                                 description="mean seconds between random faults of each "
+                                             "follower (exponential, from when it is back; "
+                                             "None: only the scheduled ones)")
+    fault_action: Literal["stop", "kill"] = Field(
+        "kill", description="what a random follower fault does: stop (frozen) or kill "
+                            "(restarted), as SimFollowerFault.action")
+    fault_down_s: float = Field(300.0, gt=0, allow_inf_nan=False,
+                                description="seconds a randomly faulted follower stays down "
+                                            "(until it beats or registers again)")
+    fault_checkpoint_lag: int = Field(0, ge=0, description="versions a randomly killed "
+                                                           "follower's newest checkpoint lags "
+                                                           "its committed version")
 
 
 class SimLeader(Strict):
@@ -196,6 +209,12 @@ class SimLeader(Strict):
                                              "update phase (round trip)")
     faults: list[SimLeaderFault] = Field(default_factory=list,
                                          description="scheduled leader restarts")
+    mtbf_s: float | None = Field(None, gt=0, allow_inf_nan=False,
+                                 description="mean seconds between random leader crashes "
+                                             "(exponential, from when it serves again; None: "
+                                             "only the scheduled ones)")
+    restart_s: float = Field(60.0, gt=0, allow_inf_nan=False,
+                             description="seconds until a randomly crashed leader serves again")
 
 
 class NormModel(Strict):
