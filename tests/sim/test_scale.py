@@ -8,7 +8,7 @@ import pytest
 
 from dips.sim import simulate
 from dips.sim.costs import layer_params, memory_bytes
-from dips.sim.scale import _row, plot_load, scaled, table
+from dips.sim.scale import SEARCH_SYNCS, _row, chunks_for, plot_load, scaled, search_h, table
 from dips.spec.simulate import load_sim_scenario
 
 pytestmark = pytest.mark.timeout(60)
@@ -22,7 +22,8 @@ def test_bases_scale_in_proportion(model, params):
     sc = scaled(base, 1024, 200, 1.0, H=128)
     assert [c.count for c in sc.clusters] == [230, 227, 227, 227, 113]  # 2:2:2:2:1 rounded down, rest to A
     assert sc.followers.count == base.model.num_layers + 2 and sc.H == 128
-    assert sc.data.num_chunks == 8 * 1024 and sc.horizon_s == 86400.0
+    assert sc.data.num_chunks == max(8 * 1024, chunks_for(sc.clusters, sc.data, 86400.0))
+    assert sc.horizon_s == 86400.0
     # Two pushes held: 18 + 2 x 4 + 4 + 8 = 38 bytes per parameter, ~10x the FP32 shard.
     assert memory_bytes(base.followers.memory, 1, 2) == 38
 
@@ -40,3 +41,52 @@ def test_a_small_projection_fills_the_table(tmp_path):
     labels = plot_load([other, row, dict(row, followers=16)], tmp_path / "leader_load.png")
     assert labels == ["14b, 8 followers", "14b, 16 followers"]
     assert (tmp_path / "leader_load.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_data_is_sized_for_the_horizon():
+    """30 days of 1,024 clusters never run out of chunks: enough for every cluster training
+    without a pause, plus what they hold."""
+    base = load_sim_scenario(ROOT / "configs" / "simulate" / "scale-100b.yaml")
+    sc = scaled(base, 1024, 96, 30.0)
+    d = sc.data
+    could = sum(c.count * c.windows_per_step * 30 * 86400 / c.step_s for c in sc.clusters)
+    assert d.num_chunks * d.windows_per_chunk >= could + 1024 * d.lease_ahead * d.windows_per_chunk
+    assert d.num_chunks > 8 * 1024  # more than the short projections' 8 per cluster
+
+
+def test_search_h_finds_the_smallest_h_under_target_by_running():
+    """With an overhead falling as 1/H (0.2 at H = 64: under 5% from H = 257 on), the search
+    starts at the estimate, doubles, bisects to 10%, and every trial covers 6 sync intervals."""
+    base = load_sim_scenario(ROOT / "configs" / "simulate" / "scale-100b.yaml")
+    seen = []
+
+    def run(sc):
+        seen.append(sc)
+        return 0.2 * 64 / sc.H
+
+    found = search_h(base, 64, 16, 1.0, run=run)
+    lo, hi = found["bracket"]
+    assert found["H"] == hi and 0.2 * 64 / hi < 0.05 <= 0.2 * 64 / lo
+    assert 257 <= hi <= 257 * 1.1 + 1 and hi - lo <= max(1, 0.1 * lo)
+    assert list(found["over"])[:3] == [64, 256, 512]  # the base, the estimate, doubled
+    for sc in seen:
+        assert sc.horizon_s >= max(86400.0, SEARCH_SYNCS * sc.H * 105 - 1e-6)
+        assert sc.data.num_chunks >= chunks_for(sc.clusters, sc.data, sc.horizon_s)
+    # already under: the base H; never under within the runs: None
+    assert search_h(base, 64, 16, 1.0, run=lambda sc: 0.01)["H"] == base.H
+    assert search_h(base, 64, 16, 1.0, run=lambda sc: 0.5, max_runs=4)["H"] is None
+
+
+def test_the_command_line_takes_followers_and_search_h(monkeypatch, tmp_path):
+    from dips.sim import scale
+
+    calls = {}
+
+    def grid(models, clusters, days, out, followers, search):
+        calls.update(models=models, clusters=clusters, followers=followers, search=search)
+        return []
+
+    monkeypatch.setattr(scale, "run_grid", grid)
+    scale.main(["--days", "0.1", "--clusters", "64", "--followers", "8,16", "--search-h",
+                "--models", "14b", "--out", str(tmp_path)])
+    assert calls == {"models": ["14b"], "clusters": [64], "followers": [8, 16], "search": True}
