@@ -52,6 +52,8 @@ def _drive(led: ChunkLedger, seed: int) -> list[object]:
             out.append(led.idle_chunks(c, now, 25.0))
         led.observe(now)
         led.check()
+        assert led.summary()["finished"] == sum(c.finished for c in led.chunks)
+        assert led.summary()["held"] == sum(c.holder is not None for c in led.chunks)
         assert (not (led._held or led._free_partial or led._free_fresh)) == all(
             c.finished for c in led.chunks)
         out.append((led.epoch, dict(sorted(led.progressed_at.items())), dict(sorted(led.interval.items()))))

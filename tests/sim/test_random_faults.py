@@ -1,4 +1,4 @@
-"""Random (MTBF) follower and leader faults (dips.sim.random_faults): they happen, they are
+"""Random (MTBF) follower and leader faults (dips.sim.faults): they happen, they are
 carried out by the code of the scheduled ones (detection, readiness, reconciliation, rollback;
 the leader's resume), the ledger stays exact, and the run is deterministic."""
 
@@ -8,7 +8,7 @@ import pytest
 
 from dips.sim import simulate
 from dips.sim.engine import Simulation
-from dips.sim.random_faults import RandomFollowerFault, RandomLeaderFault
+from dips.sim.faults import RandomFollowerFault, RandomLeaderFault
 from tests.sim.helpers import small
 
 pytestmark = pytest.mark.timeout(60)

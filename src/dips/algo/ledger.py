@@ -22,14 +22,12 @@ Semantics (the rule that makes "never lost, never counted twice" hold):
 * Work stealing at the pool's end (issue 13; review 14, F3: a member leasing chunks and never
   pushing kept every epoch from ending, since a new epoch needs every chunk finished): when
   ``lease`` finds too few free chunks, it reassigns chunks of another holder whose accepted
-  position has not advanced for longer than ``idle_s`` seconds (from the accepted position;
-  never a chunk in that holder's unresolved report). The idle holder's later report on the
-  chunk is refused as not held; the holdings the leader returns (a lease, a verdict) no
-  longer list it.
-  Progress is timed with the ``now`` the caller passes to :meth:`lease` and :meth:`observe`:
-  an accepted advance counts as made at the next such call (never earlier than it was), and
-  a holder is first seen at the ``now`` of its first lease. The times are not checkpointed
-  (a clock's zero is its process's): after a restart every holder starts a fresh bound.
+  position has not advanced for longer than ``idle_s`` seconds (never a chunk in that
+  holder's unresolved report); the idle holder's later report on it is refused as not held,
+  the holdings the leader returns (a lease, a verdict) no longer list it. Progress is timed
+  with the ``now`` passed to :meth:`lease` and :meth:`observe`: an accepted advance counts
+  as made at the next such call, a holder is first seen at the ``now`` of its first lease.
+  The times are not checkpointed: after a restart every holder starts a fresh bound.
 * ``rollback(version)``: when followers are reconciled to an older version (§12; a follower
   lost an outer step it had committed), the windows accepted by the lost versions are
   un-accepted again and their chunks returned to the pool, so that data is trained again.
@@ -85,30 +83,23 @@ class ChunkLedger:
     keep_history: int = 64
     #: holder -> when its accepted position last advanced (seconds, the caller's clock;
     #: None: advanced since the last ``now`` seen). Not checkpointed.
-    progressed_at: dict[str, float | None] = field(default_factory=dict, repr=False,
-                                                       compare=False)
+    progressed_at: dict[str, float | None] = field(default_factory=dict, repr=False, compare=False)
     #: holder -> seconds between its last two timed advances (its push interval, as seen).
     interval: dict[str, float] = field(default_factory=dict, repr=False, compare=False)
     _previous: dict[str, float] = field(default_factory=dict, repr=False, compare=False)
-    #: Chunks ``leased`` (handed to a cluster, taken from an idle holder too), ``accepted``
-    #: (every window accepted: finished), ``returned`` to the pool (released by a member that
-    #: left or was removed, or rolled back), over the whole run (checkpointed: counters).
+    #: Chunks ``leased`` (handed to a cluster, from an idle holder too), ``accepted`` (finished),
+    #: ``returned`` to the pool (released, or rolled back), over the whole run (checkpointed).
     counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(
         ("leased", "accepted", "returned"), 0), repr=False, compare=False)
-    #: Indexes of ``chunks`` (derived; every change of a chunk's holder, position or finish
-    #: goes through :meth:`_set`): holder -> chunks held, and the free chunks split into
-    #: partially accepted and fresh ones. They keep a lease, a member's holdings and the
-    #: holders O(what they return) instead of O(chunks) (8,192 chunks: 1.7 ms a call).
+    #: Derived indexes (every change of a chunk goes through :meth:`_set`), so that a lease,
+    #: a member's holdings, the holders and :meth:`observe` cost O(what changed), not
+    #: O(chunks) or O(holders): holder -> chunks held; the free chunks, partially accepted and
+    #: fresh (with a min-heap of the fresh, stale entries skipped when met); the members whose
+    #: progress time :meth:`observe` must look at (new, advanced, or holding nothing now).
     _held: dict[str, set[int]] = field(default_factory=dict, repr=False, compare=False)
     _free_partial: set[int] = field(default_factory=set, repr=False, compare=False)
     _free_fresh: set[int] = field(default_factory=set, repr=False, compare=False)
-    #: The fresh chunks as a min-heap (entries no longer fresh are skipped when met): a lease
-    #: takes the lowest in O(log chunks), not a pass over every fresh chunk (500,000 chunks
-    #: for a 30-day run of 1,024 clusters).
     _fresh_heap: list[int] = field(default_factory=list, repr=False, compare=False)
-    #: Members whose progress time :meth:`observe` must look at again (derived): a new holder,
-    #: one whose accepted position advanced, one that holds nothing any more. Keeps
-    #: :meth:`observe` O(members changed) instead of O(holders) (1,024 clusters: each lease).
     _unstamped: set[str] = field(default_factory=set, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -136,35 +127,30 @@ class ChunkLedger:
              finished: bool | None = None) -> None:
         """Chunk ``i`` is now held by ``holder`` (None: by nobody), at ``accepted`` and
         ``finished`` when given; the indexes follow."""
-        c = self.chunks[i]
+        c, held = self.chunks[i], self._held
         if c.holder is not None:
-            mine = self._held[c.holder]
-            mine.discard(i)
-            if not mine:
-                del self._held[c.holder]
+            held[c.holder].discard(i)
+            if not held[c.holder]:
+                del held[c.holder]
                 self._unstamped.add(c.holder)
         self._free_partial.discard(i)
         self._free_fresh.discard(i)
         c.holder = holder
-        if accepted is not None:
-            c.accepted = accepted
-        if finished is not None:
-            c.finished = finished
+        c.accepted = c.accepted if accepted is None else accepted
+        c.finished = c.finished if finished is None else finished
         if holder is not None:
-            if holder not in self._held:
-                self._held[holder] = set()
+            if holder not in held:
+                held[holder] = set()
                 self._unstamped.add(holder)
-            self._held[holder].add(i)
+            held[holder].add(i)
+        elif not c.finished and c.accepted:
+            self._free_partial.add(i)
         elif not c.finished:
-            if c.accepted:
-                self._free_partial.add(i)
-            else:
-                self._free_fresh.add(i)
-                heapq.heappush(self._fresh_heap, i)
+            self._free_fresh.add(i)
+            heapq.heappush(self._fresh_heap, i)
 
     def _lowest_fresh(self, n: int) -> list[int]:
-        """The ``n`` lowest fresh chunks (fewer if there are not as many), in order; they
-        leave the heap (the caller leases them)."""
+        """The ``n`` lowest fresh chunks (or fewer), in order; popped (the caller leases them)."""
         heap, out = self._fresh_heap, []
         while heap and len(out) < n:
             i = heapq.heappop(heap)
@@ -186,13 +172,12 @@ class ChunkLedger:
         return sorted(self._free_partial | self._free_fresh)
 
     def idle_chunks(self, cluster: str, now: float, idle_s: float) -> list[int]:
-        """Chunks ``cluster`` may take from another holder (see the module docstring: work
-        stealing): held by a member whose accepted position has not advanced for more than
-        ``idle_s`` seconds at ``now``, nor for :data:`IDLE_INTERVALS` × its own interval between
-        advances (a slow honest cluster that pushes every hour keeps its chunks for 3 hours), and not in that holder's unresolved report; the longest
-        idle holder's first, then partially accepted ones, then by id. Changes nothing but the
-        progress times (:meth:`observe`).
-        """
+        """Chunks ``cluster`` may take from another holder (module docstring: work stealing):
+        held by a member whose accepted position has not advanced for more than ``idle_s``
+        seconds at ``now``, nor for :data:`IDLE_INTERVALS` × its own interval between advances
+        (a slow honest cluster pushing hourly keeps its chunks for 3 hours), and not in that
+        holder's unresolved report; the longest idle holder's first, then partially accepted
+        ones, then by id. Changes nothing but the progress times (:meth:`observe`)."""
         self.observe(now)
         out = []
         for holder, held in self._held.items():
@@ -222,7 +207,6 @@ class ChunkLedger:
     def lease(self, cluster: str, n: int, now: float | None = None,
               idle_s: float | None = None) -> list[tuple[int, int]]:
         """Give ``cluster`` up to ``n`` more free chunks; returns [(chunk, start position)].
-
         Partially accepted chunks go first (they were left by a departed cluster). If no chunk
         is free and every chunk is finished, a new epoch starts. With ``now`` (seconds, the
         caller's clock) and ``idle_s``, chunks still missing are taken from holders idle for
@@ -231,8 +215,7 @@ class ChunkLedger:
         """
         if not cluster or n < 1:
             raise LedgerError(f"lease(cluster={cluster!r}, n={n}): need an id and n >= 1")
-        # Every chunk finished = none held and none free (a finished chunk is never held):
-        # from the indexes, not a scan that grows with the finished chunks.
+        # every chunk finished = none held, none free (a finished chunk is never held)
         if not (self._held or self._free_partial or self._free_fresh):
             self._new_epoch()
         take = sorted(self._free_partial)[:n]
@@ -241,10 +224,9 @@ class ChunkLedger:
             self.observe(now)
             if idle_s is not None and len(take) < n:
                 take += self.idle_chunks(cluster, now, idle_s)[:n - len(take)]
-        out = []
         for i in take:
             self._set(i, cluster)
-            out.append((i, self.chunks[i].accepted))
+        out = [(i, self.chunks[i].accepted) for i in take]
         self.counts["leased"] += len(out)
         if now is not None:
             self.observe(now)
@@ -306,9 +288,7 @@ class ChunkLedger:
 
     def resolve(self, cluster: str, accepted: bool, version: int | None = None) -> int:
         """Settle ``cluster``'s pending report; returns the windows newly accepted (0 if none).
-
-        ``version``: the outer step that accepted it (recorded so :meth:`rollback` can undo it).
-        """
+        ``version``: the outer step that accepted it (recorded so :meth:`rollback` can undo it)."""
         progress = self.pending.pop(cluster, {})
         if not accepted:
             return 0
@@ -378,17 +358,15 @@ class ChunkLedger:
         expected = self.accepted_windows - self.epoch * self.num_chunks * self.windows_per_chunk
         if total != expected:
             raise LedgerError(f"accepted windows {total} in chunks != {expected} accounted")
-        if (self._held, self._free_partial, self._free_fresh) != self._index():
+        if ((self._held, self._free_partial, self._free_fresh) != self._index()
+                or not self._free_fresh <= set(self._fresh_heap)):
             raise LedgerError("the ledger's holder and free-chunk indexes disagree with its chunks")
-        if not self._free_fresh <= set(self._fresh_heap):
-            raise LedgerError("the ledger's fresh-chunk heap misses fresh chunks")
 
     def summary(self) -> dict[str, Any]:
         """Counts for logs: epoch, accepted windows (all epochs), finished/held/free chunks."""
+        held, free = sum(map(len, self._held.values())), len(self._free_partial | self._free_fresh)
         return {"epoch": self.epoch, "accepted_windows": self.accepted_windows,
-                "finished": sum(c.finished for c in self.chunks),
-                "held": sum(c.holder is not None for c in self.chunks),
-                "free": len(self._free_partial) + len(self._free_fresh)}
+                "finished": self.num_chunks - held - free, "held": held, "free": free}
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able state (for the leader's checkpoint)."""

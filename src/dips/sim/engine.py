@@ -48,11 +48,10 @@ from dips.algo.round import (Admitted, Decided, MemberGone, PushReported,
 from dips.algo.schedule import ScheduleBook
 from dips.sim import costs
 from dips.sim.events import FastQueue
-from dips.sim.faults import ServerFaults
+from dips.sim.faults import RandomFaults, ServerFaults
 from dips.sim.followers import FollowerLoad, ModelledFollower, NormBoard
 from dips.sim.member import Member
 from dips.sim.network import Job, Network
-from dips.sim.random_faults import RandomFaults
 from dips.sim.rounds import RoundActions
 from dips.spec.run import PUSH_TOKENS_SLACK
 from dips.spec.simulate import SimScenario

@@ -17,7 +17,7 @@
   the other messages plus that bound. ``cpu_frac``: messages × ``rpc_cpu_s`` / run seconds.
 * ``server_faults``: follower and leader faults (:mod:`dips.sim.faults`): outer steps rolled
   back, leader restarts, clusters that re-joined for a push the restarted leader did not know,
-  the random (MTBF) follower faults and leader crashes (:mod:`dips.sim.random_faults`), and
+  the random (MTBF) follower faults and leader crashes (:mod:`dips.sim.faults`), and
   the first 100 events (seconds, what, details).
 * ``rounds``, ``staleness`` (versions applied between a push's base and its update),
   ``pushes`` (verdicts, rejections by reason), ``tokens``, ``model``, and ``reference``: each
