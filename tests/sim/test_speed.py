@@ -1,7 +1,7 @@
 """The engine's speed-ups (SCALE.md "Engine speed") change no figure they should not:
 identical concurrent pulls carried as one weighted flow set, a NIC's completion event kept while
 its allocation is unchanged, and a stage worker's back-to-back layers to one follower sent as
-one flow (which drops the per-transfer setup between them: the one figure it moves)."""
+one flow (started after the setups of its transfers, so its push takes as long)."""
 
 from __future__ import annotations
 
@@ -62,9 +62,12 @@ def test_back_to_back_layers_to_one_follower_are_one_flow():
                horizon_s=40)
     sim = Simulation(sc)
     m = sim.members["a"]
+    launched, launch = [], sim.net.launch
+    sim.net.launch = lambda t, job, *a: launched.append(job.direction) or launch(t, job, *a)
     sim.run()
     layers = len(m.stage_layers[0])
     assert layers > 2
     nbytes = sum(sim.layer_bytes)
-    # one transfer: its setup once, then the whole model at the link's rate
-    assert m.push_s[0] == pytest.approx(0.5 + 8 * nbytes / 1.0e8, rel=1e-9)
+    # one flow: the setups of its transfers first, then the whole model at the link's rate
+    assert m.push_s[0] == pytest.approx(0.5 * layers + 8 * nbytes / 1.0e8, rel=1e-9)
+    assert launched[:2] == ["in", "out"]  # the first push is one flow, then its pull

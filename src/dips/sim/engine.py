@@ -345,15 +345,18 @@ class Simulation(RoundActions, ServerFaults, RandomFaults):
     def _push(self, m: Member, rnd: int, t: float) -> None:
         """Start ``m``'s push for round ``rnd`` (0: sent ahead) along the §10 schedule."""
         steps = self.book.schedule(rnd, m.stage_layers, self.owner, self.sc.followers.count)
-        plan: list[list[tuple[int, float]]] = [[] for _ in m.stage_layers]
+        # per worker: (follower, bytes, transfers); a worker's back-to-back layers to one
+        # follower are one flow that starts after their setups (latency_s each) together
+        plan: list[list[tuple[int, float, int]]] = [[] for _ in m.stage_layers]
         merge = not m.cfg.shared_links or len(plan) == 1
         for st in steps:
             for tr in st:
                 mine = plan[tr.worker]
-                if merge and mine and mine[-1][0] == tr.follower:  # back to back: one flow
-                    mine[-1] = (tr.follower, mine[-1][1] + self.layer_bytes[tr.layer])
+                if merge and mine and mine[-1][0] == tr.follower:
+                    f, nbytes, n = mine[-1]
+                    mine[-1] = (f, nbytes + self.layer_bytes[tr.layer], n + 1)
                 else:
-                    mine.append((tr.follower, self.layer_bytes[tr.layer]))
+                    mine.append((tr.follower, self.layer_bytes[tr.layer], 1))
         m.set_state("push", t)
         m.admitted_at = t
         if self._fault_due(m, "window", t):

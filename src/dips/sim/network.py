@@ -289,14 +289,15 @@ class Network:
 @dataclass(eq=False)
 class Job:
     """One cluster's push ("in") or pull ("out"): ``plan[s]`` is stage worker s's transfers in
-    order, ``(follower, bytes)``; ``exclusive``: two workers never use one follower at once;
+    order, ``(follower, bytes)`` or ``(follower, bytes, n)`` for n transfers sent as one flow
+    (it starts after their n setups of ``latency_s``); ``exclusive``: two workers never use one follower at once;
     ``on_done(t)`` runs when every worker finished; ``merge``: it may ride an identical job
     begun at the same instant (``carrier``; the carrier's ``riders`` are done when it is)."""
 
     net: Network
     cluster: str
     direction: str
-    plan: list[list[tuple[int, float]]]
+    plan: list[list[tuple[Any, ...]]]
     link: LinkConfig
     latency_s: float
     exclusive: bool
@@ -339,12 +340,13 @@ class Job:
             return
         if not self.interest:
             return
-        follower, nbytes = self.plan[s][self._pos[s]]
+        follower, nbytes, *merged = self.plan[s][self._pos[s]]
         if self.exclusive and follower in self._busy:
             self._waiting.setdefault(follower, deque()).append(s)
             return
         self._busy.add(follower)
-        self.net.launch(t, self, s, follower, self.direction, nbytes, self.latency_s)
+        self.net.launch(t, self, s, follower, self.direction, nbytes,
+                        self.latency_s * (merged[0] if merged else 1))
 
     def flow_done(self, t: float, flow: Flow) -> None:
         """Worker ``flow.stage`` finished a transfer at ``t``: it and any worker waiting for the
