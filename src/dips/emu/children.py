@@ -83,6 +83,7 @@ class Launch:
     events: list[dict[str, Any]] = field(default_factory=list)
     net: Any = None  # dips.emu.netns.ShapedNetwork when cfg.network == "netns"
     progress: Any = None  # dips.emu.progress.Progress once training started
+    metrics: Any = None  # dips.emu.metrics_targets.MetricsTargets of the roles
     interrupts: InterruptLatch = field(default_factory=InterruptLatch)
     #: monotonic seconds when training stopped (the stop decided, or Ctrl-C), None before
     t_stop: float | None = None

@@ -38,6 +38,7 @@ from dips.algo.round import Phase
 from dips.emu.children import EVALUATOR, CpuWindow, Interrupted, Launch, free_port, wait_for
 from dips.emu.faults import FaultInjector, FaultPlan
 from dips.emu.link_schedule import LinkSchedule
+from dips.emu.metrics_targets import MetricsTargets
 from dips.emu.progress import Progress, summary_table
 from dips.spec import RunConfig, RunSpec
 from dips.wire.control import refusal_of
@@ -88,16 +89,14 @@ def _role_args(run: Launch, spec_cfg: Path, host: str, leader_port: int,
                            str(run.cfg.evaluate.every), "--state-dir", str(d / EVALUATOR),
                            "--tls", str(pki / "admin"),
                            "--cache-dir", str(run.cfg.data.cache_dir.resolve())]
-    # Every process serves Prometheus metrics (README "Metrics"); metrics.json says where.
-    targets = {}
+    # Every process serves Prometheus metrics on a port it binds itself (README "Metrics");
+    # metrics.json says where (dips.emu.metrics_targets).
     for name, argv in args.items():
-        port = free_port()
         # With netns each cluster has its own address (dips.emu.netns), the servers the hub's.
         own = (run.net.addr(name[len("cluster-"):]) if run.net is not None
                and name.startswith("cluster-") else host)
-        argv += ["--metrics-port", str(port), "--metrics-host", own]
-        targets[name] = f"{own}:{port}"
-    (d / "metrics.json").write_text(json.dumps(targets, indent=1))
+        argv += ["--metrics-port", "0", "--metrics-host", own]
+    run.metrics = MetricsTargets.from_args(d, args)
     return args
 
 
@@ -176,6 +175,7 @@ def launch(cfg: RunConfig, run_dir: Path, max_time_s: float | None = None,
             run.spawn(f"follower-{i}", args[f"follower-{i}"])
         wait_for(lambda: (s := _status(client)) and len(s.followers) == cfg.followers,
                   cfg.timeouts.startup_s, "followers registered", run)
+        run.metrics.refresh()
         for c in cfg.clusters:
             run.spawn(f"cluster-{c.id}", args[f"cluster-{c.id}"])
         if EVALUATOR in args:
@@ -292,6 +292,7 @@ def _train(run: Launch, client: Any, progress: Progress, t_train: float,
                     continue
                 next_status = time.monotonic() + 0.5
                 status, alive = _probe(client)
+                run.metrics.refresh()  # a role (re)started binds a port of its own
                 leader_pid = run.pid_of("leader")
                 busy = cpu.sample(leader_pid, time.monotonic())
                 if alive:
@@ -334,6 +335,7 @@ def _finish(run: Launch, client: Any, creds: Credentials, spec: RunSpec, t_start
     from dips.wire.keys import MemberKey
 
     cfg = run.cfg
+    run.metrics.refresh()
     t_stop = run.t_stop if run.t_stop is not None else time.monotonic()
     clusters = [n for n in run.children if n.startswith("cluster-")]
     run.stop(clusters, cfg.timeouts.shutdown_s)

@@ -111,7 +111,7 @@ def run_cluster(leader_addr: str, cluster_id: str, state: Path, creds: Credentia
         observed = ClusterMetrics(CollectorRegistry())
         observed.attach(client)
         try:
-            metrics = serve_metrics(observed.registry, metrics_port, metrics_host)
+            metrics = serve_metrics(observed.registry, metrics_port, metrics_host, state)
         except RoleError:
             client.close(leave=False)
             raise

@@ -280,7 +280,7 @@ def _train(cfg: Any, me: Any, trainer: Any, ranks: Any, worker: Any, sampler: An
 
             observed = ClusterMetrics(CollectorRegistry())
             observed.attach(client)
-            metrics = serve_metrics(observed.registry, metrics_port, metrics_host)
+            metrics = serve_metrics(observed.registry, metrics_port, metrics_host, state)
     sync: Any = RankSync(ranks, worker, sampler, DiPSSync(client) if client is not None else None)
     if me.inner_checkpoint:  # issue 14: the inner AdamW state across restarts (every rank)
         from dips.roles.cluster_state import InnerStateStore

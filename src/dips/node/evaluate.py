@@ -250,7 +250,7 @@ def run_evaluate(leader_addr: str, every: int, creds: Credentials, stop: threadi
 
         registry = CollectorRegistry()
         metrics = EvaluatorMetrics(registry)
-        server = serve_metrics(registry, metrics_port, metrics_host)
+        server = serve_metrics(registry, metrics_port, metrics_host, state)
     client = leader_client(leader_addr, creds, timeout_s=cfg.timeouts.rpc_s)
     evaluator = Evaluator(client, held, Schedule(every), cfg.timeouts.rpc_s, metrics,
                           state / "evaluate.json" if state is not None else None, leader_addr)

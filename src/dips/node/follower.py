@@ -140,7 +140,7 @@ def run_follower(leader_addr: str, index: int, listen: str, advertise: str, data
 
         observed.attach(shard, data, ckpt_dir)
         try:
-            metrics = serve_metrics(observed.registry, metrics_port, metrics_host)
+            metrics = serve_metrics(observed.registry, metrics_port, metrics_host, state)
         except RoleError:
             data.stop()
             shard.close()

@@ -175,7 +175,7 @@ def run_leader(cfg: RunConfig, listen: str, state: Path, creds: Credentials,
         observed.replay(state)  # counters go on from the previous process's records
         observed.attach(leader, refusals=refusals)
         leader.observer = observed.observe
-        metrics = serve_metrics(registry, metrics_port, metrics_host)
+        metrics = serve_metrics(registry, metrics_port, metrics_host, state)
 
     def entry(info: Any) -> FollowerEntry:
         return FollowerEntry(info.index, info.data_endpoint, info.control_endpoint,

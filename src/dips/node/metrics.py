@@ -86,16 +86,23 @@ class MetricsServer:
         self._thread.join(timeout_s)
 
 
-def serve_metrics(registry: CollectorRegistry, port: int, host: str = "0.0.0.0") -> MetricsServer:
-    """Serve ``registry`` on ``host:port`` (0: a free port) and log the URL. Raises RoleError
-    naming ``--metrics-port`` if it cannot bind."""
+def serve_metrics(registry: CollectorRegistry, port: int, host: str = "0.0.0.0",
+                  state: Path | None = None) -> MetricsServer:
+    """Serve ``registry`` on ``host:port`` (0: a free port), log the URL and, with a state
+    directory ``state``, write ``HOST:PORT`` to its
+    :data:`dips.roles.durable.METRICS_ADDR` (replaced whole: a
+    scraper's discovery, and how ``dips launch`` learns the free port a role chose). Raises
+    RoleError naming ``--metrics-port`` if it cannot bind."""
     from dips.node.common import RoleError
+    from dips.roles.durable import METRICS_ADDR, write_atomic
 
     try:
         server = MetricsServer(registry, port, host)
     except OSError as exc:
         raise RoleError(f"--metrics-port {port}: cannot bind on {host} ({exc})") from None
     log.info("metrics on http://%s:%d/metrics", host, server.port)
+    if state is not None:
+        write_atomic(state / METRICS_ADDR, f"{host}:{server.port}\n".encode())
     return server
 
 

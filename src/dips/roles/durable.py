@@ -21,6 +21,11 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
+#: The file in a role's state directory that says where it serves its metrics (``HOST:PORT``,
+#: written by :func:`dips.node.metrics.serve_metrics`; read by ``dips launch``).
+METRICS_ADDR = "metrics.addr"
+
+
 def write_atomic(path: Path, data: bytes, mode: int = 0o644) -> None:
     """Replace ``path`` with ``data`` atomically and durably: a temporary file in the same
     directory, created with ``mode`` (never wider, whatever the umask), fsynced, renamed over
