@@ -103,7 +103,7 @@ bench-dataplane: install
 
 # The seed's §16 production run (100B, 9 clusters, 16 followers, 33 days) simulated with the
 # leader's real decision code and modelled costs (issue 16; SCALE.md): simulate.json and plots
-# in runs/simulate/production-100b (about 40 s of CPU on 2 cores).
+# in runs/simulate/production-100b (4-8 s of CPU on 2 cores).
 .PHONY: simulate
 simulate: install
 	$(VENV)/bin/dips simulate --scenario configs/simulate/production-100b.yaml \

@@ -36,3 +36,18 @@ def test_simulate_names_a_bad_field(tmp_path):
     assert result.exit_code == 2
     assert "followers.nic_bps = 'fast'" in result.output
     assert not (tmp_path / "out").exists()
+
+
+def test_clusters_that_never_pushed_are_named_not_hidden_by_the_maximum(tmp_path):
+    """Review 27: clusters down all run long showed 0.0 added time, and the summary's maximum
+    (another cluster's) read as a healthy run."""
+    data = small(horizon_s=600).model_dump(mode="json")
+    data["clusters"][2]["join_s"] = 10_000  # c joins after the horizon: it never pushes
+    scenario = tmp_path / "s.yaml"
+    scenario.write_text(yaml.safe_dump(data))
+    out = tmp_path / "out"
+    result = CliRunner().invoke(app, ["simulate", "--scenario", str(scenario), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    doc = json.loads((out / "simulate.json").read_text())
+    assert doc["overhead"]["clusters_without_push"] == ["c"]
+    assert "1 of 4 clusters never pushed" in result.output and ": c" in result.output

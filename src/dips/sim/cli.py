@@ -44,6 +44,11 @@ def simulate(scenario: Path = typer.Option(..., "--scenario", exists=True, dir_o
                f"follower idle: min {100 * f['idle_frac_min']:.1f}%  "
                f"follower link peak: {f['link_peak_bps'] / 1e9:.1f} of "
                f"{f['nic_bps'] / 1e9:g} Gbit/s")
+    if ov["clusters_without_push"]:
+        idle = ov["clusters_without_push"]
+        typer.echo(f"  {len(idle)} of {len(doc['clusters'])} clusters never pushed (down, "
+                   f"joining or starved: no added time to count): {', '.join(idle[:8])}"
+                   f"{' ...' if len(idle) > 8 else ''}")
     typer.echo(f"  leader: {lead['msg_rate_avg']:.2f} msg/s average, {lead['msg_rate_peak']} "
                f"peak; staleness mean {doc['staleness']['mean']}; rejected "
                f"{doc['pushes']['rejected']} of {doc['pushes']['decided']} pushes")

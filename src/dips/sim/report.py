@@ -138,8 +138,12 @@ def summarize(sim: Simulation) -> dict[str, Any]:
                   "wire_bytes": _r(sum(sim.layer_bytes)), "wire_dtype": sc.outer.wire_dtype,
                   "followers": sc.followers.count, "params_per_follower": sim.follower_params},
         "clusters": clusters,
+        # A cluster that never pushed has no sync time to add: listed, so that a maximum over
+        # the others does not read as a healthy run (review 27).
         "overhead": {"added_time_frac_max": max(added, default=None),
-                     "added_time_frac_mean": _mean(added)},
+                     "added_time_frac_mean": _mean(added),
+                     "clusters_without_push": sorted(c for c, v in clusters.items()
+                                                     if not v["pushes"])},
         "followers": followers,
         "followers_summary": {
             "idle_frac_min": min(f["idle_frac"] for f in followers),
