@@ -65,7 +65,7 @@ def test_a_members_error_text_reaches_the_screen_as_plain_text(tmp_path, error):
 
 def doc_with(text: str) -> dict:
     """A snapshot as an older leader (one that did not sanitise) would give it."""
-    return {"leader": "l:1", "version": 1, "outer_steps": 1, "rounds": 1, "phase": "idle",
+    return {"leader": "l:1", "version": 1, "outer_steps": 1, "rounds": 1, "phase": text,
             "finished": False, "finished_reason": "", "followers_ready": 1,
             "followers_total": 1, "time": 100.0,
             "counts": {k: 0 for k in ("updates_pushed", "updates_accepted", "updates_rejected",
@@ -89,7 +89,7 @@ def doc_with(text: str) -> dict:
 def test_every_cell_of_the_screen_is_text_not_markup(text):
     shown = screen(doc_with(text))
     literal = "[/x]" if text == MARKUP else "[link=https://evil.example]re-login[/link]"
-    assert shown.count(literal) >= 8  # every cell that held it shows it as written
+    assert shown.count(literal) >= 9  # every cell that held it (the phase too) shows it as written
     assert "\x1b" not in shown and "\x07" not in shown
 
 

@@ -232,3 +232,16 @@ def test_follower_utilisation_from_the_busy_time_the_followers_record(tmp_path):
         assert ax.get_title() == f"follower {ax.get_ylabel().split()[1]}: busy {busy:.1f}% " \
                                  "of the time, idle the rest"
     assert "wall time since the training start (s)" in plot.figure.axes[-1].get_xlabel()
+
+
+def test_members_control_characters_never_reach_the_html():
+    """Review 26, M8: ESC and BEL from the run's files (members' text) made report.html
+    invalid HTML; they are replaced, markup and tags stay escaped text."""
+    from dips.bench.runreport.page import Page, Table, render
+
+    hostile = "\x1b[31mRED\x1b[0m\x1b]0;pwned\x07<script>alert(1)</script>[/x]"
+    html = render(Page(title="run " + hostile, facts=[("cluster", hostile)],
+                       tables=[Table(hostile, ["reason"], [[hostile]], note=hostile)],
+                       notes=[hostile]), {})
+    assert "\x1b" not in html and "\x07" not in html
+    assert "<script>" not in html and "&lt;script&gt;" in html and "[/x]" in html

@@ -69,7 +69,7 @@ def render(doc: dict[str, Any], error: str = "") -> Group:
              else Text("running", style="bold green"))
     head = Text.assemble(
         ("leader ", "bold"), f"{printable(doc['leader'])}  version {doc['version']}  outer steps "
-        f"{doc['outer_steps']}  rounds {doc['rounds']}  phase {doc['phase']}  ", state)
+        f"{doc['outer_steps']}  rounds {doc['rounds']}  phase {printable(str(doc['phase']))}  ", state)
     counts = Text.assemble(
         f"pushed {n['updates_pushed']}  ", ("accepted ", "green"), f"{n['updates_accepted']}  ",
         ("rejected ", "red"), f"{n['updates_rejected']}  tokens accepted "

@@ -40,7 +40,7 @@ def push_record(res: SyncResult) -> dict[str, Any]:
     """The ``push`` field of a sync step's record (seconds rounded to 0.1 ms); the cluster's
     log gets one line of it (a cluster's progress off its train.jsonl; review 24, F6)."""
     log.info("push of round %s %s%s: version %s, %s tokens; push %.1f s, verdict %.1f s, "
-             "pull %.1f s", res.round, "accepted" if res.accepted else "rejected",
+             "pull %.1f s", res.round, "accepted" if res.accepted else "not accepted",
              "" if res.accepted or not res.reason else f" ({res.reason})", res.version,
              res.tokens, res.push_s, res.wait_s, res.pull_s)
     return {"accepted": res.accepted, "ok": res.ok, "version": res.version, "round": res.round,

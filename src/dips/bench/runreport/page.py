@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import base64
 from dataclasses import dataclass, field
-from html import escape
+from html import escape as _html_escape
 from pathlib import Path
 
 from dips.bench.runreport.figs import Plot
+from dips.wire.ratelog import printable
 
 __all__ = ["Page", "Table", "render"]
 
@@ -27,6 +28,13 @@ img { max-width: 100%; border: 1px solid #eee; }
 .note { color: #8a5a00; font-size: 0.9em; }
 .problems { font-family: monospace; font-size: 0.85em; color: #a00; }
 """
+
+
+def escape(text: object) -> str:
+    """``text`` for the page: HTML-escaped, and control characters (ESC, BEL: the run's files
+    hold members' text) replaced as in the terminal (:func:`dips.wire.ratelog.printable`),
+    which HTML does not allow (review 26, M8)."""
+    return _html_escape(printable(str(text)))
 
 
 @dataclass
