@@ -217,7 +217,8 @@ def test_a_leader_that_does_not_answer_exits_1_naming_its_address():
     result = CliRunner().invoke(app, ["status", "--leader", addr, "--insecure", "--json",
                                       "--timeout", "2"])
     assert result.exit_code == 1 and f"leader {addr} as 'admin'" in result.stderr
-    assert result.stdout == ""
+    said = json.loads(result.stdout)  # a script reads stdout: one object saying so (review 26)
+    assert said["reachable"] is False and said["leader"] == addr and addr in said["error"]
 
 
 def test_status_json_of_a_live_leader_lists_every_member_with_version_and_staleness(tmp_path):

@@ -278,7 +278,10 @@ def status(leader: Annotated[str, typer.Option(
                     render(doc, err) if doc else _t(f"no answer: {err}", "bold red"),
                     refresh=True), every, threading.Event())
     except NoStatus as exc:
-        print(f"dips status: {exc}", file=sys.stderr, flush=True)
+        if as_json and not exc.wrong_option:  # a script reads stdout (review 26, M10)
+            _json_line(leader, None, str(exc))
+        else:
+            print(f"dips status: {exc}", file=sys.stderr, flush=True)
         raise typer.Exit(2 if exc.wrong_option else 1)
     except KeyboardInterrupt:
         pass
