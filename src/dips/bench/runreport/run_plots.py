@@ -237,6 +237,9 @@ def plot_tokens_per_cluster(run: RunFiles) -> Plot:
                label="accepted into the global model")
     ax.set_xticks(list(xs), ids)
     ax.set_ylabel("tokens")
+    top = max([*consumed.values(), *accepted.values(), 0.0])
+    if top > 0:  # room above the tallest bar for the legend (review 26: it hid bar tops)
+        ax.set_ylim(0, 1.3 * top)
     tokens_axis(ax.yaxis)
     ax.set_title(title)
     note = None if consumed and accepted else (
