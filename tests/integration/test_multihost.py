@@ -22,6 +22,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+import yaml
 
 from tests.integration.invariants import check_run, jsonl
 from tests.integration.runner import ROOT, jsonl_so_far
@@ -111,8 +112,11 @@ class Hosts:
                 return
             dead = [h for h, p in self.procs.items() if p.poll() is not None]
             if dead:
-                raise AssertionError(f"{what}: {dead[0]} exited; see "
-                                     f"{self.dir(dead[0]) / 'process.log'}")
+                log = self.dir(dead[0]) / "process.log"
+                tail = log.read_text(errors="replace").splitlines()[-8:]
+                raise AssertionError(f"{what}: {dead[0]} exited (rc "
+                                     f"{self.procs[dead[0]].returncode}); {log} ends:\n"
+                                     + "\n".join(tail))
             time.sleep(0.2)
         raise AssertionError(f"{what} not within {timeout_s} s")
 
@@ -156,7 +160,11 @@ def test_a_run_across_namespaced_hosts_survives_a_follower_and_a_leader_restart(
         shutil.copytree(pki / bundle, d / "tls")
         if (host == "leader" or host in "abc") and cache.is_dir():
             shutil.copytree(cache, d / "cache")  # a host's own cache (copied, not shared)
-    shutil.copy2(ROOT / "configs/tiny.yaml", tmp_path / "hosts" / "leader" / "run.yaml")
+    # The test ends the run itself, on events: tiny.yaml's 40 s limit would end it early on a
+    # loaded machine (the clusters exit 0 once the run finished).
+    cfg = yaml.safe_load((ROOT / "configs/tiny.yaml").read_text())
+    cfg.update(max_time_s=None)
+    (tmp_path / "hosts" / "leader" / "run.yaml").write_text(yaml.safe_dump(cfg))
     admin = tmp_path / "hosts" / "leader" / "admin"  # the operator's status client, local
     shutil.copytree(pki / "admin", admin)
     with ShapedNetwork(HOSTS) as net:
