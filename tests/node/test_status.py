@@ -154,6 +154,24 @@ def test_clusters_leaving_a_finished_run_are_not_gone():
         "cluster-a", "cluster-b", "cluster-c"}
 
 
+def test_a_finish_revives_no_earlier_removal_and_hides_a_leave_just_before_it():
+    """Review 26, M1: a cluster removed earlier and back again (an inactive ``cluster_gone``)
+    came back active on the look that first said finished, with no cluster listed; and the
+    leader may record ``cluster_left b`` a few ms before ``run_finished``."""
+    faults = Faults(quiet_after_s=600.0, window_s=3600.0)
+    faults.update(snapshot(reply(), "l:1", 1000.0))
+    faults.update(snapshot(reply(clusters=[reply().clusters[1], reply().clusters[2]]),
+                           "l:1", 1001.0))  # b removed while the run goes on
+    faults.update(snapshot(reply(), "l:1", 1002.0))  # b back: the condition is inactive
+    left_b = reply(clusters=[reply().clusters[1], reply().clusters[2]])
+    gone = faults.update(snapshot(left_b, "l:1", 1003.0))  # b left a few ms before the finish
+    assert [f["member"] for f in gone if f["kind"] == "cluster_gone" and f["active"]] == [
+        "cluster-b"]
+    for t in (1004.0, 1005.0):
+        done = faults.update(snapshot(reply(finished="max time", clusters=[]), "l:1", t))
+        assert [f for f in done if f["kind"] == "cluster_gone" and f["active"]] == []
+
+
 def test_watch_json_prints_a_record_while_the_leader_is_unreachable(capsys):
     """Review of issue 15, #8: ``--watch --json`` printed nothing while the leader was down."""
     answers = [NoStatus("leader l:1: UNAVAILABLE"), snapshot(reply(), "l:1", 1000.0),

@@ -114,8 +114,8 @@ class Faults:
     ``last`` are the epoch seconds of the first and latest answer that showed it, ``active``
     whether the latest one does. Kinds: ``follower_down`` (fewer followers ready than
     registered), ``push_rejected`` (a cluster's last verdict), ``cluster_gone`` (a cluster
-    listed before is no longer a member: removed or left while the run goes on; the clusters
-    leave a finished run, and are not gone), ``follower_restarted`` (a new
+    listed before is no longer a member: removed or left while the run goes on; none in a
+    look that says the run finished, as the clusters leave a finished run), ``follower_restarted`` (a new
     incarnation), ``outer_steps_lost`` (rolled back since the previous answer) and
     ``no_progress`` (a cluster's inner step and tokens unchanged for ``quiet_after_s``
     seconds while the run goes on). One answer shows only the first two; the others need
@@ -173,12 +173,18 @@ class Faults:
         """The faults that only a change between two answers shows."""
         out: dict[tuple[str, str], str] = {}
         now_ids = {c["cluster_id"] for c in doc["clusters"]}
-        for c in prev["clusters"]:  # a cluster that left once the run finished is not gone
-            if c["cluster_id"] not in now_ids and not doc["finished"]:
-                out["cluster_gone", f"cluster-{c['cluster_id']}"] = "no longer a member"
-        for (kind, member), fault in self._faults.items():  # still absent: it holds
-            if kind == "cluster_gone" and member.removeprefix("cluster-") not in now_ids:
-                out[kind, member] = fault["detail"]
+        # Clusters leave a finished run: no departure counts in a look that says finished.
+        # The leader records a cluster's leave and the finish within milliseconds in either
+        # order, so one that left just before the look that first says finished is not gone
+        # either (review 26, M1).
+        if not doc["finished"]:
+            for c in prev["clusters"]:
+                if c["cluster_id"] not in now_ids:
+                    out["cluster_gone", f"cluster-{c['cluster_id']}"] = "no longer a member"
+            for (kind, member), fault in self._faults.items():  # still absent: it holds
+                if (kind == "cluster_gone" and fault["active"]
+                        and member.removeprefix("cluster-") not in now_ids):
+                    out[kind, member] = fault["detail"]
         before = {f["index"]: f["incarnation"] for f in prev["followers"]}
         for f in doc["followers"]:
             if f["index"] in before and before[f["index"]] != f["incarnation"]:
