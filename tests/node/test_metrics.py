@@ -136,9 +136,9 @@ def test_leader_state_at_scrape_time():
     assert value(reg, "dips_version") == 7 and value(reg, "dips_round") == 11
     assert value(reg, "dips_phase", phase="push") == 1 and value(reg, "dips_phase", phase="idle") == 0
     assert value(reg, "dips_members", role="cluster") == 2
-    assert value(reg, "dips_heartbeat_age_seconds", role="cluster", member="a") == 5.0
-    assert value(reg, "dips_heartbeat_age_seconds", role="cluster", member="b") == 0.0
-    assert value(reg, "dips_heartbeat_age_seconds", role="follower", member="0") == 0.5
+    assert value(reg, "dips_heartbeat_age_seconds", role="cluster", member="cluster-a") == 5.0
+    assert value(reg, "dips_heartbeat_age_seconds", role="cluster", member="cluster-b") == 0.0
+    assert value(reg, "dips_heartbeat_age_seconds", role="follower", member="follower-0") == 0.5
     assert value(reg, "dips_ledger_chunks", state="held") == 3
     assert value(reg, "dips_ledger_accepted_windows") == 50 and value(reg, "dips_ledger_epoch") == 1
     bare = CollectorRegistry()

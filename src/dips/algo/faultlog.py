@@ -37,8 +37,19 @@ from typing import Any, Iterable
 
 from dips.algo.round_types import RejectCode
 
-__all__ = ["FAULT_WINDOW_S", "KEEP", "REASONS", "Fault", "FaultLog", "faults_of",
-           "reason_class"]
+__all__ = ["FAULT_WINDOW_S", "KEEP", "REASONS", "Fault", "FaultLog", "cluster_member",
+           "faults_of", "follower_member", "reason_class"]
+
+
+def cluster_member(cluster_id: Any) -> str:
+    """A cluster's member name, ``cluster-<id>``: the one name faults, ``dips status``, the
+    report and the ``member`` label of ``dips_heartbeat_age_seconds`` give it."""
+    return f"cluster-{cluster_id}"
+
+
+def follower_member(index: Any) -> str:
+    """A follower's member name, ``follower-<index>`` (as :func:`cluster_member`)."""
+    return f"follower-{index}"
 
 #: Seconds of history ``GetStatus`` reports faults of.
 FAULT_WINDOW_S = 3600.0
@@ -83,7 +94,7 @@ def _short(value: Any, n: int = 120) -> str:
 def _event(t: float, rec: dict[str, Any]) -> list[Fault]:
     kind = rec.get("event")
     if kind == "cluster_removed":
-        member = f"cluster-{rec.get('cluster')}"
+        member = cluster_member(rec.get('cluster'))
         if "silent_s" in rec:
             return [Fault(t, kind, member, "heartbeat_timeout",
                           f"silent for {_num(rec, 'silent_s') or 0:.1f} s")]
@@ -93,17 +104,17 @@ def _event(t: float, rec: dict[str, Any]) -> list[Fault]:
                           f"{rec.get('version')}")]
         return [Fault(t, kind, member, "other", _short(rec.get("reason", "")))]
     if kind == "follower_down":
-        member = f"follower-{rec.get('follower')}"
+        member = follower_member(rec.get('follower'))
         if "silent_s" in rec:
             return [Fault(t, kind, member, "heartbeat_timeout",
                           f"silent for {_num(rec, 'silent_s') or 0:.1f} s")]
         return [Fault(t, kind, member, "data_plane", _short(rec.get("error", "")))]
     if kind == "follower_up" and rec.get("restarted"):
-        return [Fault(t, "follower_restarted", f"follower-{rec.get('follower')}", "",
+        return [Fault(t, "follower_restarted", follower_member(rec.get('follower')), "",
                       f"incarnation {rec.get('incarnation')}")]
     if kind == "chunks_reassigned":
         chunks = rec.get("chunks") or []
-        return [Fault(t, kind, f"cluster-{rec.get('idle_holder')}", "idle",
+        return [Fault(t, kind, cluster_member(rec.get('idle_holder')), "idle",
                       f"{len(chunks)} chunks to cluster-{rec.get('cluster')}")]
     if kind == "reconciled" and (_num(rec, "lost") or 0) > 0:
         return [Fault(t, "rollback", "leader", "",
@@ -132,14 +143,14 @@ def faults_of(stream: str, rec: Any) -> list[Fault]:
     if stream != "outer_steps":
         return []
     if rec.get("event") == "round_end":
-        return [Fault(t, "commit_failed", f"follower-{i}", "", f"round {rec.get('round')}")
+        return [Fault(t, "commit_failed", follower_member(i), "", f"round {rec.get('round')}")
                 for i in rec.get("commit_failed") or []]
     if "event" in rec or "accepted" not in rec:
         return []
     out = []
     for cluster, why in sorted((rec.get("rejected") or {}).items()):
         text = why.get("reason", "") if isinstance(why, dict) else why
-        out.append(Fault(t, "push_rejected", f"cluster-{cluster}", reason_class(why),
+        out.append(Fault(t, "push_rejected", cluster_member(cluster), reason_class(why),
                          f"round {rec.get('round')}: {_short(text, 80)}"))
     return out
 

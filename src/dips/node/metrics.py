@@ -44,7 +44,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from dips.algo.evaluation import perplexity
-from dips.algo.faultlog import REASONS, reason_class
+from dips.algo.faultlog import REASONS, cluster_member, follower_member, reason_class
 
 # No ``*_created`` series (a counter's or histogram's creation time, one more series per label
 # set): scrapes stay small and a counter is a plain count. Process-wide in prometheus_client:
@@ -317,12 +317,14 @@ class _LeaderState(Collector):
         yield _gauge("dips_followers_up", "Followers up (registered and heard from)",
                      s.followers_ready)
         now = self.clock()
-        age = _gauge("dips_heartbeat_age_seconds", "Seconds since a member's last heartbeat",
+        age = _gauge("dips_heartbeat_age_seconds", "Seconds since a member's last heartbeat "
+                     "(member: cluster-<id>, follower-<index>, as in dips status)",
                      labels=["role", "member"])
         for cl in s.clusters:
-            age.add_metric(["cluster", cl.cluster_id], max(0.0, now - cl.last_seen))
+            age.add_metric(["cluster", cluster_member(cl.cluster_id)],
+                           max(0.0, now - cl.last_seen))
         for fo in s.followers:
-            age.add_metric(["follower", str(fo.index)], max(0.0, now - fo.last_seen))
+            age.add_metric(["follower", follower_member(fo.index)], max(0.0, now - fo.last_seen))
         yield age
         ledger = self.leader.ledger_summary()
         if ledger is not None:

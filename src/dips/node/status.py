@@ -19,6 +19,8 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
+from dips.algo.faultlog import cluster_member, follower_member
+
 if TYPE_CHECKING:
     from dips.wire.pb import control_pb2 as pb
 
@@ -139,7 +141,7 @@ class Faults:
             seen["follower_down", "followers"] = (f"{doc['followers_ready']} of "
                                                   f"{doc['followers_total']} followers ready")
         for c in doc["clusters"]:
-            member = f"cluster-{c['cluster_id']}"
+            member = cluster_member(c['cluster_id'])
             if c["last_push"] == "rejected":
                 seen["push_rejected", member] = "its last push was rejected"
             progress = (c["inner_step"], c["tokens"])
@@ -172,23 +174,23 @@ class Faults:
     def _changes(self, prev: dict[str, Any], doc: dict[str, Any]) -> dict[tuple[str, str], str]:
         """The faults that only a change between two answers shows."""
         out: dict[tuple[str, str], str] = {}
-        now_ids = {c["cluster_id"] for c in doc["clusters"]}
+        present = {cluster_member(c["cluster_id"]) for c in doc["clusters"]}
         # Clusters leave a finished run: no departure counts in a look that says finished.
         # The leader records a cluster's leave and the finish within milliseconds in either
         # order, so one that left just before the look that first says finished is not gone
         # either (review 26, M1).
         if not doc["finished"]:
             for c in prev["clusters"]:
-                if c["cluster_id"] not in now_ids:
-                    out["cluster_gone", f"cluster-{c['cluster_id']}"] = "no longer a member"
+                if cluster_member(c["cluster_id"]) not in present:
+                    out["cluster_gone", cluster_member(c['cluster_id'])] = "no longer a member"
             for (kind, member), fault in self._faults.items():  # still absent: it holds
                 if (kind == "cluster_gone" and fault["active"]
-                        and member.removeprefix("cluster-") not in now_ids):
+                        and member not in present):
                     out[kind, member] = fault["detail"]
         before = {f["index"]: f["incarnation"] for f in prev["followers"]}
         for f in doc["followers"]:
             if f["index"] in before and before[f["index"]] != f["incarnation"]:
-                out["follower_restarted", f"follower-{f['index']}"] = (
+                out["follower_restarted", follower_member(f['index'])] = (
                     f"incarnation {before[f['index']]} -> {f['incarnation']}")
         lost = doc["counts"]["outer_steps_lost"] - prev["counts"]["outer_steps_lost"]
         if lost > 0:

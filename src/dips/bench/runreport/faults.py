@@ -23,7 +23,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-from dips.algo.faultlog import faults_of, reason_class
+from dips.algo.faultlog import cluster_member, faults_of, follower_member, reason_class
 from dips.bench.runreport.files import RunFiles, num
 
 __all__ = ["FaultRow", "fault_counts", "fault_rows", "rejections"]
@@ -66,10 +66,10 @@ def _leader_recoveries(run: RunFiles) -> list[FaultRow]:
             down.add(rec.get("follower"))
         elif kind == "follower_up" and rec.get("follower") in down:
             down.discard(rec.get("follower"))
-            out.append(FaultRow(run.rel(t), "follower_up", f"follower-{rec.get('follower')}",
+            out.append(FaultRow(run.rel(t), "follower_up", follower_member(rec.get('follower')),
                                 "", "serving again", "leader"))
         elif kind == "cluster_joined" and rec.get("rejoin") is True:
-            out.append(FaultRow(run.rel(t), "cluster_rejoined", f"cluster-{rec.get('cluster')}",
+            out.append(FaultRow(run.rel(t), "cluster_rejoined", cluster_member(rec.get('cluster')),
                                 "", f"at version {rec.get('version')}", "leader"))
     return out
 
