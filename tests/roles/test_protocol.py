@@ -86,15 +86,16 @@ class Run:
 
     def __init__(self, tmp_path, grace_s: float = 0.3, penalty: PenaltyConfig | None = None,
                  pull_barrier: bool = False, max_outer_steps: int | None = None,
-                 outer: OuterConfig | None = None):
+                 outer: OuterConfig | None = None,
+                 membership: MembershipConfig | None = None):
         self.model0 = build_model(CFG, seed=0)
         self.shards, self.servers = [], []
         # No test here is about failure detection: heartbeats may be late on a loaded machine
         # without anybody being removed (30 missed intervals, not 3).
         cfg = LeaderConfig(grace=GraceConfig(window_s=grace_s, pull_barrier=pull_barrier),
                            timeouts=Timeouts(push_s=60, pull_s=60),
-                           membership=MembershipConfig(heartbeat_interval_s=1.0,
-                                                       missed_heartbeats=30),
+                           membership=membership or MembershipConfig(
+                               heartbeat_interval_s=1.0, missed_heartbeats=30),
                            followers=2, penalty=penalty or PenaltyConfig(),
                            max_outer_steps=max_outer_steps, outer=outer or OuterConfig())
         self.clock = HeldClock()

@@ -46,7 +46,7 @@ import torch
 from dips.algo import partition_contiguous
 from dips.algo.refusal import Refusal, Refused
 from dips.roles import failpoints
-from dips.roles.client_hold import HoldMixin
+from dips.roles.client_hold import HeartbeatMixin, HoldMixin
 from dips.roles.client_sync import (
     REASK_S,
     PendingVerdict,
@@ -80,7 +80,7 @@ class LedgerData(Protocol):
 FINAL_REFUSALS = (Refusal.FORBIDDEN, Refusal.MODEL_MISMATCH, Refusal.NOT_LEADER)
 
 
-class ClusterClient(SyncMixin, HoldMixin):
+class ClusterClient(SyncMixin, HoldMixin, HeartbeatMixin):
     """One cluster's connection to the Di-PS leader and followers.
 
     Args:
@@ -181,10 +181,21 @@ class ClusterClient(SyncMixin, HoldMixin):
     # ----- membership -------------------------------------------------------------------
     def join(self, attempts: int = 5) -> int:
         """Register and pull one complete model of a single version (then lease data).
+        Heartbeats start once the leader took the join, before the pull; a join that fails
+        stops the heartbeats it started.
 
         Returns the version pulled. Raises RuntimeError if no consistent pull succeeded
         within ``attempts`` tries, ``grpc.RpcError`` if the leader refuses.
         """
+        beating = self._hb_thread is not None
+        try:
+            return self._join(attempts)
+        except BaseException:
+            if not beating:  # a failed first join leaves no member beating
+                self._stop_heartbeat()
+            raise
+
+    def _join(self, attempts: int) -> int:
         last: Exception | None = None
         for _ in range(attempts):
             reply = self._leader.JoinCluster(pb.JoinRequest(
@@ -196,6 +207,9 @@ class ClusterClient(SyncMixin, HoldMixin):
             self._leader_push_timeout_s = reply.push_timeout_s
             if self._hb_interval is None:
                 self._hb_interval = reply.heartbeat_interval_s or 1.0
+            # A member from here on: beat while the pull (a large model, a follower down) and
+            # the caller's resume take their time, or the leader removes it (review 26, M6).
+            self._start_heartbeat()
             try:
                 self._pull(reply.version)
             except (ValueError, TimeoutError, RuntimeError) as exc:
@@ -209,7 +223,6 @@ class ClusterClient(SyncMixin, HoldMixin):
             if self.data is not None:
                 self.data.set_holdings([])
                 self.refill()
-            self._start_heartbeat()
             return self.version
         raise RuntimeError(f"cluster {self.cluster_id!r} could not pull a consistent model: {last}")
 
@@ -350,44 +363,9 @@ class ClusterClient(SyncMixin, HoldMixin):
         self._backoff_s = min(10.0, self._backoff_s * 2)
         log.info("cluster %s: %s; retrying in %.1f s", self.cluster_id, reason, self._backoff_s)
 
-    def _start_heartbeat(self) -> None:
-        if self._hb_thread is not None:
-            return
-
-        def beat() -> None:
-            failing = False
-            while not self._hb_stop.wait(self._hb_interval):
-                if failpoints.link_down():
-                    failing = True
-                    continue
-                try:
-                    reply = self._leader.Heartbeat(pb.HeartbeatRequest(
-                        cluster_id=self.cluster_id, inner_step=self.inner_step,
-                        tokens=self.tokens_total, last_loss=self.last_loss),
-                        timeout=max(self._hb_interval, 1.0))
-                    self._followers_epoch = reply.followers_epoch
-                    self.leader_version = reply.version
-                    if reply.finished and not self.finished:
-                        self.finished = f"the run finished ({reply.finished})"
-                    if not reply.known:
-                        self._rejoin.set()
-                    if failing:  # the leader is back: retry now instead of after the backoff
-                        self._retry_at, self._backoff_s = 0.0, 0.5
-                    failing = False
-                except grpc.RpcError as exc:
-                    failing = True
-                    if refusal_of(exc) is Refusal.FORBIDDEN:
-                        self._rejoin.set()  # revoked? the re-join says so for good
-                    log.debug("heartbeat failed: %s", exc.code().name)
-
-        self._hb_thread = threading.Thread(target=beat, name="heartbeat", daemon=True)
-        self._hb_thread.start()
-
     def close(self, leave: bool = True) -> None:
         """Stop heartbeats, optionally leave the run (chunks return to the ledger), close."""
-        self._hb_stop.set()
-        if self._hb_thread:
-            self._hb_thread.join(5.0)
+        self._stop_heartbeat()
         if leave:
             try:
                 self._leader.LeaveCluster(pb.LeaveRequest(cluster_id=self.cluster_id), timeout=5.0)

@@ -1,4 +1,5 @@
-"""The hold of a cluster: no inner step while training could only be thrown away (review 15, #2).
+"""The hold of a cluster: no inner step while training could only be thrown away (review 15, #2);
+and its heartbeats (:class:`HeartbeatMixin`), whose replies end what a hold waits for.
 
 A mixin of :class:`dips.roles.client.ClusterClient` (which owns the counters, the backoff and
 the sync); the rule is :func:`dips.algo.hold.hold`: a cluster holds while a re-join or a
@@ -20,10 +21,16 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
+
+import grpc
 
 from dips.algo.hold import Hold, hold
+from dips.algo.refusal import Refusal
+from dips.roles import failpoints
 from dips.roles.cluster import SyncResult
+from dips.wire.control import refusal_of
+from dips.wire.pb import control_pb2 as pb
 
 log = logging.getLogger(__name__)
 
@@ -131,3 +138,68 @@ class HoldMixin:
             if go:
                 return last
             last = self._hold_sync or last
+
+
+class HeartbeatMixin:
+    """The heartbeat thread of :class:`dips.roles.client.ClusterClient`: a report to the
+    leader every ``_hb_interval`` seconds (inner step, tokens, last loss) that keeps the
+    cluster a member. Its reply ends what a hold waits for: an unknown or revoked member
+    sets the re-join; a leader heard again after failures makes the next try come now
+    instead of after the backoff; a finished run sets ``finished``. It runs from the
+    leader's answer to the join on, through the pull and any resume (review 26, M6)."""
+
+    cluster_id: str
+    inner_step: int
+    tokens_total: int
+    last_loss: float
+    finished: str
+    leader_version: int
+    _leader: Any
+    _hb_interval: float | None
+    _hb_stop: threading.Event
+    _hb_thread: threading.Thread | None
+    _followers_epoch: int | None
+    _rejoin: threading.Event
+    _retry_at: float
+    _backoff_s: float
+
+    def _start_heartbeat(self) -> None:
+        """Start the thread (no-op while one runs)."""
+        if self._hb_thread is not None:
+            return
+
+        def beat(stop: threading.Event = self._hb_stop) -> None:
+            failing = False
+            while not stop.wait(self._hb_interval):
+                if failpoints.link_down():
+                    failing = True
+                    continue
+                try:
+                    reply = self._leader.Heartbeat(pb.HeartbeatRequest(
+                        cluster_id=self.cluster_id, inner_step=self.inner_step,
+                        tokens=self.tokens_total, last_loss=self.last_loss),
+                        timeout=max(self._hb_interval or 1.0, 1.0))
+                    self._followers_epoch = reply.followers_epoch
+                    self.leader_version = reply.version
+                    if reply.finished and not self.finished:
+                        self.finished = f"the run finished ({reply.finished})"
+                    if not reply.known:
+                        self._rejoin.set()
+                    if failing:  # the leader is back: retry now instead of after the backoff
+                        self._retry_at, self._backoff_s = 0.0, 0.5
+                    failing = False
+                except grpc.RpcError as exc:
+                    failing = True
+                    if refusal_of(exc) is Refusal.FORBIDDEN:
+                        self._rejoin.set()  # revoked? the re-join says so for good
+                    log.debug("heartbeat failed: %s", exc.code().name)
+
+        self._hb_thread = threading.Thread(target=beat, name="heartbeat", daemon=True)
+        self._hb_thread.start()
+
+    def _stop_heartbeat(self) -> None:
+        """Stop the thread (if any) and wait up to 5 s for it; a later join starts a new one."""
+        self._hb_stop.set()
+        if self._hb_thread is not None:
+            self._hb_thread.join(5.0)
+        self._hb_thread, self._hb_stop = None, threading.Event()
