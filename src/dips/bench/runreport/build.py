@@ -21,7 +21,15 @@ from typing import Any
 from dips.bench.runreport.compare_plots import curves_of, plot_compare_losses
 from dips.bench.runreport.faults import FaultRow, fault_counts, fault_rows, rejections
 from dips.bench.runreport.figs import Plot
-from dips.bench.runreport.files import RunFiles, SeveralRuns, find, load_run, read_json, read_jsonl
+from dips.bench.runreport.files import (
+    RunFiles,
+    SeveralRuns,
+    find,
+    load_run,
+    num,
+    read_json,
+    read_jsonl,
+)
 from dips.bench.runreport.page import Page, Table, render
 from dips.bench.runreport.round_plots import plot_scores, plot_staleness, plot_timeline
 from dips.bench.runreport.run_plots import (
@@ -89,11 +97,60 @@ def _fault_table(rows: list[FaultRow]) -> Table:
                                            "detail", "from"], cells, note)
 
 
+def recorded_figures(run: RunFiles) -> tuple[dict[str, Any], list[str]]:
+    """The key figures of a run without ``summary.json`` (deployed by hand, or copied from
+    its hosts; review 26 M9), under :data:`_SUMMARY_FACTS`' keys, from the leader's files:
+    the counts of ``leader.json`` (recounted from ``outer_steps.jsonl``'s decision lines
+    without it, rolled-back steps included), clusters (``leader.json``'s ``joined``, else
+    ``run.json``'s config), followers and H from ``run.json``, the initial held-out loss
+    from ``run.json`` and the final one from the last evaluation (``eval.jsonl``). Returns
+    (figures, the files they came from)."""
+    out: dict[str, Any] = {}
+    used: list[str] = []
+    state = run.leader_state or {}
+    counts = state.get("counts") if isinstance(state.get("counts"), dict) else {}
+    keys = ("outer_steps", "updates_pushed", "updates_accepted", "updates_rejected",
+            "tokens_accepted")
+    if got := {k: int(v) for k in keys if (v := num(counts, k)) is not None}:
+        out.update(got)
+        used.append("leader.json")
+    elif run.outer_steps:
+        decided = [r for r in run.outer_steps if isinstance(r.get("clusters"), list)]
+        accepted = [(r, [c for c in (r.get("accepted") or []) if isinstance(c, str)])
+                    for r in decided]
+        out.update(outer_steps=sum(1 for _, a in accepted if a),
+                   updates_pushed=sum(len(r["clusters"]) for r in decided),
+                   updates_accepted=sum(len(a) for _, a in accepted),
+                   updates_rejected=sum(len(r.get("rejected") or {}) for r in decided),
+                   tokens_accepted=int(sum(num(r.get("tokens") or {}, c) or 0
+                                           for r, a in accepted for c in a)))
+        used.append("outer_steps.jsonl")
+    spec = run.run_spec or {}
+    config = spec.get("config") if isinstance(spec.get("config"), dict) else {}
+    joined = state.get("joined")
+    if isinstance(joined, list) and joined:
+        out["clusters"] = len(joined)
+    elif isinstance(config.get("clusters"), list):
+        out["clusters"] = len(config["clusters"])
+    if (n := num(config, "followers")) is not None:
+        out["followers"] = int(n)
+    if isinstance(config.get("inner"), dict) and (h := num(config["inner"], "H")) is not None:
+        out["H"] = int(h)
+    if (loss := num(spec, "eval_loss_initial")) is not None:
+        out["eval_loss_initial"] = loss
+    if config or "eval_loss_initial" in out:
+        used.append("run.json")
+    if run.evals and (loss := num(run.evals[-1], "eval_loss")) is not None:
+        out["eval_loss_final"] = loss
+        used.append("eval.jsonl")
+    return out, used
+
+
 def _run_page(run: RunFiles) -> Page:
     page = Page(title=f"dips report: {run.root.name}", problems=run.problems, sources=run.sources,
                 merged=run.notes)
     page.notes += run.notes
-    s = run.summary or {}
+    s, used = (run.summary, ["summary.json"]) if run.summary is not None else recorded_figures(run)
     page.facts = [(label, _fmt(s[k])) for k, label in _SUMMARY_FACTS if k in s]
     stops = [e.get("reason") for e in run.events if e.get("event") == "stop" and e.get("reason")]
     if stops:
@@ -109,7 +166,7 @@ def _run_page(run: RunFiles) -> Page:
         page.facts.append(("rolled-back steps", str(len(run.rollbacks))))
     if run.summary is None:
         page.notes.append("no summary.json (a run still going, or a copy without the launcher's "
-                          "files): no final figures and no held-out loss from it")
+                          "files): the key figures above come from " + (", ".join(used) or "no file"))
     if not run.outer_steps:
         page.notes.append("no outer_steps.jsonl rounds (the leader's files are missing)")
     if not run.clusters:
@@ -117,7 +174,9 @@ def _run_page(run: RunFiles) -> Page:
     page.sections = [
         ("Loss", [plot_loss_vs_time(run), plot_loss_vs_tokens(run)]),
         ("Rounds", [plot_timeline(run), plot_staleness(run.outer_steps),
-                    plot_scores(run.outer_steps)]),
+                    plot_scores(run.outer_steps, restarts=[
+                        t for r in run.leader_events if r.get("event") == "leader_resumed"
+                        and (t := num(r, "time")) is not None])]),
         ("Tokens and followers", [plot_tokens_per_cluster(run), plot_followers(run)]),
     ]
     return page

@@ -25,8 +25,8 @@ from matplotlib.ticker import EngFormatter  # noqa: E402
 
 from dips.bench import curves as curves_rule  # noqa: E402
 
-__all__ = ["LossCurve", "Plot", "count_series", "draw_losses", "empty_plot", "new_figure", "smooth",
-           "time_axis", "tokens_axis"]
+__all__ = ["LossCurve", "Plot", "count_series", "draw_losses", "empty_plot", "mark_at",
+           "new_figure", "smooth", "time_axis", "tokens_axis"]
 
 DPI = 100  # dots per inch of the PNGs
 
@@ -97,6 +97,13 @@ def time_axis(span_s: float) -> tuple[float, str]:
         if span_s >= 3 * div:
             return div, unit
     return 1.0, "s"
+
+
+def mark_at(ax: Axes, xs: Sequence[float], label: str) -> None:
+    """A dotted vertical line at each of ``xs`` (data x), the legend naming them once as
+    ``label`` (e.g. the leader's restarts); nothing without ``xs``."""
+    for i, x in enumerate(xs):
+        ax.axvline(x, color="0.35", linestyle=":", linewidth=1.2, label=label if i == 0 else "_")
 
 
 def tokens_axis(axis: object) -> None:

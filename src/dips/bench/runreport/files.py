@@ -156,6 +156,8 @@ class RunFiles:
     Attributes:
         root: the run directory.
         summary: ``summary.json`` (the launcher's), or None.
+        leader_state / run_spec: the leader's ``leader.json`` (its counts) and ``run.json``
+            (the run spec: ``config``, ``eval_loss_initial``), or None (none, or several).
         outer_steps: the leader's decision lines of ``outer_steps.jsonl`` (``round_end`` and
             ``rollback`` lines are in ``round_ends`` / ``rollbacks``), in file order.
         clusters: cluster id → its ``train.jsonl`` records (several files of one id appended
@@ -173,6 +175,8 @@ class RunFiles:
 
     root: Path
     summary: dict[str, Any] | None = None
+    leader_state: dict[str, Any] | None = None
+    run_spec: dict[str, Any] | None = None
     outer_steps: list[dict[str, Any]] = field(default_factory=list)
     round_ends: list[dict[str, Any]] = field(default_factory=list)
     rollbacks: list[dict[str, Any]] = field(default_factory=list)
@@ -296,6 +300,12 @@ def load_run(root: Path) -> RunFiles:
     for p in _files(root, "summary.json", run):
         run.summary = read_json(p, run.problems)
         run.sources.append(_rel(p, root))
+    for name, attr in (("leader.json", "leader_state"), ("run.json", "run_spec")):
+        if len(paths := _files(root, name, run)) == 1:
+            setattr(run, attr, read_json(paths[0], run.problems))
+            run.sources.append(_rel(paths[0], root))
+        elif paths:
+            run.notes.append(f"{len(paths)} different {name} files: none read")
     for p in _files(root, "outer_steps.jsonl", run):
         run.sources.append(_rel(p, root))
         for rec in read_jsonl(p, run.problems, DECISION_SHAPE):

@@ -8,14 +8,19 @@
   sync and trained nothing, :mod:`dips.algo.hold`) as ``held``; one row for the leader with
   each round's grace window, push phase and update, from ``outer_steps.jsonl`` (its line's
   ``time`` is when every follower had prepared: update before it, push phase and window before
-  that).  Top: the whole run; bottom (when it is under half the run): a zoom on four median
-  inner-step periods around the busiest rounds near the middle of it (:func:`zoom_start`:
-  never an outage).
+  that).  Top: the whole run; bottom (when it is under half the run): a zoom around the
+  busiest rounds near the middle of it (:func:`zoom_start`: never an outage) that holds at
+  least :data:`ZOOM_ROUNDS` complete rounds of every cluster, each from one sync's end to
+  the next's (inner steps, push, wait, pull; :func:`zoom_window`; review 26 M4: four median
+  inner-step bars were about one round).
 * ``staleness.png``: how many versions behind the global model each push's base version was
   (the version before the round minus ``base_versions[c]``), per cluster;
-* ``scores.png``: each scored push's penalty score E (§8) by round with the rejection threshold
-  (``thresholds[c]`` per cluster, or an older file's single ``threshold``), and their
-  distribution, accepted and rejected apart.
+* ``scores.png``: each scored push's penalty score E (§8) by decision (the n-th decision line:
+  a restarted leader skips the round numbers it had reserved, review 26 M2, so round numbers
+  would show empty stretches that look like outages) with the rejection threshold
+  (``thresholds[c]`` per cluster, or an older file's single ``threshold``) and the leader's
+  restarts (``leader_resumed``) as dotted lines, and their distribution, accepted and
+  rejected apart.
 
 The staleness and score plots take decision records, so they serve a comparison's Di-PS
 ``events.jsonl`` (same fields) as well.
@@ -25,13 +30,16 @@ from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
 from statistics import median
-from typing import Any
+from typing import Any, Sequence
 
-from dips.bench.runreport.figs import Plot, empty_plot, finish, new_figure, time_axis
+from dips.bench.runreport.figs import Plot, empty_plot, finish, mark_at, new_figure, time_axis
 from dips.bench.runreport.files import RunFiles, num
 
-__all__ = ["plot_scores", "plot_staleness", "plot_timeline", "staleness_of", "sync_bars",
-           "zoom_start"]
+__all__ = ["ZOOM_ROUNDS", "plot_scores", "plot_staleness", "plot_timeline", "staleness_of",
+           "sync_bars", "zoom_start", "zoom_window"]
+
+#: Complete rounds of every cluster the timeline's zoom holds (where the run has them).
+ZOOM_ROUNDS = 3
 
 _KINDS = (("inner steps", "#9ecae1"), ("held", "#bdbdbd"), ("push", "#e6550d"),
           ("wait", "#fdd0a2"), ("pull", "#31a354"))
@@ -122,6 +130,30 @@ def zoom_start(leader: dict[str, list[tuple[float, float]]],
     return best - width / 2
 
 
+def _rounds(bars: dict[str, list[tuple[float, float]]]) -> list[tuple[float, float]]:
+    """A cluster's complete rounds (start, end s): from one sync's end (its pull's) to the
+    next's, which holds the inner steps, push, wait and pull of that sync."""
+    ends = sorted(s + w for s, w in bars["pull"])
+    return list(zip(ends, ends[1:]))
+
+
+def zoom_window(leader: dict[str, list[tuple[float, float]]],
+                rows: dict[str, dict[str, list[tuple[float, float]]]],
+                span: float) -> tuple[float, float]:
+    """The timeline's zoom (lo, hi s): :func:`zoom_start` with :data:`ZOOM_ROUNDS` + 1 of the
+    slowest cluster's median round (so any placement holds that many), then widened until
+    it holds :data:`ZOOM_ROUNDS` complete rounds of every cluster that has them after lo."""
+    periods = [median(e - s for s, e in r) for b in rows.values() if (r := _rounds(b))]
+    width = (ZOOM_ROUNDS + 1) * max(periods) if periods else span / 10
+    lo = max(0.0, zoom_start(leader, rows, span, width))
+    hi = lo + width
+    for b in rows.values():
+        inside = [e for s, e in _rounds(b) if s >= lo]
+        if inside:
+            hi = max(hi, inside[min(ZOOM_ROUNDS, len(inside)) - 1])
+    return lo, hi
+
+
 def plot_timeline(run: RunFiles) -> Plot:
     """Bars of each cluster's inner steps / push / wait / pull and the leader's rounds."""
     title = "Timeline of rounds"
@@ -131,12 +163,11 @@ def plot_timeline(run: RunFiles) -> Plot:
     if not rows and not leader["update"]:
         return empty_plot("timeline.png", title,
                           "no sync steps in any train.jsonl and no rounds in outer_steps.jsonl")
-    inner = [w for b in rows.values() for _, w in b["inner steps"] if w > 0]
     ends = [s + w for b in [*rows.values(), leader] for bs in b.values() for s, w in bs]
     span = max(ends + [1.0])
-    zoom_w = 4 * median(inner) if inner else span / 10
-    lo = zoom_start(leader, rows, span, zoom_w)
-    panels = [(0.0, span)] + [(lo, lo + zoom_w)] * (zoom_w < span / 2)
+    lo, hi = zoom_window(leader, rows, span)
+    zoom_w = hi - lo
+    panels = [(0.0, span)] + [(lo, hi)] * (zoom_w < span / 2)
     fig, axes = new_figure(nrows=len(panels), width_in=10.0,
                            height_in=(1.0 + 0.45 * (len(rows) + 1)) * len(panels) + 1.0)
     seen: set[str] = set()  # each kind labelled once, in the top panel (the whole run)
@@ -159,8 +190,8 @@ def plot_timeline(run: RunFiles) -> Plot:
         ax.set_xlabel(f"wall time since the training start ({unit})")
     axes[0].set_title("whole run")
     for ax in axes[1:]:
-        ax.set_title(f"zoom: {zoom_w:.1f} s from {lo:.1f} s, the busiest rounds near the "
-                     "middle of the run")
+        ax.set_title(f"zoom: {zoom_w:.1f} s from {lo:.1f} s, at least {ZOOM_ROUNDS} rounds "
+                     "of every cluster, the busiest near the middle of the run")
     plot = finish("timeline.png", title, fig, None if rows else
                   "no cluster train.jsonl with sync steps: only the leader's rounds")
     for ax, keep in zip(axes, (True, False)):  # one legend, beside the plot: bars fill the axes
@@ -213,14 +244,19 @@ def _thresholds(rec: dict[str, Any], cids: list[str]) -> dict[str, float]:
     return {} if single is None else {c: single for c in cids}
 
 
-def plot_scores(records: list[dict[str, Any]], name: str = "scores.png") -> Plot:
-    """Score E by round per cluster with the threshold; distribution of accepted/rejected E."""
+def plot_scores(records: list[dict[str, Any]], name: str = "scores.png",
+                restarts: Sequence[float] = ()) -> Plot:
+    """Score E by decision per cluster with the threshold and the leader's ``restarts``
+    (epoch s, drawn before the first decision after each); distribution of accepted/rejected
+    E (module doc)."""
     title = "Penalty scores and the rejection threshold"
-    pts: list[tuple[float, str, float, bool, float | None]] = []  # round, cluster, E, ok, threshold
+    pts: list[tuple[float, str, float, bool, float | None]] = []  # decision, cluster, E, ok, thr
     unscored = 0
-    for rec in records:
-        rnd, scores = num(rec, "round"), rec.get("scores")
-        if rnd is None or not isinstance(scores, dict):
+    decisions = [rec for rec in records if num(rec, "round") is not None]
+    times = [num(rec, "time") for rec in decisions]
+    for k, rec in enumerate(decisions):
+        rnd, scores = k, rec.get("scores")
+        if not isinstance(scores, dict):
             continue
         thr = _thresholds(rec, list(scores))
         accepted = set(rec.get("accepted") or [])
@@ -243,9 +279,11 @@ def plot_scores(records: list[dict[str, Any]], name: str = "scores.png") -> Plot
     if thr:
         left.plot([t[0] for t in thr], [t[1] for t in thr], "_", color="black", markersize=9,
                   label="threshold")
-    left.set_xlabel("round")
+    mark_at(left, [sum(1 for t in times if t is not None and t < r) - 0.5 for r in restarts
+                   if any(t is not None and t > r for t in times)], "leader restart")
+    left.set_xlabel("decision (n-th outer-step decision of the run)")
     left.set_ylabel("score E (σ above the others' mean ‖Δ‖²)")
-    left.set_title("scores by round")
+    left.set_title("scores by decision")
     if rej:
         right.hist([[p[2] for p in pts if p[3]], [p[2] for p in rej]], bins=20, stacked=True,
                    color=["C0", "red"], label=["accepted", "rejected"])
