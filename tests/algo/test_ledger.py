@@ -183,7 +183,8 @@ def test_idle_times_are_not_checkpointed_and_an_older_state_loads():
     assert led.lease("a", 1, now=530.0, idle_s=30.0) == []   # "h" is first seen at 500
     assert led.lease("a", 1, now=531.0, idle_s=30.0) == [(0, 1)]
     assert set(led.to_dict()) == {"num_chunks", "windows_per_chunk", "epoch",
-                                  "accepted_windows", "chunks", "pending", "history", "counts"}
+                                  "accepted_windows", "chunks", "pending", "history", "epoch_starts",
+                                  "counts"}
     again = ChunkLedger.from_dict(led.to_dict())
     assert again.to_dict() == led.to_dict() and again.progressed_at == {}
     again.check()

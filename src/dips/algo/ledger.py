@@ -30,8 +30,12 @@ Semantics (the rule that makes "never lost, never counted twice" hold):
   The times are not checkpointed: after a restart every holder starts a fresh bound.
 * ``rollback(version)``: when followers are reconciled to an older version (§12; a follower
   lost an outer step it had committed), the windows accepted by the lost versions are
-  un-accepted again and their chunks returned to the pool, so that data is trained again.
-  The ledger keeps the window ranges of the last ``history`` versions for this.
+  un-accepted again and their chunks returned to the pool, so that data is trained again
+  (a report still pending on such a chunk no longer counts). The ledger keeps the window
+  ranges of the last ``history`` versions for this, and the version after which each epoch
+  began (``epoch_starts``): a rollback past the end of an epoch undoes the new epoch too,
+  so the lost windows are trained again in their own epoch (issue 16: they had stayed
+  accepted, the chunks of the new epoch untouched).
 
 Accounting identity, checked by :meth:`check`: for every chunk, 0 <= accepted <=
 windows_per_chunk, and a chunk is held by at most one cluster. The accepted window count
@@ -43,26 +47,18 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, field
-from typing import Any
+
+from dips.algo.ledger_state import LedgerError, LedgerState, _Chunk
+
+__all__ = ["IDLE_INTERVALS", "ChunkLedger", "LedgerError"]
 
 
 #: A holder counts as idle only after this many of its own intervals between advances.
 IDLE_INTERVALS = 3
 
 
-class LedgerError(ValueError):
-    """A report or request that contradicts the ledger (names the field and value)."""
-
-
 @dataclass
-class _Chunk:
-    holder: str | None = None
-    accepted: int = 0
-    finished: bool = False
-
-
-@dataclass
-class ChunkLedger:
+class ChunkLedger(LedgerState):
     """Which chunks each cluster holds, has trained, and has had accepted.
 
     Args:
@@ -81,6 +77,8 @@ class ChunkLedger:
     pending: dict[str, dict[int, int]] = field(default_factory=dict)
     history: dict[int, list[tuple[int, int, int]]] = field(default_factory=dict)
     keep_history: int = 64
+    #: epoch -> the newest version recorded when it began (-1: none); read by :meth:`rollback`.
+    epoch_starts: dict[int, int] = field(default_factory=dict)
     #: holder -> when its accepted position last advanced (seconds, the caller's clock;
     #: None: advanced since the last ``now`` seen). Not checkpointed.
     progressed_at: dict[str, float | None] = field(default_factory=dict, repr=False, compare=False)
@@ -314,20 +312,46 @@ class ChunkLedger:
         return gained
 
     def rollback(self, version: int) -> int:
-        """Un-accept the windows of every recorded version above ``version``; their chunks
-        return to the pool. Returns the windows un-accepted."""
+        """Un-accept the windows of every recorded version above ``version``, newest first;
+        their chunks return to the pool, a report still pending on one of them no longer
+        counts. An epoch that began after a version undone is undone before it (every chunk
+        finished again, as when the epoch began), so that version's windows are trained
+        again in their own epoch. Returns the windows un-accepted."""
         lost, returned = 0, set()
         for v in sorted((v for v in self.history if v > version), reverse=True):
+            while self.epoch_starts.get(self.epoch, -1) >= v:
+                lost += self._undo_epoch(returned)
             for chunk, start, upto in reversed(self.history.pop(v)):
-                c = self.chunks[chunk]
-                if c.accepted != upto:
-                    continue  # a new epoch reset it: nothing to undo
-                self._set(chunk, None, start, False)
+                if self.chunks[chunk].accepted != upto:
+                    continue  # reset by an epoch not recorded (a state of before issue 16)
+                self._take_back(chunk, start, False)
                 lost += upto - start
                 returned.add(chunk)
+        while self.epoch_starts.get(self.epoch, -1) > version:
+            lost += self._undo_epoch(returned)
         self.accepted_windows -= lost
         self.counts["returned"] += len(returned)
         return lost
+
+    def _take_back(self, i: int, accepted: int, finished: bool) -> None:
+        """Chunk ``i`` back to the pool at ``accepted``; its holder's pending report loses it."""
+        holder = self.chunks[i].holder
+        if holder is not None and i in self.pending.get(holder, {}):
+            del self.pending[holder][i]
+        self._set(i, None, accepted, finished)
+
+    def _undo_epoch(self, returned: set[int]) -> int:
+        """The current epoch had not begun: every chunk finished (the ones held go in
+        ``returned``); returns the windows it had accepted (those of versions already undone
+        are 0 again: none, unless accepted without a version)."""
+        stray = sum(c.accepted for c in self.chunks)
+        del self.epoch_starts[self.epoch]
+        self.epoch -= 1
+        for i, c in enumerate(self.chunks):
+            if c.holder is not None:
+                returned.add(i)
+            self._take_back(i, self.windows_per_chunk, True)
+        return stray
 
     def release(self, cluster: str) -> list[int]:
         """Return every chunk ``cluster`` holds to the pool; returns their ids."""
@@ -340,61 +364,8 @@ class ChunkLedger:
 
     def _new_epoch(self) -> None:
         self.epoch += 1
+        self.epoch_starts[self.epoch] = max(self.history, default=-1)
+        for old in sorted(self.epoch_starts)[:-self.keep_history]:
+            del self.epoch_starts[old]
         for i in range(self.num_chunks):
             self._set(i, None, 0, False)
-
-    # ----- invariants and persistence ---------------------------------------------------
-    def check(self) -> None:
-        """Raise LedgerError if an invariant is broken (see module docstring)."""
-        total = 0
-        for i, c in enumerate(self.chunks):
-            if not 0 <= c.accepted <= self.windows_per_chunk:
-                raise LedgerError(f"chunk {i}: accepted {c.accepted} out of range")
-            if c.finished != (c.accepted == self.windows_per_chunk):
-                raise LedgerError(f"chunk {i}: finished={c.finished} but accepted={c.accepted}")
-            if c.finished and c.holder is not None:
-                raise LedgerError(f"chunk {i}: finished but held by {c.holder!r}")
-            total += c.accepted
-        expected = self.accepted_windows - self.epoch * self.num_chunks * self.windows_per_chunk
-        if total != expected:
-            raise LedgerError(f"accepted windows {total} in chunks != {expected} accounted")
-        if ((self._held, self._free_partial, self._free_fresh) != self._index()
-                or not self._free_fresh <= set(self._fresh_heap)):
-            raise LedgerError("the ledger's holder and free-chunk indexes disagree with its chunks")
-
-    def summary(self) -> dict[str, Any]:
-        """Counts for logs: epoch, accepted windows (all epochs), finished/held/free chunks."""
-        held, free = sum(map(len, self._held.values())), len(self._free_partial | self._free_fresh)
-        return {"epoch": self.epoch, "accepted_windows": self.accepted_windows,
-                "finished": self.num_chunks - held - free, "held": held, "free": free}
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-able state (for the leader's checkpoint)."""
-        return {"num_chunks": self.num_chunks, "windows_per_chunk": self.windows_per_chunk,
-                "epoch": self.epoch, "accepted_windows": self.accepted_windows,
-                "chunks": [[c.holder, c.accepted, c.finished] for c in self.chunks],
-                "pending": {k: {str(c): u for c, u in v.items()} for k, v in self.pending.items()},
-                "history": {str(v): [list(r) for r in rs] for v, rs in self.history.items()},
-                "counts": dict(self.counts)}
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "ChunkLedger":
-        """Inverse of :meth:`to_dict`; raises LedgerError if the state is inconsistent."""
-        try:
-            led = cls(int(d["num_chunks"]), int(d["windows_per_chunk"]), int(d["epoch"]),
-                      int(d["accepted_windows"]),
-                      [_Chunk(h, int(a), bool(f)) for h, a, f in d["chunks"]],
-                      {k: {int(c): int(u) for c, u in v.items()} for k, v in d["pending"].items()},
-                      {int(v): [tuple(int(x) for x in r) for r in rs]
-                       for v, rs in d.get("history", {}).items()})
-        except (KeyError, TypeError, ValueError) as exc:
-            raise LedgerError(f"ledger state is malformed: {exc}") from None
-        counts = d.get("counts") or {}
-        if not isinstance(counts, dict) or not all(
-                isinstance(counts.get(k, 0), int) and counts.get(k, 0) >= 0 for k in led.counts):
-            raise LedgerError(f"ledger state field 'counts' = {str(counts)[:60]}: not counts")
-        led.counts.update({k: int(counts.get(k, 0)) for k in led.counts})
-        if len(led.chunks) != led.num_chunks:
-            raise LedgerError(f"ledger state has {len(led.chunks)} chunks, expected {led.num_chunks}")
-        led.check()
-        return led
