@@ -50,6 +50,7 @@ from dips.sim import costs
 from dips.sim.events import FastQueue
 from dips.sim.faults import RandomFaults, ServerFaults
 from dips.sim.followers import FollowerLoad, ModelledFollower, NormBoard
+from dips.sim.ledger_journal import JournaledLedger
 from dips.sim.member import Member
 from dips.sim.network import Job, Network
 from dips.sim.rounds import RoundActions
@@ -91,7 +92,10 @@ class Simulation(RoundActions, ServerFaults, RandomFaults):
         self.version = 0
         self.book = ScheduleBook(M)
         d = sc.data
-        self.ledger = ChunkLedger(d.num_chunks, d.windows_per_chunk)
+        # with leader faults its checkpoint is kept (dips.sim.faults): O(changes) each time
+        journal = bool(sc.leader.faults or sc.leader.mtbf_s)
+        self.ledger = (JournaledLedger if journal else ChunkLedger)(d.num_chunks,
+                                                                    d.windows_per_chunk)
         self.members: dict[str, Member] = {}
         for c in sc.clusters:
             stages = partition_contiguous([4 * p for p in sizes], c.stages)

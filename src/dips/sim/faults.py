@@ -52,13 +52,13 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from dips.algo import grace as grace_rules
-from dips.algo.ledger import ChunkLedger
 from dips.algo.penalty import PenaltyState
 from dips.algo.reconcile import FollowerReport, ReconcileError, reconcile_target
 from dips.algo.round import ReadyChanged, RoundState
 from dips.roles.leader_records import ROUND_BLOCK, VERDICTS_PERSISTED
 from dips.roles.outer_step import abort_everywhere
 from dips.sim.followers import FollowerDown
+from dips.sim.ledger_journal import JournaledLedger
 
 __all__ = ["RandomFaults", "RandomFollowerFault", "RandomLeaderFault", "ServerFaults",
            "server_streams"]
@@ -216,7 +216,9 @@ class ServerFaults:
     def _persist(self) -> None:
         """What ``leader.json`` holds now (:meth:`dips.roles.leader_records.Records.checkpoint`),
         plus the simulator's own counts of the same moment; kept only when a leader fault is
-        scheduled or drawn (``leader.mtbf_s``; the ledger's state costs O(chunks) to copy)."""
+        scheduled or drawn (``leader.mtbf_s``); the ledger's part is
+        :meth:`~dips.sim.ledger_journal.JournaledLedger.checkpoint`, O(changes since the last
+        one), equal to its ``to_dict()``."""
         if not (self.sc.leader.faults or self.sc.leader.mtbf_s):
             return
         st = self.state
@@ -224,7 +226,7 @@ class ServerFaults:
         self.persisted = {
             "version": self.version, "rounds": st.rounds, "rounds_reserved": self.rounds_reserved,
             "finished": st.finished, "penalty": self.penalty.to_dict(),
-            "ledger": self.ledger.to_dict(), "grace": grace_rules.to_dict(st.grace),
+            "ledger": self.ledger.checkpoint(), "grace": grace_rules.to_dict(st.grace),
             "push_s": dict(st.push_s), "send_ahead": dict(st.send_ahead),
             "stalls": dict(st.stalls), "verdicts": list(known.values())[-VERDICTS_PERSISTED:],
             "tokens_accepted": self.tokens_accepted, "gained": dict(self._gained),
@@ -250,7 +252,7 @@ class ServerFaults:
                                 finished=p["finished"])
         self.rounds_reserved = self.state.rounds
         self.penalty = PenaltyState.from_dict(p["penalty"])
-        self.ledger = ChunkLedger.from_dict(p["ledger"])
+        self.ledger = JournaledLedger.from_dict(p["ledger"])
         self.ledger.pending.clear()  # pushes in flight at the crash are lost
         self.tokens_accepted = p["tokens_accepted"]
         self._gained, self._version_tokens = dict(p["gained"]), dict(p["version_tokens"])
@@ -281,9 +283,11 @@ class ServerFaults:
                 parked.append(m)  # its request was queued, never admitted: made again
             elif m.state in ("admit", "push", "verdict") or stale:
                 self._rejoin(m, t)  # UNKNOWN_PUSH: it gives its push up and re-joins
-        self._maybe_reconcile(t)
+        self._maybe_reconcile(t)  # (its rollback may take back chunks a request carries)
         for m in parked:
-            if m.state == "admit":
+            if m.state == "admit" and set(m.progress) - {c for c, _ in self.ledger.holdings(m.cid)}:
+                self._rejoin(m, t)  # LEDGER_CONFLICT: the client re-syncs (here: re-joins)
+            elif m.state == "admit":
                 self._request(m, t)
             else:
                 self.q.push(t, "join", (m.cid, m.epoch))
