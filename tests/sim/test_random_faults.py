@@ -18,8 +18,8 @@ def _scenario(seed: int = 5, **server):
     follower = {k: v for k, v in server.items() if k.startswith("fault_") or k == "f_mtbf"}
     followers = {"mtbf_s": follower.pop("f_mtbf", None), **follower}
     leader = {"mtbf_s": server.get("l_mtbf"), "restart_s": server.get("restart_s", 4.0)}
-    # data for the whole run (no epoch ends: a step rolled back after its chunks' epoch ended
-    # is not un-accepted by the ledger, so the windows = tokens identity holds within an epoch)
+    # data for the whole run (no epoch ends; tests/sim/test_ledger_journal.py runs rollbacks
+    # across ended epochs)
     return small(seed=seed, followers=followers, leader=leader, data={"num_chunks": 1024})
 
 

@@ -77,6 +77,38 @@ def test_search_h_finds_the_smallest_h_under_target_by_running():
     assert search_h(base, 64, 16, 1.0, run=lambda sc: 0.5, max_runs=4)["H"] is None
 
 
+def test_search_h_is_not_fooled_by_a_dip_below_target():
+    """Overhead 6% below H = 560, 4% from there on, but 4% in a dip at 440-470 that the
+    bisection lands in (462): the trial one 10% step above it (509) is over, so the answer
+    is the smallest H tried with every larger one under (616, checked at 678), not 462."""
+    base = load_sim_scenario(ROOT / "configs" / "simulate" / "scale-100b.yaml")
+
+    def run(sc):
+        return 0.04 if sc.H >= 560 or 440 <= sc.H <= 470 else 0.06
+
+    found = search_h(base, 64, 16, 1.0, run=run)
+    assert found["over"][462] == 0.04 and found["over"][509] == 0.06
+    assert (found["H"], found["H_min"], found["monotone"]) == (616, 462, False)
+    assert found["bracket"] == [509, 616] and 678 in found["over"]
+    found = search_h(base, 64, 16, 1.0, run=lambda sc: 0.2 * 64 / sc.H)
+    assert found["monotone"] and found["H_min"] == found["H"]
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--clusters", "100"], "--clusters: '100': without --followers each must be one of 64"),
+    (["--clusters", "abc"], "--clusters: 'abc': give comma-separated positive integers"),
+    (["--followers", "0"], "--followers: '0': give comma-separated positive integers"),
+    (["--models", "7b"], "--models: '7b': no configs/simulate/scale-7b.yaml"),
+    (["--days", "-1"], "--days: -1.0: must be a positive number"),
+    (["--days", "nan"], "--days: nan: must be a positive number")])
+def test_the_command_line_names_a_bad_argument_and_its_value(capsys, args, says):
+    from dips.sim import scale
+
+    with pytest.raises(SystemExit) as exc:
+        scale.main(args)
+    assert exc.value.code == 2 and says in capsys.readouterr().err
+
+
 def test_the_command_line_takes_followers_and_search_h(monkeypatch, tmp_path):
     from dips.sim import scale
 

@@ -42,7 +42,7 @@ def simulate(scenario: Path = typer.Option(..., "--scenario", exists=True, dir_o
                f"{wall:.1f} s ({doc['finished']}); {doc['rounds']['outer_steps']} outer steps")
     typer.echo(f"  added time per cluster: max {100 * ov['added_time_frac_max']:.2f}%  "
                f"follower idle: min {100 * f['idle_frac_min']:.1f}%  "
-               f"follower link peak: {f['link_peak_bps'] / 1e9:.1f} of "
+               f"follower link peak: {f['link_peak_bps'] / 1e9:.4g} of "
                f"{f['nic_bps'] / 1e9:g} Gbit/s")
     if ov["clusters_without_push"]:
         idle = ov["clusters_without_push"]
