@@ -3,21 +3,17 @@
 Control messages are small metadata (< 1 KB per cluster); bulk tensors never travel here.
 Who may connect, and who called, is :mod:`dips.wire.security`'s (mutual TLS by default).
 Domain errors raised by a role map to gRPC status codes in :func:`grpc_errors`, and every
-client call has a deadline.
+client call has a deadline. The server (:func:`make_server`, :class:`ControlServer`) is
+:mod:`dips.wire.control_server`'s; its names are importable from here too.
 """
 
 from __future__ import annotations
 
-import asyncio
 import functools
-import inspect
 import logging
-import threading
-from concurrent import futures
 from typing import Any, Callable
 
 import grpc
-import grpc.aio
 
 from dips.algo.refusal import Refusal, Refused
 from dips.wire.pki import Identity
@@ -26,17 +22,6 @@ from dips.wire.security import Credentials
 log = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 4 << 20
-#: Concurrent calls (HTTP/2 streams) one connection may have at a server: a member's calls
-#: beyond this wait in its own client, not in the server's queue ahead of everyone else's
-#: (issue 13, review of 2026-12-01: 2,000 outstanding calls of one member made honest
-#: heartbeats wait 2.3 s and clusters were removed). Above CallGate's 6 calls per member, so
-#: a client that exceeds the gate still gets its typed BUSY.
-STREAMS_PER_CONNECTION = 8
-#: Calls accepted (running or queued) per handler thread over all connections; beyond it gRPC
-#: refuses RESOURCE_EXHAUSTED at once, so the queue (and its memory) stays bounded.
-CALLS_PER_WORKER = 8
-
-
 REFUSAL_KEY = "dips-refusal"
 
 #: The gRPC status each refusal travels with (the code itself rides in REFUSAL_KEY).
@@ -101,215 +86,6 @@ class Malformed:
 
     def __init__(self, method: str, size: int, error: str) -> None:
         self.method, self.size, self.error = method, size, error
-
-
-def _tolerant(parse: Callable[[bytes], Any], method: str) -> Callable[[bytes], Any]:
-    def deserialize(data: bytes) -> Any:
-        try:
-            return parse(data)
-        except Exception as exc:  # any bytes at all may arrive
-            return Malformed(method, len(data), f"{type(exc).__name__}: {exc}")
-    return deserialize
-
-
-class _Context:
-    """The servicer context a synchronous handler gets on :class:`ControlServer`: the aio
-    call's context, used from a pool thread. What reads the core call (auth context,
-    metadata, peer) is read on the loop when the call starts: a handler still running after
-    its call ended (cancelled; the call is then released) must not touch it (a segfault)."""
-
-    def __init__(self, context: Any, loop: asyncio.AbstractEventLoop) -> None:
-        self._context, self._loop = context, loop
-        self.gone = threading.Event()  # the caller cancelled, or the server stops
-        self._auth = context.auth_context()
-        self._metadata = context.invocation_metadata()
-        self._peer = context.peer()
-
-    def auth_context(self) -> Any:
-        return self._auth
-
-    def invocation_metadata(self) -> Any:
-        return self._metadata
-
-    def peer(self) -> str:
-        return self._peer
-
-    def abort(self, code: grpc.StatusCode, details: str = "") -> None:
-        async def abort() -> None:
-            if self.gone.is_set():  # checked on the loop: the call is still held when not
-                raise _Ended(details)
-            await self._context.abort(code, details)
-        asyncio.run_coroutine_threadsafe(abort(), self._loop).result()
-
-    def is_active(self) -> bool:
-        left = self._context.time_remaining()
-        return not self.gone.is_set() and (left is None or left > 0)
-
-    def time_remaining(self) -> float | None:
-        return self._context.time_remaining()
-
-    def set_trailing_metadata(self, metadata: Any) -> None:
-        self._context.set_trailing_metadata(metadata)
-
-    def set_code(self, code: grpc.StatusCode) -> None:
-        self._context.set_code(code)
-
-    def set_details(self, details: str) -> None:
-        self._context.set_details(details)
-
-
-class _Ended(Exception):
-    """A handler's call ended (cancelled, server stopped) before it could refuse it."""
-
-
-class _TolerantRequests(grpc.aio.ServerInterceptor):
-    """Parses requests so that bytes that are not the method's message reach the servicer as
-    :class:`Malformed` (a typed refusal) instead of failing inside gRPC with a bare INTERNAL
-    status (issue 13: every decoder of network bytes refuses with a code), and runs each
-    synchronous handler in the server's thread pool once its request has arrived."""
-
-    def __init__(self, pool: futures.ThreadPoolExecutor) -> None:
-        self._pool = pool
-
-    async def intercept_service(self, continuation: Callable, details: Any) -> Any:
-        handler = await continuation(details)
-        if handler is None or handler.unary_unary is None:
-            return handler
-        deserializer = handler.request_deserializer
-        if deserializer is not None:
-            deserializer = _tolerant(deserializer, details.method)
-        return grpc.unary_unary_rpc_method_handler(
-            self._in_pool(handler.unary_unary), request_deserializer=deserializer,
-            response_serializer=handler.response_serializer)
-
-    def _in_pool(self, method: Callable) -> Callable:
-        if inspect.iscoroutinefunction(method):
-            return method
-        pool = self._pool
-
-        async def call(request: Any, context: Any) -> Any:
-            loop = asyncio.get_running_loop()
-            ctx = _Context(context, loop)
-            try:
-                return await loop.run_in_executor(pool, method, request, ctx)
-            except asyncio.CancelledError:
-                ctx.gone.set()  # a waiting handler sees is_active() false and ends
-                raise
-        return call
-
-
-_loop_lock = threading.Lock()
-_loop: asyncio.AbstractEventLoop | None = None
-
-
-def _event_loop() -> asyncio.AbstractEventLoop:
-    """The process's one event loop for control servers (gRPC's aio stack is not made for a
-    loop per thread), on a daemon thread of its own."""
-    global _loop
-    with _loop_lock:
-        if _loop is None:
-            loop = asyncio.new_event_loop()
-            threading.Thread(target=loop.run_forever, name="grpc-loop", daemon=True).start()
-            _loop = loop
-        return _loop
-
-
-class _Stopped:
-    """What :meth:`ControlServer.stop` returns: ``wait(timeout)`` as ``threading.Event``'s."""
-
-    def __init__(self, future: futures.Future) -> None:
-        self._future = future
-
-    def wait(self, timeout: float | None = None) -> bool:
-        try:
-            self._future.result(timeout)
-        except futures.TimeoutError:
-            return False
-        except Exception:  # stopping failed: it is stopped as far as it can be
-            log.exception("stopping a control server failed")
-        return True
-
-    def is_set(self) -> bool:
-        return self._future.done()
-
-
-class ControlServer:
-    """A gRPC server of the control plane with the interface of ``grpc.Server`` that dips
-    uses (add handlers and ports, ``start``, ``stop(grace).wait(timeout)``), on gRPC's
-    asyncio stack: a call's request is received on the event loop, and only a call whose
-    request has arrived takes one of the ``max_workers`` threads that run its (synchronous)
-    handler. A member that opens calls and never sends their messages holds no thread
-    (issue 13, review 25: 24 such calls held every thread of the leader)."""
-
-    def __init__(self, max_workers: int) -> None:
-        self._pool = futures.ThreadPoolExecutor(max_workers=max_workers,
-                                                thread_name_prefix="grpc")
-        self._loop = _event_loop()
-
-        async def build() -> grpc.aio.Server:
-            return grpc.aio.server(
-                migration_thread_pool=self._pool,
-                interceptors=[_TolerantRequests(self._pool)],
-                maximum_concurrent_rpcs=CALLS_PER_WORKER * max_workers,
-                options=[("grpc.max_concurrent_streams", STREAMS_PER_CONNECTION),
-                         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                         ("grpc.so_reuseport", 0)])
-
-        self._server = self._on_loop(build)
-
-    def _on_loop(self, fn: Callable, *args: Any) -> Any:
-        async def run() -> Any:
-            result = fn(*args)
-            return await result if inspect.isawaitable(result) else result
-        return asyncio.run_coroutine_threadsafe(run(), self._loop).result()
-
-    def add_generic_rpc_handlers(self, handlers: Any) -> None:
-        self._on_loop(self._server.add_generic_rpc_handlers, handlers)
-
-    def add_registered_method_handlers(self, service: str, handlers: Any) -> None:
-        self._on_loop(self._server.add_registered_method_handlers, service, handlers)
-
-    def add_insecure_port(self, address: str) -> int:
-        return self._on_loop(self._server.add_insecure_port, address)
-
-    def add_secure_port(self, address: str, creds: grpc.ServerCredentials) -> int:
-        return self._on_loop(self._server.add_secure_port, address, creds)
-
-    def start(self) -> None:
-        self._on_loop(self._server.start)
-
-    def stop(self, grace: float | None) -> _Stopped:
-        """Refuse new calls; end those in progress after ``grace`` seconds (None: now)."""
-        async def stop() -> None:
-            try:
-                await self._server.stop(grace)
-            finally:
-                self._pool.shutdown(wait=False)
-        return _Stopped(asyncio.run_coroutine_threadsafe(stop(), self._loop))
-
-    def wait_for_termination(self, timeout: float | None = None) -> bool:
-        fut = asyncio.run_coroutine_threadsafe(self._server.wait_for_termination(), self._loop)
-        try:
-            return fut.result(timeout)
-        except futures.TimeoutError:
-            return False
-
-
-def make_server(max_workers: int = 32) -> ControlServer:
-    """A gRPC server (:class:`ControlServer`); bind it with
-    :meth:`dips.wire.security.Credentials.add_port` (mutual TLS unless insecure), and have
-    its servicers check :func:`dips.wire.security.caller`. A request that does not parse
-    reaches the servicer as :class:`Malformed`. Each connection has at most
-    :data:`STREAMS_PER_CONNECTION` calls in progress, and the server at most
-    ``CALLS_PER_WORKER × max_workers`` (RESOURCE_EXHAUSTED beyond); a call holds a handler
-    thread only once its request has arrived.
-
-    Args:
-        max_workers: handler threads; leader handlers block (push admission), so give its
-            servicer a :meth:`dips.wire.inflight.CallGate.for_server` of this number.
-    """
-    return ControlServer(max_workers)
 
 
 def _short(message: str) -> str:
@@ -424,3 +200,15 @@ class Client:
 
     def close(self) -> None:
         self._channel.close()
+
+
+#: Names of :mod:`dips.wire.control_server` importable from here (it imports this module).
+_SERVER_NAMES = frozenset({"ControlServer", "make_server", "STREAMS_PER_CONNECTION",
+                           "SERVER_CALLS", "FIRST_MESSAGE_S"})
+
+
+def __getattr__(name: str) -> Any:
+    if name in _SERVER_NAMES:
+        from dips.wire import control_server
+        return getattr(control_server, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

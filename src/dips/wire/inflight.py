@@ -97,3 +97,53 @@ class CallGate:
         """Calls in progress now (for tests and status)."""
         with self._lock:
             return sum(self._members.values())
+
+
+#: Calls one peer (a certificate's identity) may have open at one control server, counted
+#: from the moment the call's headers arrive, before its request message: above
+#: :class:`CallGate`'s 6 running calls per member, far below the server's own bound.
+PEER_CALLS = 16
+
+
+class PeerCalls:
+    """Counts the open calls of each peer at one server (thread-safe), so that calls one
+    member opens and never completes cannot use what others need (issue 13, review 25: 20
+    connections x 8 held calls of one certificate filled gRPC's server-wide limit and every
+    other call, honest heartbeats too, was refused RESOURCE_EXHAUSTED).
+
+    Args:
+        limit: open calls per peer.
+
+    Raises:
+        ValueError: ``limit`` below 1.
+    """
+
+    def __init__(self, limit: int = PEER_CALLS) -> None:
+        if limit < 1:
+            raise ValueError(f"peer call limit {limit} must be >= 1")
+        self.limit = limit
+        self._lock = threading.Lock()
+        self._open: dict[str, int] = {}
+
+    def open(self, peer: str) -> None:
+        """Count a call of ``peer``. Raises Refused(BUSY) naming the limit when it has
+        ``limit`` open (nothing is counted then); every open call is :meth:`close` d once."""
+        with self._lock:
+            held = self._open.get(peer, 0)
+            if held >= self.limit:
+                raise Refused(Refusal.BUSY, f"{peer}: {self.limit} calls of this peer open at "
+                                            "this server (PEER_CALLS): retry when one ended")
+            self._open[peer] = held + 1
+
+    def close(self, peer: str) -> None:
+        with self._lock:
+            left = self._open.get(peer, 0) - 1
+            if left > 0:
+                self._open[peer] = left
+            else:
+                self._open.pop(peer, None)
+
+    def of(self, peer: str) -> int:
+        """Open calls of ``peer`` now (for tests and status)."""
+        with self._lock:
+            return self._open.get(peer, 0)
