@@ -131,7 +131,7 @@ def run_leader(cfg: RunConfig, listen: str, state: Path, creds: Credentials,
     from dips.roles.leader import FollowerEntry, Leader, LeaderConfig
     from dips.roles.leader_types import Issued
     from dips.wire.control import make_server
-    from dips.wire.inflight import CallGate
+    from dips.wire.inflight import CallGate, RateGate
     from dips.wire.pb import control_pb2_grpc as pbg
     from dips.wire.ratelog import Tally
     from dips.wire.services import FollowerControlClient, LeaderServicer
@@ -193,8 +193,10 @@ def run_leader(cfg: RunConfig, listen: str, state: Path, creds: Credentials,
     workers = 8 + 4 * len(cfg.clusters)
     server = make_server(max_workers=workers)
     # Waiting calls (push admission, verdicts) leave threads free for heartbeats (issue 13).
+    reads = RateGate(cfg.membership.read_calls_per_s, cfg.membership.read_burst)
     pbg.add_LeaderServicer_to_server(LeaderServicer(leader, entry, revoked,
-                                                    CallGate.for_server(workers), refusals),
+                                                    CallGate.for_server(workers, reads),
+                                                    refusals),
                                      server)
     if creds.add_port(server, listen) == 0:
         if metrics is not None:

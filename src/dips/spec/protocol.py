@@ -55,6 +55,12 @@ class MembershipConfig(Strict):
                                 description="the longest a cluster waits to re-join, seconds; a "
                                             "join twice this long after the one before starts "
                                             "afresh")
+    read_calls_per_s: float = Field(20.0, gt=0, allow_inf_nan=False,
+                                    description="read calls (GetStatus, GetSpec) per second one "
+                                                "member may make at the leader, sustained; "
+                                                "beyond: refusal BUSY (RESOURCE_EXHAUSTED)")
+    read_burst: int = Field(40, ge=1, description="read calls one member may make at once "
+                                                  "after a quiet while (read_calls_per_s)")
 
 
 class Timeouts(Strict):

@@ -22,14 +22,19 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Iterator
+import time
+from typing import Callable, Iterator
 
+from dips.algo.ratelimit import Bucket, check_rate, take
 from dips.algo.refusal import Refusal, Refused
 
 #: Calls that wait for an event of the round (seconds to minutes) instead of answering.
 BLOCKING = frozenset({"RequestPush", "PushDone"})
 #: Threads kept free of blocking calls (heartbeats, registrations, status).
 RESERVED_THREADS = 6
+#: Calls that only read (answered from the leader's state): rate-limited per member
+#: (:class:`RateGate`), as no honest member makes more than a few a second.
+READS = frozenset({"GetStatus", "GetSpec"})
 
 
 class CallGate:
@@ -39,33 +44,39 @@ class CallGate:
         blocking: blocking calls (:data:`BLOCKING`) in progress at once over all members.
         per_member: calls of one member in progress at once.
         per_call: blocking calls of one method by one member in progress at once.
+        reads: the rate of each member's :data:`READS` calls (None: not limited).
 
     Raises:
         ValueError: a limit below 1.
     """
 
-    def __init__(self, blocking: int, per_member: int = 6, per_call: int = 1) -> None:
+    def __init__(self, blocking: int, per_member: int = 6, per_call: int = 1,
+                 reads: "RateGate | None" = None) -> None:
         if min(blocking, per_member, per_call) < 1:
             raise ValueError(f"call limits blocking={blocking}, per_member={per_member}, "
                              f"per_call={per_call} must be >= 1")
         self.blocking, self.per_member, self.per_call = blocking, per_member, per_call
+        self.reads = reads
         self._lock = threading.Lock()
         self._calls: dict[tuple[str, str], int] = {}
         self._members: dict[str, int] = {}
         self._blocking = 0
 
     @classmethod
-    def for_server(cls, max_workers: int) -> "CallGate":
+    def for_server(cls, max_workers: int, reads: "RateGate | None" = None) -> "CallGate":
         """Limits for a server of ``max_workers`` handler threads: blocking calls leave
         :data:`RESERVED_THREADS` threads free (at least one may block)."""
-        return cls(blocking=max(1, max_workers - RESERVED_THREADS))
+        return cls(blocking=max(1, max_workers - RESERVED_THREADS), reads=reads)
 
     @contextlib.contextmanager
     def enter(self, member: str, method: str) -> Iterator[None]:
         """Hold a place for ``member``'s call of ``method`` for the ``with`` block.
 
-        Raises Refused(BUSY) naming the limit when there is no place (nothing is held then).
+        Raises Refused(BUSY) naming the limit when there is no place, or when a read call
+        (:data:`READS`) exceeds the member's rate (nothing is held then).
         """
+        if self.reads is not None and method in READS:
+            self.reads.take(member, method)
         key = (member, method)
         blocks = method in BLOCKING
         with self._lock:
@@ -147,3 +158,56 @@ class PeerCalls:
         """Open calls of ``peer`` now (for tests and status)."""
         with self._lock:
             return self._open.get(peer, 0)
+
+
+#: Read calls per second and burst per member by default (``membership.read_calls_per_s``,
+#: ``membership.read_burst``): an honest member reads a few times a minute (a join's spec, a
+#: liveness probe or ``dips status`` every second or so).
+READ_CALLS_PER_S = 20.0
+READ_BURST = 40
+#: Members whose buckets are kept before full ones are forgotten (a full bucket is new).
+MAX_BUCKETS = 4096
+
+
+class RateGate:
+    """A token bucket (:func:`dips.algo.ratelimit.take`) per member (thread-safe): refuses,
+    with ``Refusal.BUSY`` (RESOURCE_EXHAUSTED) naming the limit, a member's calls beyond
+    ``rate`` per second after a burst of ``burst`` (issue 13, review 25 M1: 1,093 GetStatus
+    calls/s of one member took 0.64 of a core of the leader).
+
+    Args:
+        rate: calls per second of one member, sustained.
+        burst: calls one member may make at once after a quiet while.
+        clock: seconds of a monotonic clock (default ``time.monotonic``; tests pass theirs).
+        what: the setting's name, for the refusal's message.
+
+    Raises:
+        ValueError: ``rate`` not > 0 or ``burst`` < 1 (naming the field).
+    """
+
+    def __init__(self, rate: float = READ_CALLS_PER_S, burst: float = READ_BURST,
+                 clock: Callable[[], float] = time.monotonic,
+                 what: str = "membership.read_calls_per_s") -> None:
+        check_rate(rate, burst)
+        self.rate, self.burst, self.what = rate, burst, what
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._buckets: dict[str, Bucket] = {}
+
+    def take(self, member: str, method: str) -> None:
+        """Count one call of ``member``; Raises Refused(BUSY) when over its rate."""
+        with self._lock:
+            now = self._clock()
+            if len(self._buckets) >= MAX_BUCKETS and member not in self._buckets:
+                self._forget_full(now)
+            bucket, ok = take(self._buckets.get(member), now, self.rate, self.burst)
+            self._buckets[member] = bucket
+        if not ok:
+            raise Refused(Refusal.BUSY, f"{member}: {method}: more than {self.rate:g} read "
+                                        f"calls per second (burst {self.burst:g}) of this "
+                                        f"member ({self.what}): retry later")
+
+    def _forget_full(self, now: float) -> None:
+        full_after = self.burst / self.rate
+        for member in [m for m, b in self._buckets.items() if now - b.at >= full_after]:
+            del self._buckets[member]
