@@ -172,14 +172,17 @@ class FollowerShard(DataPlaneSide, ShardRecovery):
         """Per cluster: (id, valid, ‖Δ‖² on this shard, error). Δ = θ_now − θ_cluster (§6).
 
         ``push_ids`` (same order as ``clusters``) name pushes sent ahead of this round: they
-        are taken into the round here and their Δ formed now, against the current θ.
+        are taken into the round here and their Δ formed now, against the current θ. Every
+        push id named is decided by the leader from now on: its chunks arriving later are
+        refused STALE_GRANT, staged here or not (review 25, M2).
         """
         out = []
         with self._lock:
             for c, pid in zip(clusters, push_ids or []):
+                if pid:
+                    self._admission.retire(pid)  # decided: its chunks sent later are stale
                 if (rnd, c) not in self._staged and pid in self._early and self._early[pid][0] == c:
                     _, tokens, staged = self._early.pop(pid)
-                    self._admission.retire(pid)  # its chunks replayed later are refused
                     self._staged[(rnd, c)] = staged
                     try:
                         self._round_sum(rnd).announce(c, tokens)
