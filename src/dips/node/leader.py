@@ -191,12 +191,11 @@ def run_leader(cfg: RunConfig, listen: str, state: Path, creds: Credentials,
         leader.roster = lambda: read_revoked(issued_file) - revoked()
 
     workers = 8 + 4 * len(cfg.clusters)
-    server = make_server(max_workers=workers)
+    server = make_server(max_workers=workers, reads=RateGate(cfg.membership.read_calls_per_s,
+                                                             cfg.membership.read_burst))
     # Waiting calls (push admission, verdicts) leave threads free for heartbeats (issue 13).
-    reads = RateGate(cfg.membership.read_calls_per_s, cfg.membership.read_burst)
     pbg.add_LeaderServicer_to_server(LeaderServicer(leader, entry, revoked,
-                                                    CallGate.for_server(workers, reads),
-                                                    refusals),
+                                                    CallGate.for_server(workers), refusals),
                                      server)
     if creds.add_port(server, listen) == 0:
         if metrics is not None:

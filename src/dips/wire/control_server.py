@@ -6,7 +6,10 @@ one of the ``max_workers`` threads that run the (synchronous) servicers. Before 
 call, from the moment its headers arrive, counts against its peer's
 :class:`dips.wire.inflight.PeerCalls` (:data:`~dips.wire.inflight.PEER_CALLS` open calls per
 certificate identity; refusal BUSY, RESOURCE_EXHAUSTED, at once) and must deliver its request
-within :data:`FIRST_MESSAGE_S` (else DEADLINE_EXCEEDED). Connections are closed after
+within :data:`FIRST_MESSAGE_S` (else DEADLINE_EXCEEDED); a server given a
+:class:`~dips.wire.inflight.RateGate` refuses a peer's read calls
+(:data:`~dips.wire.inflight.READS`) beyond its rate there too, before a thread or the
+request is spent on them (BUSY). Connections are closed after
 :data:`IDLE_S` without a call, TLS handshakes after :data:`HANDSHAKE_S`, and connections whose
 peer stops answering keepalive pings after :data:`KEEPALIVE_S` + :data:`KEEPALIVE_TIMEOUT_S`.
 """
@@ -25,7 +28,7 @@ import grpc.aio
 
 from dips.algo.refusal import Refusal, Refused
 from dips.wire.control import _STATUS, MAX_MESSAGE_BYTES, REFUSAL_KEY, Malformed, _short
-from dips.wire.inflight import PEER_CALLS, PeerCalls
+from dips.wire.inflight import PEER_CALLS, READS, PeerCalls, RateGate
 from dips.wire.security import caller
 
 log = logging.getLogger("dips.wire.control")
@@ -139,8 +142,9 @@ class _Guarded(grpc.aio.ServerInterceptor):
     sends it. Only the first request message is read."""
 
     def __init__(self, pool: futures.ThreadPoolExecutor, peers: PeerCalls,
-                 first_message_s: float) -> None:
+                 first_message_s: float, reads: RateGate | None) -> None:
         self._pool, self._peers, self._first_s = pool, peers, first_message_s
+        self._reads = reads
 
     async def intercept_service(self, continuation: Callable, details: Any) -> Any:
         handler = await continuation(details)
@@ -156,10 +160,14 @@ class _Guarded(grpc.aio.ServerInterceptor):
     def _guarded(self, method: Callable, name: str) -> Callable:
         pool, peers, first_s = self._pool, self._peers, self._first_s
         in_loop = inspect.iscoroutinefunction(method)
+        short = name.rsplit("/", 1)[-1]
+        reads = self._reads if short in READS else None
 
         async def call(requests: Any, context: Any) -> Any:
             peer = peer_of(context)
             try:
+                if reads is not None:
+                    reads.take(peer, short)
                 peers.open(peer)
             except Refused as exc:
                 await _refuse(context, exc)
@@ -233,14 +241,16 @@ class ControlServer:
     request has arrived takes one of the ``max_workers`` threads that run its (synchronous)
     handler. A member that opens calls and never sends their messages holds no thread
     (issue 13, review 25: 24 such calls held every thread of the leader), at most
-    ``peer_calls`` open calls, each for at most ``first_message_s``.
+    ``peer_calls`` open calls, each for at most ``first_message_s``, and read calls at
+    the rate of ``reads`` (None: not limited).
 
     Raises:
         ValueError: ``max_workers`` or ``peer_calls`` below 1, ``first_message_s`` not > 0.
     """
 
     def __init__(self, max_workers: int, peer_calls: int = PEER_CALLS,
-                 first_message_s: float = FIRST_MESSAGE_S) -> None:
+                 first_message_s: float = FIRST_MESSAGE_S,
+                 reads: RateGate | None = None) -> None:
         if max_workers < 1:
             raise ValueError(f"max_workers {max_workers} must be >= 1")
         if not first_message_s > 0:
@@ -249,7 +259,8 @@ class ControlServer:
         self._pool = futures.ThreadPoolExecutor(max_workers=max_workers,
                                                 thread_name_prefix="grpc")
         self._loop = _event_loop()
-        guard = _Guarded(self._pool, self.peers, first_message_s)
+        self.reads = reads
+        guard = _Guarded(self._pool, self.peers, first_message_s, reads)
 
         async def build() -> grpc.aio.Server:
             return grpc.aio.server(
@@ -306,7 +317,8 @@ class ControlServer:
 
 
 def make_server(max_workers: int = 32, peer_calls: int = PEER_CALLS,
-                first_message_s: float = FIRST_MESSAGE_S) -> ControlServer:
+                first_message_s: float = FIRST_MESSAGE_S,
+                reads: RateGate | None = None) -> ControlServer:
     """A gRPC server (:class:`ControlServer`); bind it with
     :meth:`dips.wire.security.Credentials.add_port` (mutual TLS unless insecure), and have
     its servicers check :func:`dips.wire.security.caller`. A request that does not parse
@@ -320,5 +332,7 @@ def make_server(max_workers: int = 32, peer_calls: int = PEER_CALLS,
             servicer a :meth:`dips.wire.inflight.CallGate.for_server` of this number.
         peer_calls: open calls per peer (:class:`dips.wire.inflight.PeerCalls`).
         first_message_s: seconds from a call's headers to its request message.
+        reads: each peer's rate of read calls (:data:`dips.wire.inflight.READS`; the
+            leader's: ``membership.read_calls_per_s``); None: not limited.
     """
-    return ControlServer(max_workers, peer_calls, first_message_s)
+    return ControlServer(max_workers, peer_calls, first_message_s, reads)

@@ -32,8 +32,9 @@ from dips.algo.refusal import Refusal, Refused
 BLOCKING = frozenset({"RequestPush", "PushDone"})
 #: Threads kept free of blocking calls (heartbeats, registrations, status).
 RESERVED_THREADS = 6
-#: Calls that only read (answered from the leader's state): rate-limited per member
-#: (:class:`RateGate`), as no honest member makes more than a few a second.
+#: Calls that only read (answered from the leader's state): rate-limited per member by the
+#: server (:class:`RateGate`, ``make_server(reads=...)``), as no honest member makes more
+#: than a few a second.
 READS = frozenset({"GetStatus", "GetSpec"})
 
 
@@ -44,39 +45,33 @@ class CallGate:
         blocking: blocking calls (:data:`BLOCKING`) in progress at once over all members.
         per_member: calls of one member in progress at once.
         per_call: blocking calls of one method by one member in progress at once.
-        reads: the rate of each member's :data:`READS` calls (None: not limited).
 
     Raises:
         ValueError: a limit below 1.
     """
 
-    def __init__(self, blocking: int, per_member: int = 6, per_call: int = 1,
-                 reads: "RateGate | None" = None) -> None:
+    def __init__(self, blocking: int, per_member: int = 6, per_call: int = 1) -> None:
         if min(blocking, per_member, per_call) < 1:
             raise ValueError(f"call limits blocking={blocking}, per_member={per_member}, "
                              f"per_call={per_call} must be >= 1")
         self.blocking, self.per_member, self.per_call = blocking, per_member, per_call
-        self.reads = reads
         self._lock = threading.Lock()
         self._calls: dict[tuple[str, str], int] = {}
         self._members: dict[str, int] = {}
         self._blocking = 0
 
     @classmethod
-    def for_server(cls, max_workers: int, reads: "RateGate | None" = None) -> "CallGate":
+    def for_server(cls, max_workers: int) -> "CallGate":
         """Limits for a server of ``max_workers`` handler threads: blocking calls leave
         :data:`RESERVED_THREADS` threads free (at least one may block)."""
-        return cls(blocking=max(1, max_workers - RESERVED_THREADS), reads=reads)
+        return cls(blocking=max(1, max_workers - RESERVED_THREADS))
 
     @contextlib.contextmanager
     def enter(self, member: str, method: str) -> Iterator[None]:
         """Hold a place for ``member``'s call of ``method`` for the ``with`` block.
 
-        Raises Refused(BUSY) naming the limit when there is no place, or when a read call
-        (:data:`READS`) exceeds the member's rate (nothing is held then).
+        Raises Refused(BUSY) naming the limit when there is no place (nothing is held then).
         """
-        if self.reads is not None and method in READS:
-            self.reads.take(member, method)
         key = (member, method)
         blocks = method in BLOCKING
         with self._lock:
@@ -193,6 +188,7 @@ class RateGate:
         self._clock = clock
         self._lock = threading.Lock()
         self._buckets: dict[str, Bucket] = {}
+        self.refused = 0  # calls refused so far (for status and tests)
 
     def take(self, member: str, method: str) -> None:
         """Count one call of ``member``; Raises Refused(BUSY) when over its rate."""
@@ -202,6 +198,7 @@ class RateGate:
                 self._forget_full(now)
             bucket, ok = take(self._buckets.get(member), now, self.rate, self.burst)
             self._buckets[member] = bucket
+            self.refused += not ok
         if not ok:
             raise Refused(Refusal.BUSY, f"{member}: {method}: more than {self.rate:g} read "
                                         f"calls per second (burst {self.burst:g}) of this "
