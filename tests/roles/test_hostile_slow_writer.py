@@ -138,6 +138,7 @@ def test_one_member_with_many_held_calls_cannot_exhaust_the_server(served):
             assert refusal_of(err) == Refusal.BUSY
             assert "PEER_CALLS" in err.details()
         assert server.peers.of("cluster-h") == PEER_CALLS
+        assert server.peers.refused == len(refused)
         beat(client, 10)  # before: RESOURCE_EXHAUSTED (Concurrent RPC limit exceeded)
         assert sum(f.done() for f in slow.calls) == len(refused)  # the rest still held
     finally:

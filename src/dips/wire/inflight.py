@@ -130,6 +130,7 @@ class PeerCalls:
         self.limit = limit
         self._lock = threading.Lock()
         self._open: dict[str, int] = {}
+        self.refused = 0  # calls refused so far (for status and tests)
 
     def open(self, peer: str) -> None:
         """Count a call of ``peer``. Raises Refused(BUSY) naming the limit when it has
@@ -137,6 +138,7 @@ class PeerCalls:
         with self._lock:
             held = self._open.get(peer, 0)
             if held >= self.limit:
+                self.refused += 1
                 raise Refused(Refusal.BUSY, f"{peer}: {self.limit} calls of this peer open at "
                                             "this server (PEER_CALLS): retry when one ended")
             self._open[peer] = held + 1
