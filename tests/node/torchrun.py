@@ -16,15 +16,16 @@ from dips.emu.launcher import free_port
 from .roles import ROOT
 
 
-def torchrun(cluster: str, leader: str, state: Path, log: Path,
-             nproc: int = 2) -> subprocess.Popen:
-    """Cluster ``cluster`` as ``torchrun --nproc-per-node NPROC -m dips.cluster`` (own
-    session, output appended to ``log``, rendezvous on a free loopback port)."""
+def torchrun(cluster: str, leader: str, state: Path, log: Path, nproc: int = 2,
+             restarts: int = 0) -> subprocess.Popen:
+    """Cluster ``cluster`` as ``torchrun --nproc-per-node NPROC --max-restarts RESTARTS -m
+    dips.cluster`` (own session, output appended to ``log``, rendezvous on a free loopback
+    port)."""
     with open(log, "a") as out:
         return subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
              "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1", "--master-port",
-             str(free_port()), "--max-restarts", "0", "-m", "dips.cluster",
+             str(free_port()), "--max-restarts", str(restarts), "-m", "dips.cluster",
              "--leader", leader, "--cluster-id", cluster, "--state-dir", str(state),
              "--insecure"],
             cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, text=True, start_new_session=True,

@@ -4,8 +4,9 @@ stages (issue 14; §3, §5, §12).
 ``torchrun --nproc-per-node N -m dips.cluster --leader HOST:PORT --cluster-id ID ...`` (or
 ``dips cluster`` under torchrun) runs this on every rank when ``WORLD_SIZE > 1``:
 
-1. ``init_process_group`` (torchrun's ``env://`` rendezvous; ``cpu:gloo,cuda:nccl`` when CUDA
-   is available, else gloo), bounded by ``BOOT_TIMEOUT_S``; the rank's device is
+1. ``init_process_group`` (torchrun's ``env://`` rendezvous on a store of this torchrun attempt
+   alone, :mod:`dips.node.attempt`; ``cpu:gloo,cuda:nccl`` when CUDA is available, else gloo),
+   bounded by ``BOOT_TIMEOUT_S``; the rank's device is
    ``cuda:LOCAL_RANK`` or ``cpu`` (``--device``, else the cluster config's ``device``, else
    cuda when available);
 2. rank 0 checks its certificate, locks ``--state-dir``, fetches the run spec from the leader
@@ -20,7 +21,8 @@ stages (issue 14; §3, §5, §12).
    block;
 4. when the run finishes (or on SIGTERM/SIGINT on any rank) every rank leaves the loop at the
    same step and exits 0. Any failure (a rank killed, a collective timed out) exits non-zero;
-   torchrun (``--max-restarts``) or the operator restarts the cluster, which re-joins.
+   torchrun (``--max-restarts``: the ranks restart in place) or the operator restarts the
+   cluster, which re-joins as the same cluster id and resumes its inner state.
 
 Only rank 0 writes ``train.jsonl`` (the cluster's records; sync steps carry each rank's
 pushed layers and the replicas' checksums) and serves metrics.
@@ -32,10 +34,10 @@ import logging
 import os
 import threading
 import time
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from dips.node.attempt import init_attempt_group
 from dips.node.common import RoleError, StateDir, Stopped, fetch_spec, run_data
 from dips.wire.pki import Identity
 from dips.wire.security import Credentials
@@ -100,8 +102,11 @@ def run_cluster_ranks(leader_addr: str, cluster_id: str, state: Path, creds: Cre
         torch.cuda.set_device(local)  # device itself (cuda or cpu) is chosen after the spec
     # NCCL for CUDA tensors, gloo for host ones: the cluster's device (--device, else the
     # cluster config's) is known only once the spec is fetched.
-    dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo",
-                            timeout=timedelta(seconds=BOOT_TIMEOUT_S))
+    # On a store of this torchrun attempt alone: --max-restarts restarts the ranks in place.
+    attempt = init_attempt_group("cpu:gloo,cuda:nccl" if cuda else "gloo", BOOT_TIMEOUT_S)
+    if attempt:
+        log.info("cluster %s: rank %d: torchrun restart %d (of at most %s)", cluster_id, rank,
+                 attempt, os.environ.get("TORCHELASTIC_MAX_RESTARTS", "?"))
     try:
         return _run(rank, world, local, device, leader_addr, cluster_id, state, creds, stop,
                     cache_dir, metrics_port, metrics_host)
