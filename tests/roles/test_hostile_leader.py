@@ -461,6 +461,21 @@ def test_a_grant_carries_a_signed_ticket_and_a_base_ahead_of_the_leader_is_refus
         leader.stop()
 
 
+def test_the_cluster_reads_the_leaders_tokens_off_its_grant(tmp_path):
+    """Review F9: T_j as the leader counts it (the ledger's 2 windows, not the claim of 10**9),
+    read off the grant's ticket; nothing for an empty, malformed or out-of-range ticket."""
+    leader, _ = make_leader(tmp_path)
+    try:
+        chunks = member(leader, "a")
+        grant = leader.request_push("a", 0, 10**9, 5.0, {min(chunks): 2})
+        assert admission.granted_tokens(grant.ticket) == 2 * TPW
+    finally:
+        leader.stop()
+    for body in ("", "[1]", "{", '{"tokens": 0}', '{"tokens": true}', '{"tokens": 1.5}',
+                 '{"tokens": %d}' % 2**63, None, '{"tokens": 1, "x": "%s"}' % ("y" * 600)):
+        assert admission.granted_tokens(body) is None, body
+
+
 def test_a_push_sent_ahead_gets_a_ticket_of_round_0_for_its_push_id(tmp_path):
     clock = ManualClock()
     leader, _ = make_leader(tmp_path, ledger=False, clock=clock)

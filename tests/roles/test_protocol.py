@@ -23,6 +23,7 @@ from dips.roles.client import ClusterClient
 from dips.roles.cluster import fetch_global_model
 from dips.roles.leader import Leader, LeaderConfig
 from dips.spec import GraceConfig, MembershipConfig, ModelConfig, OuterConfig, Timeouts
+from dips.train.dips_sync import push_record
 from dips.train.model import build_model
 from dips.wire.admission import Ticket, admission_key, sign
 from dips.wire.control import refusal_of
@@ -87,7 +88,8 @@ class Run:
     def __init__(self, tmp_path, grace_s: float = 0.3, penalty: PenaltyConfig | None = None,
                  pull_barrier: bool = False, max_outer_steps: int | None = None,
                  outer: OuterConfig | None = None,
-                 membership: MembershipConfig | None = None):
+                 membership: MembershipConfig | None = None,
+                 max_push_tokens: int | None = None):
         self.model0 = build_model(CFG, seed=0)
         self.shards, self.servers = [], []
         # No test here is about failure detection: heartbeats may be late on a loaded machine
@@ -97,7 +99,8 @@ class Run:
                            membership=membership or MembershipConfig(
                                heartbeat_interval_s=1.0, missed_heartbeats=30),
                            followers=2, penalty=penalty or PenaltyConfig(),
-                           max_outer_steps=max_outer_steps, outer=outer or OuterConfig())
+                           max_outer_steps=max_outer_steps, outer=outer or OuterConfig(),
+                           max_push_tokens=max_push_tokens)
         self.clock = HeldClock()
         self.admitted: dict[str, list[int]] = {}  # cluster id -> rounds it was admitted to
         self.leader = Leader(cfg, connect=lambda e: self.shards[e.index], run_dir=tmp_path,
@@ -336,6 +339,27 @@ def test_a_control_call_as_another_cluster_is_refused(run):
     assert refusal_of(exc.value) is Refusal.FORBIDDEN
     channel.close()
     c.close()
+
+
+def test_a_cluster_records_the_tokens_the_leader_counts_not_its_claim(tmp_path):
+    """Review F9: a cluster that claims 10**6 tokens per inner step, where the leader counts
+    at most 150 a push (``max_push_tokens``; with a ledger: its windows), sees the leader's
+    T_j in its own SyncResult (its step_done record and log line), not its claim."""
+    r = Run(tmp_path, max_push_tokens=150)
+    try:
+        a, b = r.client("a"), r.client("b")
+        a.join()
+        b.join()
+        _perturb(a.model, 1)
+        _perturb(b.model, 2)
+        results = _sync_all(r, [a, b], [10**6, 10**6])
+        assert all(x.accepted for x in results.values())
+        assert [results[c].tokens for c in "ab"] == [150, 150]
+        assert push_record(results["a"])["tokens"] == 150
+        a.close()
+        b.close()
+    finally:
+        r.close()
 
 
 def test_the_run_ends_at_its_limit_and_every_member_is_told(tmp_path):

@@ -35,6 +35,7 @@ import torch
 from dips.algo.refusal import Refusal
 from dips.roles import failpoints
 from dips.roles.cluster import StageWorker, SyncResult
+from dips.wire.admission import granted_tokens
 from dips.wire.control import CallCancelled, refusal_of
 from dips.wire.dataplane import DataPlaneError
 from dips.wire.pb import control_pb2 as pb
@@ -127,6 +128,11 @@ class SyncMixin:
                 self._fail(reason)
             return SyncResult(False, self.version, -1, tokens, ok=False, reason=reason)
         failpoints.hit("window")  # admitted, nothing sent yet
+        counted = granted_tokens(grant.ticket)  # T_j as the leader counts it (its ledger's)
+        if counted is not None and counted != tokens:
+            log.info("cluster %s: push %s: the leader counts T_j = %d (this cluster counted "
+                     "%d)", self.cluster_id, grant.push_id, counted, tokens)
+        tokens = counted if counted is not None else tokens
         error = self._run_stages(grant, max(tokens, 1))
         push_s = time.monotonic() - t0
         if error is None:

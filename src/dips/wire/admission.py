@@ -93,6 +93,23 @@ def check(t: Ticket) -> Ticket:
     return t
 
 
+def granted_tokens(body: Any) -> int | None:
+    """T_j as the leader counts it (tokens, the data ledger's, §6), read from a grant's ticket
+    JSON on the cluster's side, which holds no admission key and so checks no MAC (the grant
+    came from the leader over the control channel): None when ``body`` is empty, malformed
+    or its ``tokens`` is not an int in [1, 2**63 - 1]. What the cluster logs and records for
+    the push, not the count it claimed (review F9)."""
+    if not isinstance(body, str) or not body or len(body) > MAX_TICKET_BYTES:
+        return None
+    try:
+        tokens = json.loads(body).get("tokens")
+    except (ValueError, AttributeError):
+        return None
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or not 1 <= tokens <= INT64_MAX:
+        return None
+    return tokens
+
+
 def verify(key: bytes, body: Any, mac: Any) -> Ticket:
     """The ticket in a push header (follower side), checked before anything is allocated.
 
