@@ -17,7 +17,6 @@ into every shard.
 from __future__ import annotations
 
 import argparse
-from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -25,6 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.fsdp import fully_shard
 
+from dips.node.attempt import init_attempt_group
 from dips.node.job import ClusterJob
 from dips.roles.layers import blocks_prefix
 from dips.train.lease import NoData
@@ -49,8 +49,8 @@ def args() -> argparse.Namespace:
 def main() -> None:
     a = args()
     cuda = torch.cuda.is_available()
-    dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo",
-                            timeout=timedelta(minutes=30))
+    # init_process_group on a store of this torchrun attempt: --max-restarts then works
+    init_attempt_group("cpu:gloo,cuda:nccl" if cuda else "gloo", timeout_s=1800)
     rank = dist.get_rank()
     device = torch.device(f"cuda:{rank % torch.cuda.device_count()}" if cuda else "cpu")
     if cuda:
