@@ -1,11 +1,12 @@
 """torchrun's own restarts of a cluster (issue 14: "a rank's failure takes down only that
-cluster (torchrun restarts it, it re-joins)"): a 2-rank DDP cluster under ``torchrun
---max-restarts 1`` whose rank 1 is SIGKILLed after the cluster's first accepted push. torchrun
-restarts both ranks in place (a process group on a store of the new attempt alone,
-:mod:`dips.node.attempt`; before, the new ranks read the dead attempt's gloo addresses and
-failed or hung), the leader removes the cluster and takes it back as a re-join of the same
-cluster id, and a push of the restarted cluster is accepted; torchrun itself never exits
-until the run ends (max outer steps), then exits 0."""
+cluster (torchrun restarts it, it re-joins)"): a 2-rank DDP cluster (FSDP2 shards and pipeline
+stages in make test-long) under ``torchrun --max-restarts 1`` whose rank 1 is SIGKILLed after
+the cluster's first accepted push. torchrun restarts both ranks in place (a process group on a
+store of the new attempt alone, :mod:`dips.node.attempt`; before, the new ranks read the dead
+attempt's gloo addresses and failed or hung), the leader removes the cluster (once its
+heartbeats stopped long enough) and takes it back as a re-join of the same cluster id, a push
+of the restarted cluster is accepted, and torchrun exits 0 when the run ends (max outer
+steps)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from .roles import alive, kill_left, start_roles, stop_cleanly
 from .test_ddp_cluster import _config
@@ -43,8 +45,13 @@ def _events(tmp: Path, name: str) -> list[dict]:
     return [e for e in lines(tmp / "leader" / "leader_events.jsonl") if e.get("event") == name]
 
 
-def test_torchrun_restarts_a_killed_rank_and_the_cluster_rejoins(tmp_path):
+@pytest.mark.parametrize("parallel", ["ddp", pytest.param("fsdp2", marks=pytest.mark.long),
+                                      pytest.param("pipeline", marks=pytest.mark.long)])
+def test_torchrun_restarts_a_killed_rank_and_the_cluster_rejoins(tmp_path, parallel):
     cfg = _config(tmp_path, followers=1, max_outer_steps=12)
+    doc = yaml.safe_load(cfg.read_text())
+    doc["clusters"] = [{"id": "d", "parallel": parallel}]
+    cfg.write_text(yaml.safe_dump(doc))
     leader, procs = start_roles(tmp_path, cfg, followers=1)
     log = tmp_path / "d.log"
     procs["d"] = torchrun("d", leader, tmp_path / "d", log, restarts=1)
