@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["RunFiles", "SeveralRuns", "distinct", "find", "load_run", "read_json", "read_jsonl"]
+__all__ = ["RunFiles", "SeveralRuns", "by_time", "distinct", "find", "load_run", "read_json",
+           "read_jsonl"]
 
 _EPOCH_MIN = 1e8  # a time above this is epoch seconds (1973); below: seconds since the start
 _EVAL_NAMES = ("eval.jsonl", "evals.jsonl", "evaluator.jsonl", "evaluations.jsonl")
@@ -68,6 +69,26 @@ def distinct(paths: list[Path], notes: list[str]) -> list[Path]:
             continue
         kept.append(p)
     return sorted(kept)
+
+
+def by_time(files: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """The records of several files of one member (each file in its own order) merged into
+    one list ordered by their ``time`` field (epoch or relative seconds): a cluster restarted
+    on another host of its site leaves its lifetimes in two files whose paths may sort
+    either way (review 28 #1). A record without a time takes the last time before it in its
+    file (the file's start: before everything); equal times keep file order, then the
+    order of ``files``. One file comes back as it is."""
+    if len(files) == 1:
+        return list(files[0])
+    keyed: list[tuple[float, int, int, dict[str, Any]]] = []
+    for k, recs in enumerate(files):
+        last = -math.inf
+        for i, rec in enumerate(recs):
+            if (t := num(rec, "time")) is not None:
+                last = t
+            keyed.append((last, k, i, rec))
+    keyed.sort(key=lambda e: e[:3])
+    return [e[3] for e in keyed]
 
 
 def find(root: Path, name: str) -> list[Path]:
@@ -160,10 +181,11 @@ class RunFiles:
             (the run spec: ``config``, ``eval_loss_initial``), or None (none, or several).
         outer_steps: the leader's decision lines of ``outer_steps.jsonl`` (``round_end`` and
             ``rollback`` lines are in ``round_ends`` / ``rollbacks``), in file order.
-        clusters: cluster id → its ``train.jsonl`` records (several files of one id appended
-            in path order).
-        followers: follower id → its ``applied.jsonl`` records.
-        leader_events / events: ``leader_events.jsonl`` / ``events.jsonl`` records.
+        clusters: cluster id → its ``train.jsonl`` records (several files of one id merged
+            by their ``time``: :func:`by_time`).
+        followers: follower id → its ``applied.jsonl`` records (merged as ``clusters``).
+        leader_events / events: ``leader_events.jsonl`` / ``events.jsonl`` records (several
+            files merged by time, as ``clusters``).
         evals: held-out evaluations (records with ``eval_loss``: evaluator files and the
             leader's ``eval`` events), in time order.
         train_start: epoch seconds of the training start (the ``train_start`` file), or None.
@@ -317,11 +339,16 @@ def load_run(root: Path) -> RunFiles:
             elif kind is None and "round" in rec:
                 run.outer_steps.append(rec)
     for name, target in (("leader_events.jsonl", run.leader_events), ("events.jsonl", run.events)):
+        parts = []
         for p in _files(root, name, run):
             if p.parent.parent.name == "methods":  # a comparison's per-method events
                 continue
             run.sources.append(_rel(p, root))
-            target += read_jsonl(p, run.problems)
+            parts.append(read_jsonl(p, run.problems))
+        if parts:
+            target += by_time(parts)
+        if len(parts) > 1:
+            run.notes.append(f"{name}: the records of {len(parts)} files merged by time")
     for name, key, known, target in (("train.jsonl", "cluster", set(run.cluster_ids()),
                                       run.clusters),
                                      ("applied.jsonl", "follower", set(), run.followers)):
@@ -330,14 +357,17 @@ def load_run(root: Path) -> RunFiles:
         kept: set[Path] = set()  # a member's duplicate copies read once; two members' files
         for owner in set(who.values()):  # alike (older files naming no one) both read
             kept.update(distinct([p for p in files if who[p] == owner], run.notes))
+        parts: dict[str, list[list[dict[str, Any]]]] = {}
         for p, recs in files.items():
             if p in kept:
                 run.sources.append(_rel(p, root))
-                target.setdefault(who[p], []).extend(recs)
+                parts.setdefault(who[p], []).append(recs)
+        for owner, lists in parts.items():
+            target[owner] = by_time(lists)
         for owner in sorted(set(who.values())):
             if len(paths := [str(p) for p in files if who[p] == owner and p in kept]) > 1:
                 run.notes.append(f"{name} of {owner}: the records of {len(paths)} files "
-                                 f"appended in path order ({', '.join(paths)})")
+                                 f"merged by time ({', '.join(paths)})")
     for name in _EVAL_NAMES:
         for p in _files(root, name, run):
             run.sources.append(_rel(p, root))
