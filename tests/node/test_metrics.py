@@ -117,8 +117,10 @@ class FakeLeader:
                   "tokens_accepted": 700, "restarts": 3}
         return SimpleNamespace(
             version=7, rounds=11, phase="push", counts=counts, finished="",
-            clusters=[SimpleNamespace(cluster_id="a", last_seen=95.0),
-                      SimpleNamespace(cluster_id="b", last_seen=130.0)],  # after a restart
+            clusters=[SimpleNamespace(cluster_id="a", last_seen=95.0, inner_step=230,
+                                      tokens_accepted=512),
+                      SimpleNamespace(cluster_id="b", last_seen=130.0, inner_step=0,
+                                      tokens_accepted=0)],  # after a restart
             followers=[SimpleNamespace(index=0, last_seen=99.5)], followers_ready=1)
 
     def ledger_summary(self):
@@ -139,6 +141,8 @@ def test_leader_state_at_scrape_time():
     assert value(reg, "dips_heartbeat_age_seconds", role="cluster", member="cluster-a") == 5.0
     assert value(reg, "dips_heartbeat_age_seconds", role="cluster", member="cluster-b") == 0.0
     assert value(reg, "dips_heartbeat_age_seconds", role="follower", member="follower-0") == 0.5
+    assert value(reg, "dips_cluster_inner_step", cluster="a") == 230
+    assert value(reg, "dips_cluster_tokens_accepted", cluster="a") == 512
     assert value(reg, "dips_ledger_chunks", state="held") == 3
     assert value(reg, "dips_ledger_accepted_windows") == 50 and value(reg, "dips_ledger_epoch") == 1
     bare = CollectorRegistry()

@@ -125,7 +125,8 @@ def test_the_command_list_gives_each_summary_on_one_line():
             assert any(summary in line for line in lines), (summary, out.stdout)
 
 
-CLUSTER_HEADER = ("cluster", "inner step", "tokens", "last loss", "last push",
+CLUSTER_HEADER = ("cluster", "inner step", "tokens trained", "tokens accepted", "tokens pushed",
+                  "last loss", "last push",
                   "pulled version", "staleness", "heartbeat")
 
 

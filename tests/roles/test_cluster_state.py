@@ -120,7 +120,14 @@ class _Sync:
     def __init__(self, fields: list[dict]) -> None:
         self.fields = fields
 
+    counted: tuple[int, int] | None = None  # what count_from was given
+    counted_at_join: tuple[int, int] | None = None
+
+    def count_from(self, steps, tokens):
+        self.counted = (steps, tokens)
+
     def join(self, stop, timeout_s):
+        self.counted_at_join = self.counted
         return 7
 
     def before_step(self, trainer, stop):
@@ -167,6 +174,7 @@ def test_the_sync_saves_after_every_pull_and_resumes_before_the_join(tmp_path):
                                                       fresh.optimizer), fresh)
     assert again.join(None, 1.0) == 7
     assert (fresh.steps, fresh.tokens) == (16, 4096)
+    assert again.inner.counted_at_join == (16, 4096)  # its heartbeats count on (review 28 #2)
     rec = again.resumed
     assert rec["version"] == 3 and rec["digest"] == store.digest() == rec["ranks"][0]
     assert rec["data"] == {"hint": [[2, 11], [5, 0]], "leased": [[2, 11], [5, 0]],

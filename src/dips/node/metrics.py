@@ -326,6 +326,18 @@ class _LeaderState(Collector):
         for fo in s.followers:
             age.add_metric(["follower", follower_member(fo.index)], max(0.0, now - fo.last_seen))
         yield age
+        step = _gauge("dips_cluster_inner_step", "A member cluster's inner step as its last "
+                      "heartbeat said, in its own numbering (a process that resumed a saved "
+                      "inner state counts on from its step)", labels=["cluster"])
+        accepted = _gauge("dips_cluster_tokens_accepted", "T_j of a member cluster's accepted "
+                          "pushes still in the model, over every process it ran as (the "
+                          "ledger's count, tokens; drops if steps are rolled back)",
+                          labels=["cluster"])
+        for cl in s.clusters:
+            step.add_metric([cl.cluster_id], cl.inner_step)
+            accepted.add_metric([cl.cluster_id], cl.tokens_accepted)
+        yield step
+        yield accepted
         ledger = self.leader.ledger_summary()
         if ledger is not None:
             chunks = _gauge("dips_ledger_chunks", "Data chunks by state (held: leased to a "

@@ -2,8 +2,9 @@
 
 It calls the leader's ``GetStatus`` over the same channel as the roles (mutual TLS with a
 bundle from ``dips init``, normally the operator's ``pki/admin``, or ``--insecure``) and shows
-the members (clusters: inner step, tokens, last loss, last verdict, pulled version, staleness,
-heartbeat age; followers: up, version, heartbeat age), the global version, rounds, phase,
+the members (clusters: inner step and tokens trained in the cluster's own numbering, which a
+resumed process counts on; tokens accepted and pushed over all its processes, the leader's
+ledger counts; last loss, last verdict, pulled version, staleness, heartbeat age; followers: up, version, heartbeat age), the global version, rounds, phase,
 counts, whether the run finished, the last held-out loss ``dips evaluate`` reported, and the
 faults the leader recorded in the last hour (members removed, followers down or restarted,
 pushes rejected by reason, rollbacks, ...: :mod:`dips.algo.faultlog`), the newest listed and
@@ -60,6 +61,7 @@ def snapshot(reply: pb.StatusReply, leader: str, now: float) -> dict[str, Any]:
     total, ready = len(reply.followers), reply.followers_ready
     known = reply.fault_window_s > 0  # a leader that sends ages and faults
     clusters = [{"cluster_id": c.cluster_id, "inner_step": c.inner_step, "tokens": c.tokens,
+                 "tokens_accepted": c.tokens_accepted, "tokens_pushed": c.tokens_pushed,
                  "last_loss": c.last_loss if math.isfinite(c.last_loss) else None,
                  "last_push": c.last_push,
                  "pulled_version": c.pulled_version if c.pulled_version >= 0 else None,

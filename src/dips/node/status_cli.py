@@ -76,12 +76,13 @@ def render(doc: dict[str, Any], error: str = "") -> Group:
         f"{n['tokens_accepted']:,} of {n['tokens_pushed']:,} pushed  outer steps lost "
         f"{n['outer_steps_lost']}  ledger epoch {doc['ledger']['epoch']}")
     clusters = Table(title=f"clusters ({len(doc['clusters'])})", show_edge=False, pad_edge=False)
-    for col in ("cluster", "inner step", "tokens", "last loss", "last push", "pulled version",
-                "staleness", "heartbeat"):
+    for col in ("cluster", "inner step", "tokens trained", "tokens accepted", "tokens pushed",
+                "last loss", "last push", "pulled version", "staleness", "heartbeat"):
         clusters.add_column(col, justify="left" if col == "cluster" else "right")
     for c in doc["clusters"]:
         push = _t(c["last_push"], _PUSH_STYLE.get(c["last_push"], ""))
         clusters.add_row(_t(c["cluster_id"]), _num(c["inner_step"]), _num(c["tokens"]),
+                         _num(c.get("tokens_accepted")), _num(c.get("tokens_pushed")),
                          _num(c["last_loss"], "{:.3f}"), push, _num(c["pulled_version"], "{}"),
                          _num(c["staleness"], "{}"), _hb(c.get("heartbeat_age_s")))
     followers = Table(title=f"followers ({doc['followers_ready']} of {doc['followers_total']} "

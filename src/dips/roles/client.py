@@ -178,6 +178,17 @@ class ClusterClient(SyncMixin, HoldMixin, HeartbeatMixin):
         """Layer keys of each stage worker (contiguous, model order)."""
         return [[self._layers[i][0] for i in r] for r in self._stage_ranges]
 
+    def count_from(self, steps: int, tokens: int) -> None:
+        """Count on from a saved inner step and token count (a process that resumed its
+        cluster's inner state, issue 14): the heartbeats then report the cluster's own step
+        numbering and tokens across its processes, as its ``train.jsonl`` numbers them, not
+        this process's (review 28 of issue 15, #2). Call before :meth:`join`. Raises
+        ValueError for a negative ``steps`` or ``tokens``."""
+        if steps < 0 or tokens < 0:
+            raise ValueError(f"steps = {steps}, tokens = {tokens}: must be >= 0")
+        self.inner_step = self._last_sync_step = int(steps)
+        self.tokens_total = int(tokens)
+
     # ----- membership -------------------------------------------------------------------
     def join(self, attempts: int = 5) -> int:
         """Register and pull one complete model of a single version (then lease data).

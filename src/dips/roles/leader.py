@@ -144,6 +144,9 @@ class Leader(Membership, Records, Pushes, EvalReports):
         self.needs_reconcile = True
         self.followers_epoch = 0  # see HeartbeatAnswer
         self._version_stats: dict[int, tuple[int, int]] = {}
+        #: cluster -> {"tokens_pushed", "tokens_accepted"} over all its processes (tokens)
+        self.cluster_counts: dict[str, dict[str, int]] = {}
+        self._version_cluster_tokens: dict[int, dict[str, int]] = {}  # version -> accepted T_j
         self.training_started_at: float | None = None  # wall clock of the first push request
         self._layer_owner: dict[str, int] = {}
         self._book = ScheduleBook()  # follower use across the clusters of a round (§10)
@@ -389,6 +392,9 @@ class Leader(Membership, Records, Pushes, EvalReports):
                     self._count("updates_lost", n)
                     self._count("tokens_accepted", -tokens)
                     self._count("outer_steps", -1)
+                for v in [v for v in self._version_cluster_tokens if v > target]:
+                    for c, t in self._version_cluster_tokens.pop(v).items():
+                        self._count_cluster(c, "tokens_accepted", -t)
                 if self.ledger is not None:
                     windows_lost = self.ledger.rollback(target)
             self._count("outer_steps_lost", lost)
@@ -414,7 +420,8 @@ class Leader(Membership, Records, Pushes, EvalReports):
         with self._cond:
             led = self.ledger.summary() if self.ledger else {"epoch": 0, "accepted_windows": 0}
             return LeaderStatus(self.version, self.rounds, self.phase, dict(self.counts),
-                                [replace(c) for c in self.clusters.values()],
+                                [replace(c, **self.cluster_counts.get(c.cluster_id, {}))
+                                 for c in self.clusters.values()],
                                 [replace(f) for f in self.followers.values()],
                                 sum(f.up for f in self.followers.values()),
                                 led["accepted_windows"], led["epoch"], self._state.finished,

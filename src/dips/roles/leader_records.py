@@ -107,6 +107,12 @@ class Records:
         overflow a count or make ``GetStatus`` fail to encode it."""
         self.counts[key] = saturating_add(self.counts.get(key, 0), n)
 
+    def _count_cluster(self, cluster: str, key: str, n: int) -> None:
+        """Add ``n`` to cluster ``cluster``'s count ``key`` (``tokens_pushed`` or
+        ``tokens_accepted``), saturating as :meth:`_count` (lock held)."""
+        mine = self.cluster_counts.setdefault(cluster, {"tokens_pushed": 0, "tokens_accepted": 0})
+        mine[key] = saturating_add(mine.get(key, 0), n)
+
     # ----- checkpoint and resume ---------------------------------------------------------
     def _resume(self, path: Path) -> None:
         state = load_state(path)
@@ -144,6 +150,13 @@ class Records:
         self.counts.update({str(k): min(max(int(v), 0), INT64_MAX)
                             for k, v in state["counts"].items()})
         self._count("restarts", 1)
+        self.cluster_counts = {  # (an older leader.json has none: from 0)
+            str(c): {k: min(max(int(v), 0), INT64_MAX) for k, v in kv.items()
+                     if k in ("tokens_pushed", "tokens_accepted")}
+            for c, kv in (state.get("cluster_counts") or {}).items() if isinstance(kv, dict)}
+        self._version_cluster_tokens = {
+            int(v): {str(c): int(t) for c, t in kv.items()}
+            for v, kv in (state.get("version_cluster_tokens") or {}).items()}
         self.penalty = PenaltyState.from_dict(state["penalty"])
         self._version_stats = {int(v): (int(x[0]), int(x[1]))
                                for v, x in state.get("version_stats", {}).items()}
@@ -192,6 +205,9 @@ class Records:
                                         for c in self.clusters.values()},
                      "ledger": self.ledger.to_dict() if self.ledger else None,
                      "version_stats": {str(v): list(x) for v, x in self._version_stats.items()},
+                     "cluster_counts": {c: dict(kv) for c, kv in self.cluster_counts.items()},
+                     "version_cluster_tokens": {str(v): dict(kv) for v, kv
+                                                in self._version_cluster_tokens.items()},
                      "grace": grace_rules.to_dict(self._state.grace),
                      "push_s": dict(self._state.push_s),
                      "pull_s": dict(self._state.pull_s),
@@ -243,6 +259,11 @@ class Records:
             self._version_stats[out.version] = (len(out.accepted), tokens)
             for v in sorted(self._version_stats)[:-64]:
                 del self._version_stats[v]
+            self._version_cluster_tokens[out.version] = {c: report.tokens[c] for c in out.accepted}
+            for v in sorted(self._version_cluster_tokens)[:-64]:
+                del self._version_cluster_tokens[v]
+            for c in out.accepted:
+                self._count_cluster(c, "tokens_accepted", report.tokens[c])
             verdicts = verdicts_of(rnd, out)
             self._account(verdicts, report, out.version)
             self._recorded = {v.push_id: v for v in verdicts}
@@ -268,6 +289,8 @@ class Records:
         self._count("updates_pushed", len(verdicts))
         self._count("updates_rejected", sum(not v.accepted for v in verdicts))
         self._count("tokens_pushed", sum(report.tokens.values()))
+        for c, t in report.tokens.items():
+            self._count_cluster(c, "tokens_pushed", t)
         for v in verdicts:
             holdings: list[tuple[int, int]] = []
             if self.ledger is not None:

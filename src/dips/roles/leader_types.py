@@ -81,6 +81,11 @@ class ClusterEntry:
     #: The lowest version the member can hold (:func:`dips.algo.limits.push_base_version`):
     #: the version it joined at, raised by each verdict's version and each pull it reported.
     floor_version: int = 0
+    #: T_j of its pushes decided and of its accepted pushes still in the model, over every
+    #: process it ran as (the leader's ledger counts, checkpointed; filled in by
+    #: ``Leader.status``, 0 in the live entry). Review 28 of issue 15, #2.
+    tokens_pushed: int = 0
+    tokens_accepted: int = 0
 
 
 @dataclass(frozen=True)

@@ -212,6 +212,12 @@ class RankSync:
         self.lead.client.end({"data": self.sampler.state(), "value": value})
         return value
 
+    def count_from(self, steps: int, tokens: int) -> None:
+        """Rank 0's client counts on from a resumed state's counters (the others report
+        nothing to the leader)."""
+        if self.lead is not None:
+            self.lead.count_from(steps, tokens)
+
     def join(self, stop: threading.Event, timeout_s: float) -> bool:
         """Join on rank 0 (:meth:`DiPSSync.join`); False when the run already finished or
         ``stop`` was set while waiting (a clean exit on every rank). Raises as DiPSSync."""

@@ -62,6 +62,11 @@ class DiPSSync:
     def __init__(self, client: ClusterClient) -> None:
         self.client = client
 
+    def count_from(self, steps: int, tokens: int) -> None:
+        """The client counts on from a resumed state's counters
+        (:meth:`dips.roles.client.ClusterClient.count_from`)."""
+        self.client.count_from(steps, tokens)
+
     def join(self, stop: threading.Event, timeout_s: float, retry_s: float = 1.0) -> int:
         """Join (pull one complete model of a single version, lease data), retrying every
         ``retry_s`` seconds while the leader restarts or waits for its followers.
@@ -177,6 +182,8 @@ class InnerStateSync:
             counters = meta.get("counters") or {}
             self.trainer.steps = int(counters.get("steps", self.trainer.steps))
             self.trainer.tokens = int(counters.get("tokens", self.trainer.tokens))
+            if (count_from := getattr(self.inner, "count_from", None)) is not None:
+                count_from(self.trainer.steps, self.trainer.tokens)  # heartbeats: resumed
         joined = self.inner.join(stop, timeout_s)
         if meta is not None and joined is not False:
             hint = {int(c): int(p) for c, p in (meta.get("data") or {}).get("held", [])}

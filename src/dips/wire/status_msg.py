@@ -57,7 +57,9 @@ def status_reply(s: Any, last_eval: dict[str, Any] | None,
     clusters = [pb.ClusterStatus(cluster_id=c.cluster_id, inner_step=i64(c.inner_step),
                                  tokens=i64(c.tokens), last_loss=c.last_loss,
                                  last_push=c.last_push, pulled_version=i64(c.pulled_version),
-                                 heartbeat_age_s=_age(now, c.last_seen))
+                                 heartbeat_age_s=_age(now, c.last_seen),
+                                 tokens_pushed=i64(getattr(c, "tokens_pushed", 0)),
+                                 tokens_accepted=i64(getattr(c, "tokens_accepted", 0)))
                 for c in s.clusters]
     health = [pb.FollowerHealth(index=f.index, up=bool(f.up),
                                 heartbeat_age_s=_age(now, f.last_seen), version=i64(f.version))

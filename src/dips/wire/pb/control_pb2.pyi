@@ -311,7 +311,7 @@ class SpecReply(_message.Message):
     def __init__(self, run_spec: _Optional[str] = ..., fingerprint: _Optional[str] = ..., term: _Optional[int] = ...) -> None: ...
 
 class ClusterStatus(_message.Message):
-    __slots__ = ("cluster_id", "inner_step", "tokens", "last_loss", "last_push", "pulled_version", "heartbeat_age_s")
+    __slots__ = ("cluster_id", "inner_step", "tokens", "last_loss", "last_push", "pulled_version", "heartbeat_age_s", "tokens_pushed", "tokens_accepted")
     CLUSTER_ID_FIELD_NUMBER: _ClassVar[int]
     INNER_STEP_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -319,6 +319,8 @@ class ClusterStatus(_message.Message):
     LAST_PUSH_FIELD_NUMBER: _ClassVar[int]
     PULLED_VERSION_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_AGE_S_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PUSHED_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     cluster_id: str
     inner_step: int
     tokens: int
@@ -326,7 +328,9 @@ class ClusterStatus(_message.Message):
     last_push: str
     pulled_version: int
     heartbeat_age_s: float
-    def __init__(self, cluster_id: _Optional[str] = ..., inner_step: _Optional[int] = ..., tokens: _Optional[int] = ..., last_loss: _Optional[float] = ..., last_push: _Optional[str] = ..., pulled_version: _Optional[int] = ..., heartbeat_age_s: _Optional[float] = ...) -> None: ...
+    tokens_pushed: int
+    tokens_accepted: int
+    def __init__(self, cluster_id: _Optional[str] = ..., inner_step: _Optional[int] = ..., tokens: _Optional[int] = ..., last_loss: _Optional[float] = ..., last_push: _Optional[str] = ..., pulled_version: _Optional[int] = ..., heartbeat_age_s: _Optional[float] = ..., tokens_pushed: _Optional[int] = ..., tokens_accepted: _Optional[int] = ...) -> None: ...
 
 class FollowerHealth(_message.Message):
     __slots__ = ("index", "up", "heartbeat_age_s", "version")
