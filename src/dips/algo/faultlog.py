@@ -25,8 +25,9 @@ leader_restarted     ``leader_resumed``                          (none)
 leader_stepped_down  ``leader_stepped_down``                     (none)
 ==================== ========================================== ===============================
 
-A graceful leave (``cluster_left``), a join, a follower's first registration and the run's end
-are not faults.
+A graceful leave (``cluster_left``), a join, a follower's first registration, the run's end
+and a cluster removed for silence after the run finished (``after_finish``: a member that
+stopped without leaving a finished run, review 28 of issue 15, #3) are not faults.
 """
 
 from __future__ import annotations
@@ -94,6 +95,8 @@ def _short(value: Any, n: int = 120) -> str:
 def _event(t: float, rec: dict[str, Any]) -> list[Fault]:
     kind = rec.get("event")
     if kind == "cluster_removed":
+        if rec.get("after_finish") is True:  # gone after the run finished: its clean end
+            return []
         member = cluster_member(rec.get('cluster'))
         if "silent_s" in rec:
             return [Fault(t, kind, member, "heartbeat_timeout",

@@ -216,6 +216,8 @@ class ClusterClient(SyncMixin, HoldMixin, HeartbeatMixin):
             self._key = MemberKey(reply.key_id, reply.key, reply.encrypt)
             self._connect(reply.followers)
             self._leader_push_timeout_s = reply.push_timeout_s
+            if reply.followers_epoch > 0:  # the join's pull is given up once a follower goes
+                self._followers_epoch = reply.followers_epoch  # down or comes back (review 28)
             if self._hb_interval is None:
                 self._hb_interval = reply.heartbeat_interval_s or 1.0
             # A member from here on: beat while the pull (a large model, a follower down) and

@@ -202,6 +202,10 @@ class Membership:
         if len(self.followers) < self.cfg.followers:
             raise Refused(Refusal.NOT_READY, f"{len(self.followers)}/{self.cfg.followers} "
                                              "followers registered")
+        if down := sorted(f.index for f in self.followers.values() if not f.up):
+            # Its pull would wait on a follower known down (review 28 of issue 15, #3: 10 s
+            # of nothing trained); refused at once, the cluster joins again once it is back.
+            raise Refused(Refusal.NOT_READY, f"follower(s) {down} down: join again once back")
         flat = [l for s in stages for l in s]
         if sorted(flat) != sorted(self._layer_owner) or len(flat) != len(set(flat)):
             raise ValueError(f"cluster {cluster_id!r}: stage layers {flat} do not cover the "
@@ -336,8 +340,10 @@ class Membership:
                 silent = silent_s(c.last_seen, now, self._lag)
                 if silent > limit:
                     self._drop_cluster(c.cluster_id, "heartbeat timeout")
+                    # After the finish, a cluster gone silent ended cleanly: not a fault.
+                    after = {"after_finish": True} if self._state.finished else {}
                     events.append(("cluster_removed", {"cluster": c.cluster_id,
-                                                       "silent_s": round(silent, 3)}))
+                                                       "silent_s": round(silent, 3), **after}))
             for f in self.followers.values():
                 silent = silent_s(f.last_seen, now, self._lag)
                 if f.up and silent > limit:

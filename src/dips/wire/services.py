@@ -146,8 +146,12 @@ class LeaderServicer(pbg.LeaderServicer):
             else:
                 cid = self._cluster(context, request.cluster_id, "JoinCluster")
                 _, stages, fingerprint = fields.join_request(request)
+                epoch = getattr(self.leader, "followers_epoch", 0)
                 version, followers, key = self.leader.join_cluster(cid, stages, fingerprint)
+        # (read before the join: a follower marked down after it moves the epoch the
+        # cluster's pull compares with; one down before it was refused the join)
         return pb.JoinReply(version=version, followers=[follower_info(f) for f in followers],
+                            followers_epoch=epoch,
                             heartbeat_interval_s=self.leader.cfg.membership.heartbeat_interval_s,
                             push_timeout_s=self.leader.cfg.timeouts.push_s,
                             key_id=key.key_id, key=key.key, encrypt=key.encrypt)

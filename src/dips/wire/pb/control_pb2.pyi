@@ -115,7 +115,7 @@ class JoinRequest(_message.Message):
     def __init__(self, cluster_id: _Optional[str] = ..., stages: _Optional[_Iterable[_Union[StageLayers, _Mapping]]] = ..., fingerprint: _Optional[str] = ...) -> None: ...
 
 class JoinReply(_message.Message):
-    __slots__ = ("version", "followers", "heartbeat_interval_s", "push_timeout_s", "key_id", "key", "encrypt")
+    __slots__ = ("version", "followers", "heartbeat_interval_s", "push_timeout_s", "key_id", "key", "encrypt", "followers_epoch")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     FOLLOWERS_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
@@ -123,6 +123,7 @@ class JoinReply(_message.Message):
     KEY_ID_FIELD_NUMBER: _ClassVar[int]
     KEY_FIELD_NUMBER: _ClassVar[int]
     ENCRYPT_FIELD_NUMBER: _ClassVar[int]
+    FOLLOWERS_EPOCH_FIELD_NUMBER: _ClassVar[int]
     version: int
     followers: _containers.RepeatedCompositeFieldContainer[FollowerInfo]
     heartbeat_interval_s: float
@@ -130,7 +131,8 @@ class JoinReply(_message.Message):
     key_id: str
     key: bytes
     encrypt: bool
-    def __init__(self, version: _Optional[int] = ..., followers: _Optional[_Iterable[_Union[FollowerInfo, _Mapping]]] = ..., heartbeat_interval_s: _Optional[float] = ..., push_timeout_s: _Optional[float] = ..., key_id: _Optional[str] = ..., key: _Optional[bytes] = ..., encrypt: _Optional[bool] = ...) -> None: ...
+    followers_epoch: int
+    def __init__(self, version: _Optional[int] = ..., followers: _Optional[_Iterable[_Union[FollowerInfo, _Mapping]]] = ..., heartbeat_interval_s: _Optional[float] = ..., push_timeout_s: _Optional[float] = ..., key_id: _Optional[str] = ..., key: _Optional[bytes] = ..., encrypt: _Optional[bool] = ..., followers_epoch: _Optional[int] = ...) -> None: ...
 
 class PushRequest(_message.Message):
     __slots__ = ("cluster_id", "base_version", "tokens", "inner_steps", "progress", "expected_push_s")
