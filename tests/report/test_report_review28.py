@@ -8,9 +8,12 @@ from __future__ import annotations
 import pytest
 
 from dips.bench.runreport.build import write_report
+from dips.bench.runreport.faults import fault_rows
 from dips.bench.runreport.files import by_time, load_run
+from dips.bench.runreport.round_plots import sync_bars
 from dips.bench.runreport.run_plots import cluster_steps
-from tests.report.fixtures import T0, _jsonl
+from dips.bench.runreport.zoom import ZOOM_MAX_FRACTION, ZOOM_ROUNDS, rounds_of, zoom_window
+from tests.report.fixtures import T0, _jsonl, make_outage_run
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -66,3 +69,41 @@ def test_by_time_keeps_untimed_records_with_their_predecessor():
     b = [{"y": 1}, {"y": 2, "time": 6.0}]
     assert [r["x"] if "x" in r else 10 * r["y"] for r in by_time([a, b])] == [10, 1, 2, 20, 3]
     assert by_time([a]) == a
+
+
+def test_the_timeline_zoom_is_a_fault_free_stretch_and_its_title_says_what_it_holds(tmp_path):
+    """Review 28 #4: with dense faults the zoom covered half the run, a leader outage (20-61 s
+    here) included, under a title claiming "at least 3 rounds of every cluster"."""
+    root = make_outage_run(tmp_path / "run")
+    quiet = set(range(5, 13))  # the only stretch without fault records
+    _jsonl(root / "leader_events.jsonl", [
+        {"time": T0 + t + 0.1, "event": "follower_down" if t % 2 else "follower_up",
+         "follower": 0, "silent_s": 1.0, "restarted": True}
+        for t in [*range(1, 21), *range(61, 81)] if t not in quiet])
+    run = load_run(root)
+    faults = [r.time_s for r in fault_rows(run)]
+    assert len(faults) > 20
+    rep = write_report(root, tmp_path / "out")
+    fig = next(p.figure for p in rep.plots if p.name == "timeline.png")
+    lo, hi = fig.axes[1].get_xlim()
+    span = fig.axes[0].get_xlim()[1]
+    assert hi - lo <= ZOOM_MAX_FRACTION * span + 1e-9
+    assert not any(lo <= t <= hi for t in faults), (lo, hi)
+    assert hi <= 20.35 or lo >= 61.35, (lo, hi)  # not in the leader's outage
+    title = fig.axes[1].get_title()
+    assert "no fault or outage in it" in title and "at least" not in title
+    rows = {c: sync_bars(run, r) for c, r in run.clusters.items()}
+    complete = sum(1 for s, e in rounds_of(rows["a"]) if lo <= s and e <= hi)
+    assert f"a {complete}" in title and complete >= ZOOM_ROUNDS
+
+
+def test_a_zoom_with_no_clean_stretch_says_so():
+    """Faults every 0.5 s: no stretch is free of them; the title counts what is in it."""
+    leader = {"update": [(t + 0.9, 0.05) for t in range(40)]}
+    rows = {"a": {"inner steps": [(t + 0.0, 0.8) for t in range(40)], "held": [],
+                  "push": [(t + 0.8, 0.05) for t in range(40)],
+                  "wait": [(t + 0.85, 0.1) for t in range(40)],
+                  "pull": [(t + 0.95, 0.05) for t in range(40)]}}
+    zoom = zoom_window(leader, rows, 40.0, [0.5 * i for i in range(80)])
+    assert zoom.faults > 0 and zoom.hi - zoom.lo <= 10.0
+    assert "no stretch this wide is free of them" in zoom.title()

@@ -8,11 +8,11 @@
   sync and trained nothing, :mod:`dips.algo.hold`) as ``held``; one row for the leader with
   each round's grace window, push phase and update, from ``outer_steps.jsonl`` (its line's
   ``time`` is when every follower had prepared: update before it, push phase and window before
-  that).  Top: the whole run; bottom (when it is under half the run): a zoom around the
-  busiest rounds near the middle of it (:func:`zoom_start`: never an outage) that holds at
-  least :data:`ZOOM_ROUNDS` complete rounds of every cluster, each from one sync's end to
-  the next's (inner steps, push, wait, pull; :func:`zoom_window`; review 26 M4: four median
-  inner-step bars were about one round).
+  that).  Top: the whole run; bottom (when it is under half the run): a zoom on a stretch
+  without faults or outages, at most a quarter of the run, of about :data:`ZOOM_ROUNDS`
+  complete rounds of each cluster present, each from one sync's end to the next's (inner
+  steps, push, wait, pull), its title saying what it holds (:mod:`dips.bench.runreport.zoom`;
+  review 26 M4, review 28 #4).
 * ``staleness.png``: how many versions behind the global model each push's base version was
   (the version before the round minus ``base_versions[c]``), per cluster;
 * ``scores.png``: each scored push's penalty score E (§8) by decision (the n-th decision line:
@@ -28,18 +28,16 @@ The staleness and score plots take decision records, so they serve a comparison'
 
 from __future__ import annotations
 
-from bisect import bisect_left, bisect_right
 from statistics import median
 from typing import Any, Sequence
 
+from dips.bench.runreport.faults import fault_rows
 from dips.bench.runreport.figs import Plot, empty_plot, finish, mark_at, new_figure, time_axis
 from dips.bench.runreport.files import RunFiles, num
+from dips.bench.runreport.zoom import ZOOM_ROUNDS, zoom_window
 
 __all__ = ["ZOOM_ROUNDS", "plot_scores", "plot_staleness", "plot_timeline", "staleness_of",
-           "sync_bars", "zoom_start", "zoom_window"]
-
-#: Complete rounds of every cluster the timeline's zoom holds (where the run has them).
-ZOOM_ROUNDS = 3
+           "sync_bars", "zoom_window"]
 
 _KINDS = (("inner steps", "#9ecae1"), ("held", "#bdbdbd"), ("push", "#e6550d"),
           ("wait", "#fdd0a2"), ("pull", "#31a354"))
@@ -113,47 +111,6 @@ def _leader_bars(run: RunFiles) -> dict[str, list[tuple[float, float]]]:
     return bars
 
 
-def zoom_start(leader: dict[str, list[tuple[float, float]]],
-               rows: dict[str, dict[str, list[tuple[float, float]]]], span: float,
-               width: float) -> float:
-    """Where the timeline's zoom of ``width`` seconds starts: centred on the round (the
-    leader's update bars; the clusters' pushes without them) whose window of ``width``
-    holds the most rounds, the one nearest the middle of the run among equals; the middle
-    itself when there is no round. Never in an outage, however long (review 15, #10: the
-    middle of a run with a leader outage was an empty zoom)."""
-    marks = sorted(s for s, _ in leader["update"]) or sorted(
-        s for b in rows.values() for s, _ in b["push"])
-    if not marks:
-        return span / 2 - width / 2
-    best = max(marks, key=lambda c: (bisect_right(marks, c + width / 2)
-                                     - bisect_left(marks, c - width / 2), -abs(c - span / 2)))
-    return best - width / 2
-
-
-def _rounds(bars: dict[str, list[tuple[float, float]]]) -> list[tuple[float, float]]:
-    """A cluster's complete rounds (start, end s): from one sync's end (its pull's) to the
-    next's, which holds the inner steps, push, wait and pull of that sync."""
-    ends = sorted(s + w for s, w in bars["pull"])
-    return list(zip(ends, ends[1:]))
-
-
-def zoom_window(leader: dict[str, list[tuple[float, float]]],
-                rows: dict[str, dict[str, list[tuple[float, float]]]],
-                span: float) -> tuple[float, float]:
-    """The timeline's zoom (lo, hi s): :func:`zoom_start` with :data:`ZOOM_ROUNDS` + 1 of the
-    slowest cluster's median round (so any placement holds that many), then widened until
-    it holds :data:`ZOOM_ROUNDS` complete rounds of every cluster that has them after lo."""
-    periods = [median(e - s for s, e in r) for b in rows.values() if (r := _rounds(b))]
-    width = (ZOOM_ROUNDS + 1) * max(periods) if periods else span / 10
-    lo = max(0.0, zoom_start(leader, rows, span, width))
-    hi = lo + width
-    for b in rows.values():
-        inside = [e for s, e in _rounds(b) if s >= lo]
-        if inside:
-            hi = max(hi, inside[min(ZOOM_ROUNDS, len(inside)) - 1])
-    return lo, hi
-
-
 def plot_timeline(run: RunFiles) -> Plot:
     """Bars of each cluster's inner steps / push / wait / pull and the leader's rounds."""
     title = "Timeline of rounds"
@@ -165,7 +122,8 @@ def plot_timeline(run: RunFiles) -> Plot:
                           "no sync steps in any train.jsonl and no rounds in outer_steps.jsonl")
     ends = [s + w for b in [*rows.values(), leader] for bs in b.values() for s, w in bs]
     span = max(ends + [1.0])
-    lo, hi = zoom_window(leader, rows, span)
+    zoom = zoom_window(leader, rows, span, [r.time_s for r in fault_rows(run)])
+    lo, hi = zoom.lo, zoom.hi
     zoom_w = hi - lo
     panels = [(0.0, span)] + [(lo, hi)] * (zoom_w < span / 2)
     fig, axes = new_figure(nrows=len(panels), width_in=10.0,
@@ -190,8 +148,7 @@ def plot_timeline(run: RunFiles) -> Plot:
         ax.set_xlabel(f"wall time since the training start ({unit})")
     axes[0].set_title("whole run")
     for ax in axes[1:]:
-        ax.set_title(f"zoom: {zoom_w:.1f} s from {lo:.1f} s, at least {ZOOM_ROUNDS} rounds "
-                     "of every cluster, the busiest near the middle of the run")
+        ax.set_title(zoom.title(), fontsize=9)
     plot = finish("timeline.png", title, fig, None if rows else
                   "no cluster train.jsonl with sync steps: only the leader's rounds")
     for ax, keep in zip(axes, (True, False)):  # one legend, beside the plot: bars fill the axes
