@@ -11,7 +11,7 @@ from dips.bench.runreport.build import write_report
 from dips.bench.runreport.faults import fault_rows
 from dips.bench.runreport.files import by_time, load_run
 from dips.bench.runreport.round_plots import sync_bars
-from dips.bench.runreport.run_plots import cluster_steps
+from dips.bench.runreport.run_plots import cluster_steps, heldout_points
 from dips.bench.runreport.zoom import ZOOM_MAX_FRACTION, ZOOM_ROUNDS, rounds_of, zoom_window
 from tests.report.fixtures import T0, _jsonl, make_outage_run
 
@@ -107,3 +107,16 @@ def test_a_zoom_with_no_clean_stretch_says_so():
     zoom = zoom_window(leader, rows, 40.0, [0.5 * i for i in range(80)])
     assert zoom.faults > 0 and zoom.hi - zoom.lo <= 10.0
     assert "no stretch this wide is free of them" in zoom.title()
+
+
+def test_without_summary_or_evaluator_the_initial_heldout_loss_is_drawn_at_0(tmp_path):
+    """Review 28 #5: a run in progress without an evaluator: the key figures showed the
+    initial held-out loss from run.json, loss_vs_time.png drew no held-out point."""
+    root = make_outage_run(tmp_path / "run")
+    (root / "run.json").write_text('{"eval_loss_initial": 8.353, "config": {}}')
+    run = load_run(root)
+    assert heldout_points(run) == [(0.0, 0.0, 8.353)]
+    rep = write_report(root, tmp_path / "out")
+    fig = next(p.figure for p in rep.plots if p.name == "loss_vs_time.png")
+    held = [ln for ln in fig.axes[0].lines if ln.get_label() == "global model, held-out"]
+    assert len(held) == 1 and list(held[0].get_ydata()) == [8.353]

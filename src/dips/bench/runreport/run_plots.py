@@ -96,14 +96,19 @@ def cluster_steps(run: RunFiles, records: list[dict[str, Any]]) -> ClusterSteps:
 
 
 def heldout_points(run: RunFiles) -> list[tuple[float | None, float | None, float]]:
-    """(seconds since the start, tokens accepted, held-out loss) of every evaluation known
-    (the summary's initial or final point is left out when an evaluation record is of the
-    same version: the evaluator's series already has it)."""
+    """(seconds since the start, tokens accepted, held-out loss) of every evaluation known:
+    the initial model's (``summary.json``'s ``eval_loss_initial``, else ``run.json``'s, as
+    the key figures take it), the evaluations, the summary's final one (the initial or final
+    point is left out when an evaluation record is of the same version: the evaluator's
+    series already has it)."""
     s = run.summary or {}
     pts: list[tuple[float | None, float | None, float]] = []
     versions = {r.get("version") for r in run.evals}
-    if (v := num(s, "eval_loss_initial")) is not None and 0 not in versions:
-        pts.append((0.0, 0.0, v))
+    initial = num(s, "eval_loss_initial")
+    if initial is None:  # a run in progress, or without the launcher's files (review 28 #5)
+        initial = num(run.run_spec or {}, "eval_loss_initial")
+    if initial is not None and 0 not in versions:
+        pts.append((0.0, 0.0, initial))
     for rec in run.evals:
         t = num(rec, "time")
         tok = num(rec, "tokens_accepted")
