@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import signal
 import threading
@@ -64,6 +65,18 @@ FINAL_SIGNAL = signal.SIGUSR1
 #: (``dips launch``) the scheduler favours the training.
 NICE = 10
 
+
+
+def eval_line(rec: dict[str, Any]) -> str:
+    """The log line of a held-out record the leader accepted: loss to 4 decimals
+    (nats/token), perplexity to 2 (review 28 of issue 15, #7: it was printed unrounded;
+    "overflow" where exp overflowed, the record's null), tokens accepted ("unknown": null)."""
+    ppl = rec.get("perplexity")
+    ppl_s = f"{ppl:,.2f}" if isinstance(ppl, (int, float)) and math.isfinite(ppl) else "overflow"
+    tok = rec.get("tokens_accepted")
+    tok_s = f"{tok:,}" if isinstance(tok, int) and tok >= 0 else "unknown"
+    return (f"version {rec['version']}: held-out loss {rec['eval_loss']:.4f} nats/token "
+            f"(perplexity {ppl_s}), {tok_s} tokens accepted")
 
 class Evaluator:
     """The evaluator's loop (see the module docstring); :meth:`step` is one look.
@@ -158,9 +171,7 @@ class Evaluator:
         else:
             self.last = rec
             self._count("reported")
-            log.info("version %d: held-out loss %.4f nats/token (perplexity %s), %s tokens "
-                     "accepted", rec["version"], rec["eval_loss"], rec["perplexity"],
-                     rec["tokens_accepted"])
+            log.info("%s", eval_line(rec))
             if self.metrics is not None:
                 self.metrics.version.set(rec["version"])
         self.schedule.done(report.version)
