@@ -18,6 +18,7 @@ from dips.node.common import JsonFormatter, RoleError
 from dips.node.metrics import LeaderMetrics, MetricsServer, reason_class, serve_metrics
 from dips.node.metrics_members import ClusterMetrics, FollowerMetrics
 from dips.wire.refusals import Refusals
+from dips.wire.workers import BusyTime
 
 DECISION = {"round": 4, "version": 3, "clusters": ["a", "b", "c"], "accepted": ["a", "b"],
             "rejected": {"c": {"score": 9.5, "reason": "penalty", "code": "penalty"}},
@@ -232,6 +233,13 @@ def test_follower_calls_checkpoints_and_state(tmp_path):
     ckpt = tmp_path / "checkpoints"
     (ckpt / "v000004").mkdir(parents=True)
     (ckpt / "v000004" / "meta.json").write_text("{}")
+    now = [0.0]
+    busy = BusyTime(clock=lambda: now[0])
+    now[0] = 10.0
+    busy.add("push", 2.0)
+    now[0] = 20.0
+    busy.add("update", 1.0)
+    now[0] = 30.0  # 3 s busy of the 30 s since the start
     refusals = Refusals()
     for reason in ("unknown_key", "unknown_key", "busy"):
         refusals(reason)
@@ -239,7 +247,8 @@ def test_follower_calls_checkpoints_and_state(tmp_path):
                                                "push_streams": 2, "streams": 1,
                                                "inq_bytes": 10, "pullq_bytes": 0},
                            refusals=refusals,
-                           waits=lambda: {"data-consumer": 1.5, "data-producer": 0.0})
+                           waits=lambda: {"data-consumer": 1.5, "data-producer": 0.0},
+                           busy=busy)
     m.attach(shard, data, ckpt)
     assert value(reg, "dips_version") == 4 and value(reg, "dips_prepared_version") == -1
     assert value(reg, "dips_bytes_received_total") == 1000
@@ -251,6 +260,11 @@ def test_follower_calls_checkpoints_and_state(tmp_path):
     assert value(reg, "dips_data_plane_queued_bytes", worker="data-consumer") == 10
     assert value(reg, "dips_checkpoint_version") == 4
     assert 0 <= value(reg, "dips_checkpoint_age_seconds") < 3600
+    assert value(reg, "dips_follower_idle_ratio") == pytest.approx(0.9)  # review 28 #6
+    assert value(reg, "dips_follower_busy_seconds_total", phase="push") == 2.0
+    now[0] = 100.0  # the window is the last 60 s: nothing busy in it
+    assert value(reg, "dips_follower_idle_ratio") == 1.0
+    assert value(reg, "dips_follower_busy_seconds_total", phase="update") == 1.0
 
 
 def test_the_endpoint_serves_its_own_registry_on_a_free_port():

@@ -128,6 +128,19 @@ class _FollowerState(Collector):
         queued.add_metric(["data-consumer"], stats["inq_bytes"])
         queued.add_metric(["data-producer"], stats["pullq_bytes"])
         yield queued
+        busy = getattr(self.data, "busy", None)
+        if busy is not None:
+            yield GaugeMetricFamily("dips_follower_idle_ratio", "Fraction of the last "
+                                    f"{busy.IDLE_WINDOW_S:.0f} s (or since the start) this "
+                                    "follower was not busy with the leader's calls (update), "
+                                    "pushes or pulls: 1 - busy / wall time",
+                                    value=busy.idle_ratio())
+            total = CounterMetricFamily("dips_follower_busy_seconds", "Seconds busy since the "
+                                        "process started, by phase (update: the leader's "
+                                        "calls; push; pull)", labels=["phase"])
+            for phase, seconds in busy.totals().items():
+                total.add_metric([phase], seconds)
+            yield total
         saved = complete_versions(self.ckpt_dir) if self.ckpt_dir is not None else []
         if saved:
             yield GaugeMetricFamily("dips_checkpoint_version", "Newest complete checkpoint "

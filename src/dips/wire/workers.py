@@ -117,24 +117,60 @@ class BusyTime:
     thread-safe): ``push`` (the consumer verifying push chunks and answering single
     messages), ``pull`` (the producer answering pull requests and sending pull streams),
     ``update`` (the leader's control calls: score, aggregate, apply, commit, restore). Each
-    phase has its own thread, so the phases may add up to more than the span."""
+    phase has its own thread, so the phases may add up to more than the span.
+
+    Also over the process's life (:meth:`totals`) and the last :data:`IDLE_WINDOW_S` seconds
+    (:meth:`idle_ratio`, the metrics'; review 28 of issue 15, #6). ``clock``: monotonic
+    seconds (a test's)."""
 
     PHASES = ("update", "push", "pull")
+    #: The window of :meth:`idle_ratio` (seconds).
+    IDLE_WINDOW_S = 60.0
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Any = time.monotonic) -> None:
+        self._clock = clock
         self._lock = threading.Lock()
         self._busy = dict.fromkeys(self.PHASES, 0.0)
-        self._since = time.monotonic()
+        self._total = dict.fromkeys(self.PHASES, 0.0)
+        self._since = self._started = clock()
+        self._recent: deque[list[float]] = deque()  # [whole second, busy seconds in it]
 
     def add(self, phase: str, seconds: float) -> None:
-        """``seconds`` more of ``phase`` (one of :data:`PHASES`)."""
+        """``seconds`` more of ``phase`` (one of :data:`PHASES`), ending now."""
+        s = max(0.0, seconds)
+        now = self._clock()
         with self._lock:
-            self._busy[phase] += max(0.0, seconds)
+            self._busy[phase] += s
+            self._total[phase] += s
+            sec = float(int(now))
+            if self._recent and self._recent[-1][0] == sec:
+                self._recent[-1][1] += s
+            else:
+                self._recent.append([sec, s])
+            while self._recent and self._recent[0][0] < now - self.IDLE_WINDOW_S - 1.0:
+                self._recent.popleft()
+
+    def totals(self) -> dict[str, float]:
+        """Busy seconds by phase since this process started (never reset)."""
+        with self._lock:
+            return dict(self._total)
+
+    def idle_ratio(self) -> float:
+        """The fraction of the last :data:`IDLE_WINDOW_S` seconds (or of the time since the
+        start, if shorter) not busy in any phase: 1 − Σ busy / wall time, at least 0 (the
+        phases' threads may overlap; the same sum as ``dips report``'s followers.png)."""
+        now = self._clock()
+        window = min(self.IDLE_WINDOW_S, now - self._started)
+        if window <= 0:
+            return 1.0
+        with self._lock:
+            busy = sum(b for sec, b in self._recent if sec + 1.0 > now - window)
+        return max(0.0, 1.0 - busy / window)
 
     def take(self) -> dict[str, Any]:
         """``{"busy_s": {phase: seconds}, "span_s": seconds since the last take}``, and start
         counting again."""
-        now = time.monotonic()
+        now = self._clock()
         with self._lock:
             busy, self._busy = self._busy, dict.fromkeys(self.PHASES, 0.0)
             span, self._since = now - self._since, now
