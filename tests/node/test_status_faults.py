@@ -44,10 +44,12 @@ def test_the_leaders_faults_and_heartbeat_ages_reach_dips_status(tmp_path):
     leader, _ = make_leader(tmp_path, clock=clock)
     try:
         leader.join_cluster("a", [["l0", "l1"]])
-        clock.advance(61.0)  # 60 missed heartbeats of 1 s: the monitor removes a (and marks
+        leader.join_cluster("b", [["l0", "l1"]])  # (no join while a follower is down)
+        clock.advance(30.0)
+        leader.heartbeat("b", 1, 64, 5.0)
+        clock.advance(31.0)  # 60 missed heartbeats of 1 s: the monitor removes a (and marks
         wait_for(lambda: "a" not in leader.clusters, "cluster a removed")  # the fake follower,
         wait_for(lambda: not leader.followers[0].up, "follower 0 down")   # silent too, down)
-        leader.join_cluster("b", [["l0", "l1"]])
         leader._write(decision(7, {"c": "penalty", "d": "push not delivered in time"}))
         leader.event("reconciled", version=0, lost=1, changed=True, windows_lost=0)
         clock.advance(2.5)
@@ -62,12 +64,12 @@ def test_the_leaders_faults_and_heartbeat_ages_reach_dips_status(tmp_path):
             ("cluster_removed", "heartbeat_timeout"): 1, ("follower_down", "heartbeat_timeout"): 1,
             ("push_rejected", "penalty"): 1, ("push_rejected", "not_delivered"): 1,
             ("rollback", ""): 1}
-        assert [(c.cluster_id, c.heartbeat_age_s) for c in reply.clusters] == [("b", 2.5)]
+        assert [(c.cluster_id, c.heartbeat_age_s) for c in reply.clusters] == [("b", 33.5)]
         assert [(h.index, h.up, h.heartbeat_age_s) for h in reply.follower_health] == \
             [(0, False, 63.5)]  # registered at the start; the fake follower never heartbeats
 
         doc = snapshot(reply, "l:1", time.time())
-        assert doc["clusters"][0]["heartbeat_age_s"] == 2.5 and doc["fault_window_s"] == 3600
+        assert doc["clusters"][0]["heartbeat_age_s"] == 33.5 and doc["fault_window_s"] == 3600
         assert doc["faults"][0]["detail"] == "1 outer steps lost, back to version 0"
         assert json.loads(json.dumps(doc, allow_nan=False)) == doc
         console = Console(record=True, width=240, color_system=None)
@@ -76,7 +78,7 @@ def test_the_leaders_faults_and_heartbeat_ages_reach_dips_status(tmp_path):
         assert ("faults in the last 60 min: 1 cluster_removed (heartbeat_timeout 1), "
                 "1 follower_down (heartbeat_timeout 1), 2 push_rejected (not_delivered 1, "
                 "penalty 1), 1 rollback") in text
-        assert "2.5 s" in text and "63.5 s" in text and "cluster-z" not in text
+        assert "33.5 s" in text and "63.5 s" in text and "cluster-z" not in text
     finally:
         leader.stop()
 
