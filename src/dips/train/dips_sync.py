@@ -71,10 +71,12 @@ class DiPSSync:
         """Join (pull one complete model of a single version, lease data), retrying every
         ``retry_s`` seconds while the leader restarts or waits for its followers.
 
-        Returns the version pulled.  Raises RuntimeError after ``timeout_s`` seconds or once
-        ``stop`` is set, and at once when the leader refuses this cluster for good (its
-        certificate, a revoked id, a model that differs from the run's); Refused(RUN_FINISHED)
-        when the run has ended.
+        Returns the version pulled.  Raises RuntimeError after ``timeout_s`` seconds without
+        an answer that says to wait, or once ``stop`` is set, and at once when the leader
+        refuses this cluster for good (its certificate, a revoked id, a model that differs from
+        the run's); Refused(RUN_FINISHED) when the run has ended.  A NOT_READY answer (the
+        leader waits for a follower that is down or still starting) restarts the ``timeout_s``
+        count: a live leader that says "wait" is waited for, however long its follower is out.
         """
         deadline = time.monotonic() + timeout_s
         said = 0.0
@@ -88,7 +90,10 @@ class DiPSSync:
                 if isinstance(exc, grpc.RpcError) and refusal_of(exc) in FINAL_REFUSALS:
                     raise RuntimeError(f"cluster {self.client.cluster_id}: join refused: "
                                        f"{describe(exc)}") from None
-                if stop.is_set() or time.monotonic() > deadline:
+                waiting = isinstance(exc, grpc.RpcError) and refusal_of(exc) is Refusal.NOT_READY
+                if waiting:
+                    deadline = time.monotonic() + timeout_s
+                if stop.is_set() or (not waiting and time.monotonic() > deadline):
                     raise RuntimeError(f"cluster {self.client.cluster_id}: join failed: {exc}") from None
                 if time.monotonic() - said >= 10.0:  # why it waits, not only gRPC's own log
                     said = time.monotonic()
