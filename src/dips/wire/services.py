@@ -141,15 +141,15 @@ class LeaderServicer(pbg.LeaderServicer):
     def JoinCluster(self, request: pb.JoinRequest, context: Any) -> pb.JoinReply:
         who = self._caller(context, "JoinCluster")
         with self.gate.enter(who.name, "JoinCluster"):
+            # Read before the join: a follower marked down after it moves the epoch the
+            # member's pull compares with; one down before it was refused the join.
+            epoch = self.leader.followers_epoch
             if who.role == "admin":  # an observer: pulls the model, never pushes (no membership)
                 version, followers, key = self.leader.join_observer(who.name)
             else:
                 cid = self._cluster(context, request.cluster_id, "JoinCluster")
                 _, stages, fingerprint = fields.join_request(request)
-                epoch = getattr(self.leader, "followers_epoch", 0)
                 version, followers, key = self.leader.join_cluster(cid, stages, fingerprint)
-        # (read before the join: a follower marked down after it moves the epoch the
-        # cluster's pull compares with; one down before it was refused the join)
         return pb.JoinReply(version=version, followers=[follower_info(f) for f in followers],
                             followers_epoch=epoch,
                             heartbeat_interval_s=self.leader.cfg.membership.heartbeat_interval_s,
