@@ -63,8 +63,9 @@ def test_a_layer_pattern_overrides_the_search_and_bad_ones_are_named():
     by_pattern = layer_namer(model, r"^transformer\.h\.(\d+)\.")
     found = layer_namer(model)
     assert all(by_pattern(n) == found(n) for n, _ in model.named_parameters())
-    with pytest.raises(ValueError, match="matches no parameter"):
+    with pytest.raises(ValueError, match="matches no parameter") as bad:
         layer_namer(model, r"^model\.layers\.(\d+)\.")
+    assert r"'^model\.layers\.(\d+)\.'" in str(bad.value)  # as written, not its repr
     with pytest.raises(ValueError, match="no group"):
         layer_namer(model, r"^transformer\.h\.")
     with pytest.raises(ValueError, match="not a parameter"):

@@ -104,7 +104,7 @@ def run_cluster_ranks(leader_addr: str, cluster_id: str, state: Path, creds: Cre
     # cluster config's) is known only once the spec is fetched.
     # On a store of this torchrun attempt alone: --max-restarts restarts the ranks in place.
     attempt = init_attempt_group("cpu:gloo,cuda:nccl" if cuda else "gloo", BOOT_TIMEOUT_S)
-    if attempt:
+    if attempt and rank == 0:  # one line per restart, not one per rank
         log.info("cluster %s: rank %d: torchrun restart %d (of at most %s)", cluster_id, rank,
                  attempt, os.environ.get("TORCHELASTIC_MAX_RESTARTS", "?"))
     try:

@@ -137,7 +137,7 @@ def layer_namer(model: torch.nn.Module, pattern: str | None = None) -> Callable[
         else:
             keys[name] = "head" if seen_block else "embed"
     if not seen_block:
-        raise ValueError(f"model.layer_pattern {pattern!r} matches no parameter of "
+        raise ValueError(f"model.layer_pattern '{pattern}' matches no parameter of "
                          f"{type(model).__name__}")
 
     def named(param_name: str) -> str:

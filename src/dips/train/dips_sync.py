@@ -39,10 +39,14 @@ __all__ = ["DiPSSync", "InnerStateSync", "data_position", "push_record"]
 def push_record(res: SyncResult) -> dict[str, Any]:
     """The ``push`` field of a sync step's record (seconds rounded to 0.1 ms); the cluster's
     log gets one line of it (a cluster's progress off its train.jsonl; review 24, F6)."""
-    log.info("push of round %s %s%s: version %s, %s tokens; push %.1f s, verdict %.1f s, "
-             "pull %.1f s", res.round, "accepted" if res.accepted else "not accepted",
-             "" if res.accepted or not res.reason else f" ({res.reason})", res.version,
-             res.tokens, res.push_s, res.wait_s, res.pull_s)
+    if res.round < 0:  # no round granted (the run finished, the leader unreachable)
+        log.info("no push made (%s): version %s, %s tokens trained since the last sync",
+                 res.reason or "not granted", res.version, res.tokens)
+    else:
+        log.info("push of round %s %s%s: version %s, %s tokens; push %.1f s, verdict %.1f s, "
+                 "pull %.1f s", res.round, "accepted" if res.accepted else "not accepted",
+                 "" if res.accepted or not res.reason else f" ({res.reason})", res.version,
+                 res.tokens, res.push_s, res.wait_s, res.pull_s)
     return {"accepted": res.accepted, "ok": res.ok, "version": res.version, "round": res.round,
             "tokens": res.tokens, "score": res.score, "reason": res.reason,
             "push_s": round(res.push_s, 4), "wait_s": round(res.wait_s, 4),
