@@ -51,3 +51,19 @@ def test_clusters_that_never_pushed_are_named_not_hidden_by_the_maximum(tmp_path
     doc = json.loads((out / "simulate.json").read_text())
     assert doc["overhead"]["clusters_without_push"] == ["c"]
     assert "1 of 4 clusters never pushed" in result.output and ": c" in result.output
+
+
+def test_a_horizon_before_any_push_is_summarised_not_a_traceback(tmp_path):
+    """Review 29 (finding 1): a horizon shorter than the first pull left every figure null,
+    and the summary line raised TypeError."""
+    data = small(horizon_s=600).model_dump(mode="json")
+    for c in data["clusters"]:
+        c["join_s"] = 10_000  # nobody joins within the horizon
+    scenario = tmp_path / "s.yaml"
+    scenario.write_text(yaml.safe_dump(data))
+    out = tmp_path / "out"
+    result = CliRunner().invoke(app, ["simulate", "--scenario", str(scenario), "--out", str(out),
+                                      "--no-plots"])
+    assert result.exit_code == 0, result.output
+    assert "added time per cluster: max n/a (no push)" in result.output
+    assert "no outer step kept" in result.output and "staleness mean n/a" in result.output

@@ -40,8 +40,8 @@ def simulate(scenario: Path = typer.Option(..., "--scenario", exists=True, dir_o
     f, lead, ov = doc["followers_summary"], doc["leader"], doc["overhead"]
     typer.echo(f"{doc['scenario']}: {doc['simulated_s'] / 86400:.2f} simulated days in "
                f"{wall:.1f} s ({doc['finished']}); {doc['rounds']['outer_steps']} outer steps")
-    typer.echo(f"  added time per cluster: max {100 * ov['added_time_frac_max']:.2f}%  "
-               f"follower idle: min {100 * f['idle_frac_min']:.1f}%  "
+    typer.echo(f"  added time per cluster: max {_pct(ov['added_time_frac_max'], 2)}  "
+               f"follower idle: min {_pct(f['idle_frac_min'], 1)}  "
                f"follower link peak: {f['link_peak_bps'] / 1e9:.4g} of "
                f"{f['nic_bps'] / 1e9:g} Gbit/s")
     if ov["clusters_without_push"]:
@@ -49,14 +49,27 @@ def simulate(scenario: Path = typer.Option(..., "--scenario", exists=True, dir_o
         typer.echo(f"  {len(idle)} of {len(doc['clusters'])} clusters never pushed (down, "
                    f"joining or starved: no added time to count): {', '.join(idle[:8])}"
                    f"{' ...' if len(idle) > 8 else ''}")
+    if not doc["rounds"]["outer_steps"]:
+        typer.echo("  no outer step kept: the global model did not move (the figures above "
+                   "are about time, not progress)")
+    stale = doc["staleness"]["mean"]
     typer.echo(f"  leader: {lead['msg_rate_avg']:.2f} msg/s average, {lead['msg_rate_peak']} "
-               f"peak; staleness mean {doc['staleness']['mean']}; rejected "
+               f"peak; staleness mean {'n/a (no push)' if stale is None else stale}; rejected "
                f"{doc['pushes']['rejected']} of {doc['pushes']['decided']} pushes")
     ref = doc.get("reference")
     if ref:
         typer.echo(f"  against {ref['source']}:")
     for name, fig in (ref or {}).get("figures", {}).items():
+        if fig["simulated"] is None or fig["ratio"] is None:
+            typer.echo(f"    {name}: n/a (nothing to measure) / {fig['paper']:.4g}")
+            continue
         typer.echo(f"    {name}: {fig['simulated']:.4g} / {fig['paper']:.4g} = {fig['ratio']:.3f} "
                    f"({'within' if fig['within'] else 'outside'} ±{100 * ref['tolerance']:.0f}%)")
     typer.echo(f"wrote {out / 'simulate.json'}" + (f" and {', '.join(doc['plots'])}"
                                                     if doc.get("plots") else ""))
+
+
+def _pct(frac: float | None, digits: int) -> str:
+    """A fraction as a percentage; "n/a (no push)" where nothing was measured (a horizon
+    shorter than the first pull: review 29 of issue 16)."""
+    return "n/a (no push)" if frac is None else f"{100 * frac:.{digits}f}%"
