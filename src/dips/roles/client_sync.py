@@ -27,7 +27,7 @@ import math
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable, Sequence
 
 import grpc
 import torch
@@ -228,7 +228,7 @@ class SyncMixin:
         failures = self._guard(_in_threads(
             [lambda s=s, p=p: s.push(self.cluster_id, grant.round, grant.push_id, p, tokens,
                                      stage=grant.stage_first, ticket=ticket)
-             for s, p in zip(self._stages, plans)], limit, self._abandoned()))
+             for s, p in zip(self._stages, plans)], limit, self._abandoned(), self._stages))
         if failures is not None and Refusal.NOT_JOINED in failures.refusals():
             self._rejoin.set()  # the followers no longer take this key: join again
         if failures is not None and not failures.aborted:
@@ -257,7 +257,8 @@ class SyncMixin:
 
     def _guard(self, failures: StageFailures | None) -> StageFailures | None:
         """After a stage worker overran its deadline, replace every stage worker: a ZeroMQ
-        socket must never be used by two threads, and the stuck thread still owns its own."""
+        socket must never be used by two threads, and the stuck thread still owns its own
+        (it closes them when it returns, :func:`_in_threads`; never this thread)."""
         if failures is not None and failures.overran:
             followers = [pb.FollowerInfo(index=i, data_endpoint=ep)
                          for i, ep in self._endpoints.items()]
@@ -280,7 +281,7 @@ class SyncMixin:
 
         failures = self._guard(_in_threads([lambda i=i, s=s: fetch(i, s)
                                             for i, s in enumerate(self._stages)], limit,
-                                           self._abandoned()))
+                                           self._abandoned(), self._stages))
         if failures is not None:
             raise PullFailed(version, failures)
 
@@ -338,13 +339,22 @@ class PullFailed(RuntimeError):
 
 
 def _in_threads(jobs: list[Callable[[], None]], timeout_s: float,
-                abandon: Callable[[], str | None] | None = None) -> StageFailures | None:
+                abandon: Callable[[], str | None] | None = None,
+                owned: Sequence[Any] | None = None) -> StageFailures | None:
     """Run jobs in parallel threads; returns their failures, or None if all succeeded.
 
     Waits at most ``timeout_s`` seconds, less if ``abandon()`` returns a reason first (checked
-    every ``ABORT_POLL_S``); threads still running then are left to their socket timeouts."""
+    every ``ABORT_POLL_S``); threads still running then are left to their socket timeouts.
+
+    ``owned[i]`` (e.g. a :class:`StageWorker`; anything with ``close()``) is what job ``i``'s
+    thread uses: if that job is still running when this returns (``overran``), the object
+    belongs to its thread from then on, which closes it once the job returns; the caller
+    must neither use nor close it again, only drop it (review 31 of issue 14: rank 0 closed
+    the ZeroMQ sockets of a push still blocked in them, and libzmq aborted)."""
     failures = StageFailures(timeout_s=timeout_s)
     lock = threading.Lock()
+    done = [False] * len(jobs)
+    orphaned = [False] * len(jobs)
 
     def run(i: int, job: Callable[[], None]) -> None:
         try:
@@ -352,6 +362,15 @@ def _in_threads(jobs: list[Callable[[], None]], timeout_s: float,
         except Exception as exc:
             with lock:
                 failures.errors.append((i, exc))
+        finally:
+            with lock:
+                done[i] = True
+                close = orphaned[i]
+            if close and owned is not None:
+                try:
+                    owned[i].close()  # the only thread still using it: its owner
+                except Exception:  # closing must not raise out of a daemon thread
+                    log.exception("closing an abandoned stage worker")
 
     threads = [threading.Thread(target=run, args=(i, j), daemon=True) for i, j in enumerate(jobs)]
     for t in threads:
@@ -366,6 +385,8 @@ def _in_threads(jobs: list[Callable[[], None]], timeout_s: float,
                 break
         if failures.aborted:
             break
-    failures.overran = any(t.is_alive() for t in threads)
-    with lock:
+    with lock:  # a job not done now is handed its ``owned`` object (see above)
+        for i in range(len(jobs)):
+            orphaned[i] = not done[i]
+        failures.overran = any(orphaned)
         return failures if failures.errors or failures.overran else None

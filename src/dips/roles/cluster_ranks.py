@@ -136,8 +136,11 @@ class RankWorker:
         if op == "pull" and self.sharded:
             return self._sharded_pull(cmd, abandon)
         if op == "pull":
-            results = self.ranks.gather(self._transfer(cmd, abandon, self._fetch))
-            if all(r["error"] is None for r in results):
+            got: list = []  # this pull's tensors, never an abandoned pull's (its own list)
+            results = self.ranks.gather(self._transfer(
+                cmd, abandon, lambda c, stage: got.append(self._fetch(c, stage))))
+            if got and all(r["error"] is None for r in results):
+                self._pulled = got[0]
                 self._load_and_share()
             self._pulled = {}
             return results
@@ -164,19 +167,29 @@ class RankWorker:
                                      dtype=self.wire_dtype)
 
     def _transfer(self, cmd: dict, abandon: Callable[[], str | None] | None,
-                  job: Callable[[dict], None]) -> dict:
-        """Run ``job(cmd)`` on this rank's stage worker within ``cmd["limit"]`` seconds."""
+                  job: Callable[[dict, StageWorker], None]) -> dict:
+        """Run ``job(cmd, stage)`` on this rank's stage worker in a thread, within
+        ``cmd["limit"]`` seconds.
+
+        Ownership: the job's thread uses only the stage worker it was given. If it is still
+        running at the deadline or the abort, that stage worker is its thread's from then
+        on (closed by it when the job returns, :func:`_in_threads`): this rank drops it
+        without closing it and opens a fresh one (review 31 of issue 14: closing the sockets
+        of a push still blocked in them aborted rank 0 in libzmq, or crashed it)."""
         out = self._outcome()
-        if self.stage is None:
+        stage = self.stage
+        if stage is None:
             return out
-        self.stage.set_timeout(float(cmd["limit"]))
-        failures = _in_threads([lambda: job(cmd)], float(cmd["limit"]), abandon)
-        out["acked"] = self.stage.acked_bytes
+        stage.set_timeout(float(cmd["limit"]))
+        failures = _in_threads([lambda: job(cmd, stage)], float(cmd["limit"]), abandon, [stage])
+        out["acked"] = stage.acked_bytes
         if failures is not None:
             out.update(error=str(failures), overran=failures.overran, aborted=failures.aborted,
                        refusals=[int(c) for c in failures.refusals()])
-            if failures.overran and self._connect_cmd is not None:
-                self.connect(self._connect_cmd)  # the stuck thread keeps its own sockets
+            if failures.overran:
+                self.stage = None  # the stuck thread's now: never closed from here
+                if self._connect_cmd is not None:
+                    self.connect(self._connect_cmd)
         return out
 
     def _outcome(self) -> dict[str, Any]:
@@ -184,17 +197,15 @@ class RankWorker:
         return {"rank": self.ranks.rank, "error": None, "refusals": [], "overran": False,
                 "aborted": None, "acked": 0, "layers": sorted(self.mine)}
 
-    def _push(self, cmd: dict) -> None:
+    def _push(self, cmd: dict, stage: StageWorker) -> None:
         ticket = (cmd["ticket"], bytes.fromhex(cmd["ticket_mac"])) if cmd.get("ticket") else None
         plan = [(layer, int(f)) for layer, f in cmd["plans"][self.ranks.rank]] \
             if self.ranks.rank < len(cmd["plans"]) else []
-        assert self.stage is not None
-        self.stage.push(cmd["cluster"], int(cmd["round"]), cmd["push_id"], plan,
+        stage.push(cmd["cluster"], int(cmd["round"]), cmd["push_id"], plan,
                         int(cmd["tokens"]), stage=bool(cmd["stage_first"]), ticket=ticket)
 
-    def _fetch(self, cmd: dict) -> None:
-        assert self.stage is not None
-        self._pulled = self.stage.pull(int(cmd["version"]), self.owner)
+    def _fetch(self, cmd: dict, stage: StageWorker) -> Any:
+        return stage.pull(int(cmd["version"]), self.owner)
 
     def _joined(self, out: dict | None) -> dict:
         """A sharded transfer's outcome (None: its thread hung); after an overrun the stuck
@@ -229,9 +240,7 @@ class RankWorker:
         pull = ShardedPull(self.blocks, self.ranks, self.slots, self.wire_dtype,
                            time.monotonic() + limit)
 
-        def fetch(_: dict) -> None:
-            stage = self.stage
-            assert stage is not None
+        def fetch(_: dict, stage: StageWorker) -> None:
             pull.fetch(lambda layer, out: stage.pull_layer(version, layer, self.owner[layer],
                                                            out))
 
@@ -345,7 +354,9 @@ class RankLeadClient(ClusterClient):
                "owner": self._owner}
         self.worker.ranks.broadcast(cmd)
         self.worker.run(cmd)
-        self._stages = [self.worker.stage] if self.worker.stage is not None else []
+        # The worker owns its stage worker (it replaces one whose transfer overran, and
+        # RankWorker.close closes it): ClusterClient.close must not close a stale one.
+        self._stages = []
 
     def _guard(self, failures: StageFailures | None) -> StageFailures | None:
         return failures  # each rank replaces its own overrun stage worker (RankWorker)
