@@ -181,6 +181,16 @@ def _perturb(model, seed, scale=1e-2):
             p.add_(torch.randn(p.shape, generator=g) * scale)
 
 
+def _two_trained(run):
+    """Clusters a and b joined, each with its model moved from the version it pulled."""
+    a, b = run.client("a"), run.client("b")
+    a.join()
+    b.join()
+    _perturb(a.model, 1)
+    _perturb(b.model, 2)
+    return a, b
+
+
 def _sync_all(run, clients, tokens):
     """Every client finishes H = 2 inner steps and syncs; all in one round."""
     results = {}
@@ -347,11 +357,7 @@ def test_a_cluster_records_the_tokens_the_leader_counts_not_its_claim(tmp_path):
     T_j in its own SyncResult (its step_done record and log line), not its claim."""
     r = Run(tmp_path, max_push_tokens=150)
     try:
-        a, b = r.client("a"), r.client("b")
-        a.join()
-        b.join()
-        _perturb(a.model, 1)
-        _perturb(b.model, 2)
+        a, b = _two_trained(r)
         results = _sync_all(r, [a, b], [10**6, 10**6])
         assert all(x.accepted for x in results.values())
         assert [results[c].tokens for c in "ab"] == [150, 150]
@@ -368,11 +374,7 @@ def test_the_run_ends_at_its_limit_and_every_member_is_told(tmp_path):
     flight; then pushes and joins are refused, heartbeats say so, and a restart stays ended."""
     r = Run(tmp_path, max_outer_steps=1)
     try:
-        a, b = r.client("a"), r.client("b")
-        a.join()
-        b.join()
-        _perturb(a.model, 1)
-        _perturb(b.model, 2)
+        a, b = _two_trained(r)
         results = _sync_all(r, [a, b], [100, 100])
         assert all(x.accepted for x in results.values())
         _wait_until(lambda: r.leader.status().finished, "the run finished")
