@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from pathlib import Path
 from typing import Any, Callable, Literal
 
@@ -105,10 +104,14 @@ class FaultInjector:
                 (self._dir / f"{target}.link_down").unlink(missing_ok=True)
                 self._event("fault_cleared", target, action="cut_link")
         for f, marker in list(self._armed):
-            if marker.exists():
-                self._armed.remove((f, marker))
-                fired = float(marker.read_text() or time.time())
-                self._event("fault", f.target, action="kill", phase=f.phase, fired_at=fired)
+            try:
+                text = marker.read_text()
+            except FileNotFoundError:
+                continue
+            if not text:
+                continue  # not yet whole (hit() renames it into place; be safe anyway)
+            self._armed.remove((f, marker))
+            self._event("fault", f.target, action="kill", phase=f.phase, fired_at=float(text))
 
     def _fire(self, f: Fault, t: float) -> None:
         if f.phase is not None:

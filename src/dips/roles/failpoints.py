@@ -27,7 +27,10 @@ def hit(point: str) -> None:
         return
     armed = Path(_DIR) / f"{_NAME}.{point}"
     if armed.exists():
-        (Path(_DIR) / f"{_NAME}.{point}.fired").write_text(str(time.time()))
+        fired = Path(_DIR) / f"{_NAME}.{point}.fired"
+        part = fired.with_name(fired.name + ".part")
+        part.write_text(str(time.time()))
+        os.replace(part, fired)  # whole or absent: the launcher never reads it half written
         armed.unlink(missing_ok=True)
         os.kill(os.getpid(), signal.SIGKILL)
 
