@@ -138,7 +138,7 @@ class FakeFollower:
     def discard(self, rnd):
         pass
 
-    def score(self, rnd, clusters, push_ids=None):
+    def score(self, rnd, clusters, push_ids=None, retired=None):
         return [(c, True, 1.0, "") for c in clusters]
 
     def aggregate(self, rnd, clusters, weights):
@@ -227,7 +227,7 @@ class CheckingShard:
     def _weights(self, weights, n):
         assert len(weights) == n and all(0.0 <= w <= 1.0 and math.isfinite(w) for w in weights)
 
-    def score(self, rnd, clusters, push_ids=None):
+    def score(self, rnd, clusters, push_ids=None, retired=None):
         assert isinstance(rnd, int) and 0 <= rnd <= fields.INT64_MAX
         self._ids(clusters)
         assert push_ids is None or (len(push_ids) == len(clusters) and all(

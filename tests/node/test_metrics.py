@@ -195,7 +195,7 @@ class FakeShard:
     def state(self):
         return 0, self.version, "c"
 
-    def score(self, rnd, clusters, push_ids=None):
+    def score(self, rnd, clusters, push_ids=None, retired=None):
         self.calls.append("score")
         return [(c, True, 1.0, "") for c in clusters]
 

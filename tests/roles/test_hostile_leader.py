@@ -74,7 +74,7 @@ class FakeFollower:
     def discard(self, rnd):
         pass
 
-    def score(self, rnd, clusters, push_ids=None):
+    def score(self, rnd, clusters, push_ids=None, retired=None):
         return [(c, True, 1.0, "") for c in clusters]
 
     def aggregate(self, rnd, clusters, weights):
@@ -420,7 +420,7 @@ def test_a_member_that_stalls_holds_one_round_and_its_next_push_goes_ahead():
 # ----- a large finite value fails only its own push (issue input 4, at the leader) -----------
 def test_a_non_finite_norm_invalidates_only_its_own_push():
     class Overflowing(FakeFollower):
-        def score(self, rnd, clusters, push_ids=None):  # 1e30 per value: ‖Δ‖² is inf
+        def score(self, rnd, clusters, push_ids=None, retired=None):  # 1e30 per value: ‖Δ‖² is inf
             return [(c, True, math.inf if c == "evil" else 1.0, "") for c in clusters]
 
     slots = [Slot(c, f"{i:016x}", 0, 100, 0.0, round=1, admitted_at=0.0, done=True, ok=True)
@@ -432,7 +432,7 @@ def test_a_non_finite_norm_invalidates_only_its_own_push():
     assert report.record(1)["rejected"]["evil"]["code"] == "invalid"  # typed, not its text
 
     class Confused(FakeFollower):
-        def score(self, rnd, clusters, push_ids=None):
+        def score(self, rnd, clusters, push_ids=None, retired=None):
             return [("stranger", True, 1.0, "")]
 
     report = run_update([(0, Confused())], 1, slots, 0, PenaltyState(), PenaltyConfig(),
@@ -628,7 +628,7 @@ def test_a_member_reporting_empty_pushes_ahead_never_stalls_a_round_again(tmp_pa
     leader, fake = make_leader(tmp_path, ledger=False, clock=clock)
     complete: set[str] = set()  # push ids of evil's that reached the follower whole
 
-    def score(rnd, clusters, push_ids=None):
+    def score(rnd, clusters, push_ids=None, retired=None):
         whole = [c != "evil" or p in complete for c, p in zip(clusters, push_ids)]
         return [(c, ok, 1.0, "" if ok else "layers missing") for c, ok in zip(clusters, whole)]
 

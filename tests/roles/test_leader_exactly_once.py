@@ -45,7 +45,7 @@ class FakeFollower:
     def discard(self, rnd):
         pass
 
-    def score(self, rnd, clusters, push_ids=None):
+    def score(self, rnd, clusters, push_ids=None, retired=None):
         return [(c, True, 1.0, "") for c in clusters]
 
     def aggregate(self, rnd, clusters, weights):

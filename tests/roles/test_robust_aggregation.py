@@ -32,7 +32,7 @@ class Vectors(FakeFollower):
         super().__init__()
         self.norms: dict[str, float] = {}
 
-    def score(self, rnd, clusters, push_ids=None):
+    def score(self, rnd, clusters, push_ids=None, retired=None):
         return [(c, True, self.norms[c], "") for c in clusters]
 
     def aggregate(self, rnd, clusters, weights):
@@ -146,7 +146,7 @@ def test_the_leader_counts_the_clusters_issued_before_they_join(tmp_path, roster
     joined count too."""
     leader, fake = make_leader(tmp_path, ledger=False)  # configured_clusters: 0
     norms = {"x": 1e20}
-    fake.score = lambda rnd, clusters, push_ids=None: [(c, True, norms[c], "") for c in clusters]
+    fake.score = lambda rnd, clusters, push_ids=None, retired=None: [(c, True, norms[c], "") for c in clusters]
     fake.aggregate = lambda rnd, clusters, weights: sum(w * w * norms[c]
                                                         for c, w in zip(clusters, weights))
     leader.roster = lambda: roster

@@ -93,9 +93,9 @@ class Fake(FakeFollower):
         self._up()
         return self.version, self.prepared, list(self.ckpts)
 
-    def score(self, rnd, clusters, push_ids=None):
+    def score(self, rnd, clusters, push_ids=None, retired=None):
         self._up()
-        return super().score(rnd, clusters, push_ids)
+        return super().score(rnd, clusters, push_ids, retired)
 
     def abort(self, rnd):
         self._up()

@@ -167,17 +167,22 @@ class FollowerShard(DataPlaneSide, ShardRecovery):
                               "cause": "process start"})
 
     # ----- data plane -------------------------------------------------------------------
-    def score(self, rnd: int, clusters: list[str],
-              push_ids: list[str] | None = None) -> list[tuple[str, bool, float, str]]:
+    def score(self, rnd: int, clusters: list[str], push_ids: list[str] | None = None,
+              retired: list[str] | None = None) -> list[tuple[str, bool, float, str]]:
         """Per cluster: (id, valid, ‖Δ‖² on this shard, error). Δ = θ_now − θ_cluster (§6).
 
         ``push_ids`` (same order as ``clusters``) name pushes sent ahead of this round: they
-        are taken into the round here and their Δ formed now, against the current θ. Every
-        push id named is decided by the leader from now on: its chunks arriving later are
-        refused STALE_GRANT, staged here or not (review 25, M2).
+        are taken into the round here and their Δ formed now, against the current θ.
+        ``retired`` names the round's pushes the leader decided as not delivered (not scored):
+        what was staged of them ahead of their round is dropped. Every push id named in
+        either is decided by the leader from now on: its chunks arriving later are refused
+        STALE_GRANT, staged here or not (review 25, M2).
         """
         out = []
         with self._lock:
+            for pid in retired or []:
+                self._admission.retire(pid)
+                self._early.pop(pid, None)  # its Δ buffers go back, an open stream is revoked
             for c, pid in zip(clusters, push_ids or []):
                 if pid:
                     self._admission.retire(pid)  # decided: its chunks sent later are stale

@@ -46,8 +46,8 @@ __all__ = ["FollowerControl", "UpdateReport", "abort_everywhere", "run_update"]
 class FollowerControl(Protocol):
     """What the leader needs from a follower (gRPC in production, the shard itself in process)."""
 
-    def score(self, rnd: int, clusters: list[str],
-              push_ids: list[str] | None = None) -> list[tuple[str, bool, float, str]]: ...
+    def score(self, rnd: int, clusters: list[str], push_ids: list[str] | None = None,
+              retired: list[str] | None = None) -> list[tuple[str, bool, float, str]]: ...
     def aggregate(self, rnd: int, clusters: list[str], weights: list[float]) -> float: ...
     def apply(self, rnd: int, clip: float, new_version: int, accepted: list[str],
               weights: list[float]) -> tuple[int, str]: ...
@@ -145,12 +145,15 @@ def run_update(followers: Sequence[tuple[int, FollowerControl]], number: int,
     invalid = {c: (by_id[c].error or "push not delivered in time")
                for c in clusters if c not in delivered}
     codes = {c: by_id[c].code or RejectCode.NOT_DELIVERED.value for c in invalid}
+    # Every push of the round is decided here: those not delivered are named too, so that no
+    # follower stages their chunks sent later (review 25, M2).
+    retired = [by_id[c].push_id for c in clusters if c not in delivered and by_id[c].push_id]
     try:
         norms = {c: 0.0 for c in delivered}
         if delivered:
             push_ids = [by_id[c].push_id for c in delivered]
             for index, control in followers:
-                for c, valid, sq, err in control.score(number, delivered, push_ids):
+                for c, valid, sq, err in control.score(number, delivered, push_ids, retired):
                     if c not in norms:
                         raise ValueError(f"follower {index}: Score of round {number} names "
                                          f"cluster {str(c)[:60]!r}, not in the round")
@@ -183,6 +186,8 @@ def run_update(followers: Sequence[tuple[int, FollowerControl]], number: int,
                                            codes=codes)
             for index, control in followers:  # best effort: a reconcile drops leftovers anyway
                 try:
+                    if retired and not delivered:  # no Score named them
+                        control.score(number, [], [], retired)
                     control.discard(number)
                 except Exception as exc:
                     log.warning("discard of round %d on follower %d failed: %s", number, index, exc)

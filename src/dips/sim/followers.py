@@ -61,8 +61,8 @@ class ModelledFollower:
         if not self.alive:
             raise FollowerDown(f"follower {self.index} unavailable")
 
-    def score(self, rnd: int, clusters: list[str],
-              push_ids: list[str] | None = None) -> list[tuple[str, bool, float, str]]:
+    def score(self, rnd: int, clusters: list[str], push_ids: list[str] | None = None,
+              retired: list[str] | None = None) -> list[tuple[str, bool, float, str]]:
         """(cluster, valid, its share of G_j, error) per cluster."""
         self._up()
         return [(c, True, self.share * self.board.sq_norms[c], "") for c in clusters]

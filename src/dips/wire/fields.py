@@ -256,15 +256,18 @@ def eval_report(r: pb.EvalReport) -> EvalReport:
 
 
 # ----- the Follower service's requests (from the leader only) --------------------------------
-def score_request(r: pb.ScoreRequest) -> tuple[int, list[str], list[str] | None]:
-    """(round, clusters, push ids in the same order or None)."""
+def score_request(r: pb.ScoreRequest) -> tuple[int, list[str], list[str] | None, list[str]]:
+    """(round, clusters, push ids in the same order or None, push ids decided as not
+    delivered: ``retired_push_ids``, at most :data:`MAX_CLUSTERS`)."""
     m = "ScoreRequest"
     clusters = _ids(m, "cluster_ids", r.cluster_ids)
     pids = [push_id(m, p, "push_ids") for p in _bounded(m, "push_ids", r.push_ids, MAX_CLUSTERS)]
     if pids and len(pids) != len(clusters):
         raise _bad(m, "push_ids", f"<{len(pids)} ids>", f"must give one per cluster "
                                                         f"({len(clusters)}) or none")
-    return integer(m, "round", r.round), clusters, pids or None
+    retired = [push_id(m, p, "retired_push_ids")
+               for p in _bounded(m, "retired_push_ids", r.retired_push_ids, MAX_CLUSTERS)]
+    return integer(m, "round", r.round), clusters, pids or None, retired
 
 
 def aggregate_request(r: pb.AggregateRequest) -> tuple[int, list[str], list[float]]:

@@ -267,8 +267,8 @@ class FollowerServicer(pbg.FollowerServicer):
     @grpc_errors
     def Score(self, request: pb.ScoreRequest, context: Any) -> pb.ScoreReply:
         self._admit(context, "Score")
-        rnd, clusters, push_ids = fields.score_request(request)
-        norms = self.shard.score(rnd, clusters, push_ids)
+        rnd, clusters, push_ids, retired = fields.score_request(request)
+        norms = self.shard.score(rnd, clusters, push_ids, retired)
         return pb.ScoreReply(version=self.shard.version, norms=[
             pb.ClusterNorm(cluster_id=c, valid=v, sq_norm=g, error=e) for c, v, g, e in norms])
 
@@ -358,10 +358,11 @@ class FollowerControlClient:
         a follower ahead of ``version``; or unreachable)."""
         return self._c.Fence(pb.FenceRequest(version=version)).term
 
-    def score(self, rnd: int, clusters: list[str],
-              push_ids: list[str] | None = None) -> list[tuple[str, bool, float, str]]:
+    def score(self, rnd: int, clusters: list[str], push_ids: list[str] | None = None,
+              retired: list[str] | None = None) -> list[tuple[str, bool, float, str]]:
         reply = self._c.Score(pb.ScoreRequest(round=rnd, cluster_ids=clusters,
-                                              push_ids=push_ids or []))
+                                              push_ids=push_ids or [],
+                                              retired_push_ids=retired or []))
         # A follower's error text may quote what a member sent it: printable, bounded.
         return [(n.cluster_id, n.valid, n.sq_norm, fields.text(n.error)) for n in reply.norms]
 

@@ -443,14 +443,16 @@ class EvalRecord(_message.Message):
     def __init__(self, time: _Optional[float] = ..., version: _Optional[int] = ..., tokens_accepted: _Optional[int] = ..., eval_loss: _Optional[float] = ..., perplexity: _Optional[float] = ..., eval_tokens: _Optional[int] = ...) -> None: ...
 
 class ScoreRequest(_message.Message):
-    __slots__ = ("round", "cluster_ids", "push_ids")
+    __slots__ = ("round", "cluster_ids", "push_ids", "retired_push_ids")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     CLUSTER_IDS_FIELD_NUMBER: _ClassVar[int]
     PUSH_IDS_FIELD_NUMBER: _ClassVar[int]
+    RETIRED_PUSH_IDS_FIELD_NUMBER: _ClassVar[int]
     round: int
     cluster_ids: _containers.RepeatedScalarFieldContainer[str]
     push_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, round: _Optional[int] = ..., cluster_ids: _Optional[_Iterable[str]] = ..., push_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    retired_push_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, round: _Optional[int] = ..., cluster_ids: _Optional[_Iterable[str]] = ..., push_ids: _Optional[_Iterable[str]] = ..., retired_push_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ClusterNorm(_message.Message):
     __slots__ = ("cluster_id", "valid", "sq_norm", "error")
