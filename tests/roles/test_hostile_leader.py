@@ -567,6 +567,28 @@ def test_malformed_fields_are_refused_naming_the_field_with_a_short_message(tmp_
         leader.stop()
 
 
+def test_a_pull_reported_of_a_version_ahead_of_the_leaders_is_refused_and_changes_nothing(
+        tmp_path):
+    """It was ignored but answered ok (issue 13): a member may report only what it can hold."""
+    leader, _ = make_leader(tmp_path)
+    servicer = LeaderServicer(leader, None)
+    ctx = FakeContext("cluster-a")
+    try:
+        member(leader, "a")
+        leader.pull_done("a", 0)
+        entry, state = leader.clusters["a"], leader._state
+        before = (entry.pulled_version, entry.floor_version)
+        for version in (1, 5, INT64_MAX):
+            e = _aborted(lambda: servicer.PullDone(pb.PullDoneRequest(version=version), ctx))
+            assert e.refusal is Refusal.INVALID_ARGUMENT
+            assert f"'version' = {version}" in e.details and "ahead of the leader's 0" in e.details
+        assert (entry.pulled_version, entry.floor_version) == before == (0, 0)
+        assert leader._state is state  # no event reached the round machine
+        assert servicer.PullDone(pb.PullDoneRequest(version=0), ctx).ok  # its own: still ok
+    finally:
+        leader.stop()
+
+
 def test_a_lease_is_capped_at_what_an_honest_member_holds(tmp_path):
     leader, _ = make_leader(tmp_path, lease_ahead=2, max_push_tokens=10 * TPW)  # 1 chunk/push
     try:

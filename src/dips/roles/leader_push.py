@@ -204,13 +204,17 @@ class Pushes:
 
     def pull_done(self, cluster_id: str, version: int) -> None:
         """A cluster of the round pulled ``version`` (-1: it gave up; do not wait for it).
-        Raises Refused: NOT_JOINED, INVALID_ARGUMENT (a version below -1)."""
+        Raises Refused: NOT_JOINED, INVALID_ARGUMENT (a version below -1, or above the
+        leader's: no member can hold it; issue 13); nothing changes then."""
         with self._cond:
             c = self._member(cluster_id)
             if version < -1:
                 raise Refused(Refusal.INVALID_ARGUMENT, f"pull field 'version' = {version} "
                                                         "must be >= -1")
-            if 0 <= version <= self.version:  # a version it cannot hold is not shown
+            if version > self.version:
+                raise Refused(Refusal.INVALID_ARGUMENT, f"pull field 'version' = {version} is "
+                                                        f"ahead of the leader's {self.version}")
+            if version >= 0:
                 c.pulled_version = version
                 c.floor_version = max(c.floor_version, version)
             self._apply(PullDone(self._clock(), cluster_id))
