@@ -1,10 +1,19 @@
-"""The token bucket of :mod:`dips.algo.ratelimit` (issue 13, review 25 M1), hand-computed."""
+"""The token bucket of :mod:`dips.algo.ratelimit` (issue 13, review 25 M1; heartbeats: review
+30), hand-computed."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
-from dips.algo.ratelimit import Bucket, take
+from dips.algo.ratelimit import (
+    HEARTBEAT_BURST,
+    HEARTBEAT_RATE_FACTOR,
+    Bucket,
+    heartbeat_limit,
+    take,
+)
 
 
 def test_a_new_bucket_allows_a_burst_then_refuses():
@@ -44,3 +53,48 @@ def test_the_sustained_rate_is_the_configured_one():
 def test_bad_limits_name_the_field(rate, burst, field):
     with pytest.raises(ValueError, match=field):
         take(None, 0.0, rate, burst)
+
+
+# ----- heartbeats (issue 13, review 30: not rate-limited, 1,014/s of one member served) -----
+def _refused(times, interval_s):
+    """Indices (in time order) of the heartbeats at ``times`` that the bucket of
+    :func:`heartbeat_limit` refuses."""
+    rate, burst = heartbeat_limit(interval_s)
+    bucket, out = None, []
+    for i, t in enumerate(sorted(times)):
+        bucket, ok = take(bucket, t, rate, burst)
+        if not ok:
+            out.append(i)
+    return out
+
+
+def test_the_heartbeat_limit_is_a_multiple_of_the_interval():
+    assert (HEARTBEAT_RATE_FACTOR, HEARTBEAT_BURST) == (4.0, 8)
+    assert heartbeat_limit(0.5) == (8.0, 8.0) and heartbeat_limit(2) == (2.0, 8.0)
+    for bad in (0, -1.0, float("inf"), float("nan"), "1"):
+        with pytest.raises(ValueError, match="heartbeat_interval_s"):
+            heartbeat_limit(bad)
+
+
+@pytest.mark.parametrize("interval_s", [1.0, 0.25, 0.3])
+def test_honest_heartbeats_on_their_period_are_never_refused(interval_s):
+    assert _refused([k * interval_s for k in range(10_000)], interval_s) == []
+
+
+def test_honest_heartbeats_with_seven_intervals_of_jitter_are_never_refused():
+    # Each beat's time at the leader anywhere within ±3.5 intervals of its schedule (2J = 7 I).
+    rng = random.Random(13)
+    assert _refused([k + rng.uniform(-3.5, 3.5) for k in range(10_000)], 1.0) == []
+    # The worst case, over and over: 8 beats that arrive at once (7 delayed until the 8th's
+    # time: a leader that stalled while they waited), then on the schedule again.
+    piled = [8.0 * (k // 8) + 7 for k in range(8_000)]  # 8 at 7, 8 at 15, ...
+    assert _refused(piled, 1.0) == []
+    steady_then_pile = [float(k) for k in range(100)] + [107.0] * 8 + [108.0, 109.0]
+    assert _refused(steady_then_pile, 1.0) == []
+
+
+def test_a_ninth_beat_at_once_and_a_flood_are_refused():
+    assert _refused([5.0] * 9, 1.0) == [8]  # the bound is the burst: one more is refused
+    # A flood every 1/64 s for 64 s: the burst, then 4 per second.
+    times = [i / 64 for i in range(64 * 64)]
+    assert len(times) - len(_refused(times, 1.0)) == 8 + 255  # 4 × 4095/64 = 255.9 tokens

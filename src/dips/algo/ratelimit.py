@@ -5,6 +5,16 @@ took 0.64 of a core of the leader; honest outer steps went 0.77x as fast).
 A bucket holds up to ``burst`` tokens and gains ``rate`` tokens per second; a call takes one
 and is refused when less than one is left. Pure: the time is passed in (seconds of any
 monotonic clock), so the real leader and a test drive it alike.
+
+Heartbeats (issue 13, review 30: 1,014 heartbeats/s of one member were served, the leader at
+0.65 cores) get a bucket derived from the run's heartbeat interval I
+(:func:`heartbeat_limit`): :data:`HEARTBEAT_RATE_FACTOR` / I per second after a burst of
+:data:`HEARTBEAT_BURST`. An honest member sends its next heartbeat I after the previous one
+was answered or timed out (``dips.roles.client_hold``, the follower's registration loop), so
+the leader takes the answered ones at least I apart; a sequence whose times at the leader
+each lie within ±J of a period-I schedule conforms while 2J <= (HEARTBEAT_BURST - 1) · I
+(7 intervals of jitter, or 7 unanswered beats that arrive at once after a stall of the
+leader), whatever its length (``tests/algo/test_ratelimit.py``, hand-computed).
 """
 
 from __future__ import annotations
@@ -12,7 +22,13 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
-__all__ = ["Bucket", "check_rate", "take"]
+__all__ = ["Bucket", "HEARTBEAT_BURST", "HEARTBEAT_RATE_FACTOR", "check_rate", "heartbeat_limit",
+           "take"]
+
+#: Heartbeats per heartbeat interval one member may send, sustained (an honest one sends 1).
+HEARTBEAT_RATE_FACTOR = 4.0
+#: Heartbeats one member may send at once after a quiet while.
+HEARTBEAT_BURST = 8
 
 
 class Bucket(NamedTuple):
@@ -49,3 +65,17 @@ def take(bucket: Bucket | None, now: float, rate: float, burst: float) -> tuple[
     if tokens >= 1.0:
         return Bucket(tokens - 1.0, at), True
     return Bucket(tokens, at), False
+
+
+def heartbeat_limit(interval_s: float) -> tuple[float, float]:
+    """(rate per second, burst) of one member's heartbeats in a run whose members beat every
+    ``interval_s`` seconds (``membership.heartbeat_interval_s``): several times an honest
+    member's rate, so that jitter and a leader's stall never refuse one (module docstring).
+
+    Raises:
+        ValueError: ``interval_s`` not a finite number > 0 (naming it).
+    """
+    if not (isinstance(interval_s, (int, float)) and math.isfinite(interval_s) and interval_s > 0):
+        raise ValueError(f"heartbeat_interval_s {interval_s!r} must be a finite number > 0 "
+                         "(seconds)")
+    return HEARTBEAT_RATE_FACTOR / interval_s, float(HEARTBEAT_BURST)

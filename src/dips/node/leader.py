@@ -128,6 +128,7 @@ def run_leader(cfg: RunConfig, listen: str, state: Path, creds: Credentials,
     cannot start (state directory in use, a config that differs from the prepared spec, an
     address that cannot be bound)."""
     from dips.algo.ledger import ChunkLedger
+    from dips.algo.ratelimit import heartbeat_limit
     from dips.roles.leader import FollowerEntry, Leader, LeaderConfig
     from dips.roles.leader_types import Issued
     from dips.wire.control import make_server
@@ -191,8 +192,10 @@ def run_leader(cfg: RunConfig, listen: str, state: Path, creds: Credentials,
         leader.roster = lambda: read_revoked(issued_file) - revoked()
 
     workers = 8 + 4 * len(cfg.clusters)
-    server = make_server(max_workers=workers, reads=RateGate(cfg.membership.read_calls_per_s,
-                                                             cfg.membership.read_burst))
+    beats = heartbeat_limit(cfg.membership.heartbeat_interval_s)  # issue 13, review 30
+    server = make_server(max_workers=workers,
+                         reads=RateGate(cfg.membership.read_calls_per_s, cfg.membership.read_burst),
+                         heartbeats=RateGate(*beats, what="membership.heartbeat_interval_s"))
     # Waiting calls (push admission, verdicts) leave threads free for heartbeats (issue 13).
     pbg.add_LeaderServicer_to_server(LeaderServicer(leader, entry, revoked,
                                                     CallGate.for_server(workers), refusals),

@@ -95,7 +95,8 @@ class ClusterClient(SyncMixin, HoldMixin, HeartbeatMixin):
             of ``model``: its decoder blocks found in the module tree).
         timeout_s: deadline of transfers and of waiting for a verdict (seconds).
         admit_timeout_s: deadline of a push request's admission into a window (seconds).
-        heartbeat_interval_s: progress reports to the leader (None: the leader's value).
+        heartbeat_interval_s: progress reports to the leader (None: the leader's value; never
+            more often than the leader's value).
         data: optional ledger-aware data source (see :class:`LedgerData`).
         limiter: called with each data-plane message's byte count before sending (link
             shaping, e.g. :meth:`dips.wire.shaping.TokenBucket.consume`); shared by all stages.
@@ -218,8 +219,9 @@ class ClusterClient(SyncMixin, HoldMixin, HeartbeatMixin):
             self._leader_push_timeout_s = reply.push_timeout_s
             if reply.followers_epoch > 0:  # the join's pull is given up once a follower goes
                 self._followers_epoch = reply.followers_epoch  # down or comes back (review 28)
-            if self._hb_interval is None:
-                self._hb_interval = reply.heartbeat_interval_s or 1.0
+            # Never faster than the leader's interval: it refuses a member's heartbeats beyond
+            # a few per interval of its own (dips.algo.ratelimit.heartbeat_limit).
+            self._hb_interval = max(self._hb_interval or 0.0, reply.heartbeat_interval_s or 1.0)
             # A member from here on: beat while the pull (a large model, a follower down) and
             # the caller's resume take their time, or the leader removes it (review 26, M6).
             self._start_heartbeat()

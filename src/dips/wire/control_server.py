@@ -6,12 +6,17 @@ one of the ``max_workers`` threads that run the (synchronous) servicers. Before 
 call, from the moment its headers arrive, counts against its peer's
 :class:`dips.wire.inflight.PeerCalls` (:data:`~dips.wire.inflight.PEER_CALLS` open calls per
 certificate identity; refusal BUSY, RESOURCE_EXHAUSTED, at once) and must deliver its request
-within :data:`FIRST_MESSAGE_S` (else DEADLINE_EXCEEDED); a server given a
-:class:`~dips.wire.inflight.RateGate` refuses a peer's read calls
-(:data:`~dips.wire.inflight.READS`) beyond its rate there too, before a thread or the
-request is spent on them (BUSY). Connections are closed after
-:data:`IDLE_S` without a call, TLS handshakes after :data:`HANDSHAKE_S`, and connections whose
-peer stops answering keepalive pings after :data:`KEEPALIVE_S` + :data:`KEEPALIVE_TIMEOUT_S`.
+within :data:`FIRST_MESSAGE_S` (else DEADLINE_EXCEEDED); a server given
+:class:`~dips.wire.inflight.RateGate` s refuses a peer's read calls
+(:data:`~dips.wire.inflight.READS`) and heartbeats (:data:`~dips.wire.inflight.HEARTBEATS`)
+beyond their rates there too, before a thread or the request is spent on them (BUSY).
+
+Connections: at most :func:`connection_limit` open at once over all peers (gRPC Python has
+no hook per connection or per peer: a connection that makes no call never reaches Python, so
+one certificate's idle connections can only be bounded server-wide); closed after
+:data:`IDLE_S` without a call, TLS handshakes after :data:`HANDSHAKE_S`, and connections
+whose peer stops answering keepalive pings after :data:`KEEPALIVE_S` +
+:data:`KEEPALIVE_TIMEOUT_S`.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import resource
 import threading
 from concurrent import futures
 from typing import Any, Callable
@@ -28,7 +34,7 @@ import grpc.aio
 
 from dips.algo.refusal import Refusal, Refused
 from dips.wire.control import _STATUS, MAX_MESSAGE_BYTES, REFUSAL_KEY, Malformed, _short
-from dips.wire.inflight import PEER_CALLS, READS, PeerCalls, RateGate
+from dips.wire.inflight import HEARTBEATS, PEER_CALLS, READS, PeerCalls, RateGate
 from dips.wire.security import caller
 
 log = logging.getLogger("dips.wire.control")
@@ -50,10 +56,29 @@ FIRST_MESSAGE_S = 10.0
 IDLE_S = 60.0
 #: Seconds a connection may take for its TLS handshake (gRPC's default: 120).
 HANDSHAKE_S = 10.0
+#: Connections a server keeps open at once over all peers, at most (``connection_limit``):
+#: review 30's 1,500 idle TLS connections of one certificate took the leader +128 MB, and the
+#: file-descriptor limit (20,000 there) was the only bound; beyond this a new connection is
+#: closed at once (existing ones keep working) until one closes (IDLE_S at the latest).
+SERVER_CONNECTIONS = 4096
 #: Keepalive: the server pings a connection after this many seconds without traffic, and
 #: closes it when the ping is not answered within KEEPALIVE_TIMEOUT_S (a vanished peer).
 KEEPALIVE_S = 30.0
 KEEPALIVE_TIMEOUT_S = 10.0
+
+
+def connection_limit(wanted: int = SERVER_CONNECTIONS) -> int:
+    """Connections a server of this process may keep open: ``wanted``, at most half the
+    process's file descriptors (``RLIMIT_NOFILE``, soft), so that a member's connections never
+    take the files and sockets the process itself needs (its checkpoints, its own calls).
+
+    Raises:
+        ValueError: ``wanted`` below 1.
+    """
+    if wanted < 1:
+        raise ValueError(f"connections {wanted} must be >= 1")
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return wanted if soft == resource.RLIM_INFINITY else max(1, min(wanted, soft // 2))
 
 
 def _tolerant(parse: Callable[[bytes], Any], method: str) -> Callable[[bytes], Any]:
@@ -142,9 +167,9 @@ class _Guarded(grpc.aio.ServerInterceptor):
     sends it. Only the first request message is read."""
 
     def __init__(self, pool: futures.ThreadPoolExecutor, peers: PeerCalls,
-                 first_message_s: float, reads: RateGate | None) -> None:
+                 first_message_s: float, rates: dict[str, RateGate]) -> None:
         self._pool, self._peers, self._first_s = pool, peers, first_message_s
-        self._reads = reads
+        self._rates = rates  # method -> its per-peer rate
 
     async def intercept_service(self, continuation: Callable, details: Any) -> Any:
         handler = await continuation(details)
@@ -161,13 +186,13 @@ class _Guarded(grpc.aio.ServerInterceptor):
         pool, peers, first_s = self._pool, self._peers, self._first_s
         in_loop = inspect.iscoroutinefunction(method)
         short = name.rsplit("/", 1)[-1]
-        reads = self._reads if short in READS else None
+        rate = self._rates.get(short)
 
         async def call(requests: Any, context: Any) -> Any:
             peer = peer_of(context)
             try:
-                if reads is not None:
-                    reads.take(peer, short)
+                if rate is not None:
+                    rate.take(peer, short)
                 peers.open(peer)
             except Refused as exc:
                 await _refuse(context, exc)
@@ -241,32 +266,39 @@ class ControlServer:
     request has arrived takes one of the ``max_workers`` threads that run its (synchronous)
     handler. A member that opens calls and never sends their messages holds no thread
     (issue 13, review 25: 24 such calls held every thread of the leader), at most
-    ``peer_calls`` open calls, each for at most ``first_message_s``, and read calls at
-    the rate of ``reads`` (None: not limited).
+    ``peer_calls`` open calls, each for at most ``first_message_s``, read calls at the
+    rate of ``reads`` and heartbeats at the rate of ``heartbeats`` (None: not limited); the
+    server keeps at most ``connection_limit(connections)`` connections open.
 
     Raises:
-        ValueError: ``max_workers`` or ``peer_calls`` below 1, ``first_message_s`` not > 0.
+        ValueError: ``max_workers``, ``peer_calls`` or ``connections`` below 1,
+            ``first_message_s`` not > 0.
     """
 
     def __init__(self, max_workers: int, peer_calls: int = PEER_CALLS,
                  first_message_s: float = FIRST_MESSAGE_S,
-                 reads: RateGate | None = None) -> None:
+                 reads: RateGate | None = None, heartbeats: RateGate | None = None,
+                 connections: int = SERVER_CONNECTIONS) -> None:
         if max_workers < 1:
             raise ValueError(f"max_workers {max_workers} must be >= 1")
         if not first_message_s > 0:
             raise ValueError(f"first_message_s {first_message_s} must be > 0 seconds")
         self.peers = PeerCalls(peer_calls)
+        self.connections = connection_limit(connections)
         self._pool = futures.ThreadPoolExecutor(max_workers=max_workers,
                                                 thread_name_prefix="grpc")
         self._loop = _event_loop()
-        self.reads = reads
-        guard = _Guarded(self._pool, self.peers, first_message_s, reads)
+        self.reads, self.heartbeats = reads, heartbeats
+        rates = {**({m: reads for m in READS} if reads else {}),
+                 **({m: heartbeats for m in HEARTBEATS} if heartbeats else {})}
+        guard = _Guarded(self._pool, self.peers, first_message_s, rates)
 
         async def build() -> grpc.aio.Server:
             return grpc.aio.server(
                 migration_thread_pool=self._pool, interceptors=[guard],
                 maximum_concurrent_rpcs=SERVER_CALLS,
                 options=[("grpc.max_concurrent_streams", STREAMS_PER_CONNECTION),
+                         ("grpc.max_allowed_incoming_connections", self.connections),
                          ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                          ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                          ("grpc.max_connection_idle_ms", _ms(IDLE_S)),
@@ -318,7 +350,9 @@ class ControlServer:
 
 def make_server(max_workers: int = 32, peer_calls: int = PEER_CALLS,
                 first_message_s: float = FIRST_MESSAGE_S,
-                reads: RateGate | None = None) -> ControlServer:
+                reads: RateGate | None = None,
+                heartbeats: RateGate | None = None,
+                connections: int = SERVER_CONNECTIONS) -> ControlServer:
     """A gRPC server (:class:`ControlServer`); bind it with
     :meth:`dips.wire.security.Credentials.add_port` (mutual TLS unless insecure), and have
     its servicers check :func:`dips.wire.security.caller`. A request that does not parse
@@ -334,5 +368,10 @@ def make_server(max_workers: int = 32, peer_calls: int = PEER_CALLS,
         first_message_s: seconds from a call's headers to its request message.
         reads: each peer's rate of read calls (:data:`dips.wire.inflight.READS`; the
             leader's: ``membership.read_calls_per_s``); None: not limited.
+        heartbeats: each peer's rate of heartbeats (:data:`dips.wire.inflight.HEARTBEATS`;
+            the leader's: :func:`dips.algo.ratelimit.heartbeat_limit` of
+            ``membership.heartbeat_interval_s``); None: not limited.
+        connections: connections open at once over all peers (:func:`connection_limit`).
     """
-    return ControlServer(max_workers, peer_calls, first_message_s, reads)
+    return ControlServer(max_workers, peer_calls, first_message_s, reads, heartbeats,
+                         connections)

@@ -36,6 +36,10 @@ RESERVED_THREADS = 6
 #: server (:class:`RateGate`, ``make_server(reads=...)``), as no honest member makes more
 #: than a few a second.
 READS = frozenset({"GetStatus", "GetSpec"})
+#: A cluster's and a follower's heartbeat (a follower's registration doubles as one):
+#: rate-limited per member by the server from the run's heartbeat interval
+#: (``make_server(heartbeats=...)``, :func:`dips.algo.ratelimit.heartbeat_limit`).
+HEARTBEATS = frozenset({"Heartbeat", "RegisterFollower"})
 
 
 class CallGate:
@@ -202,7 +206,7 @@ class RateGate:
             self._buckets[member] = bucket
             self.refused += not ok
         if not ok:
-            raise Refused(Refusal.BUSY, f"{member}: {method}: more than {self.rate:g} read "
+            raise Refused(Refusal.BUSY, f"{member}: {method}: more than {self.rate:g} such "
                                         f"calls per second (burst {self.burst:g}) of this "
                                         f"member ({self.what}): retry later")
 
