@@ -8,7 +8,8 @@ import pytest
 
 from dips.sim import simulate
 from dips.sim.costs import layer_params, memory_bytes
-from dips.sim.scale import SEARCH_SYNCS, _row, chunks_for, plot_load, scaled, search_h, table
+from dips.sim.scale import (SEARCH_SYNCS, _row, chunks_for, grid_followers, plot_load, scaled,
+                            search_h, table)
 from dips.spec.simulate import load_sim_scenario
 
 pytestmark = pytest.mark.timeout(60)
@@ -19,9 +20,10 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_bases_scale_in_proportion(model, params):
     base = load_sim_scenario(ROOT / "configs" / "simulate" / f"scale-{model}.yaml")
     assert sum(p for _, p in layer_params(base.model)) == params
-    sc = scaled(base, 1024, 200, 1.0, H=128)
+    sc = scaled(base, 1024, base.model.num_layers + 2, 1.0, H=128)
     assert [c.count for c in sc.clusters] == [230, 227, 227, 227, 113]  # 2:2:2:2:1 rounded down, rest to A
     assert sc.followers.count == base.model.num_layers + 2 and sc.H == 128
+    assert sc.name == f"{base.name}-n1024-m{base.model.num_layers + 2}-h128"
     assert sc.data.num_chunks == max(8 * 1024, chunks_for(sc.clusters, sc.data, 86400.0))
     assert sc.horizon_s == 86400.0
     # Two pushes held: 18 + 2 x 4 + 4 + 8 = 38 bytes per parameter, ~10x the FP32 shard.
@@ -41,6 +43,32 @@ def test_a_small_projection_fills_the_table(tmp_path):
     labels = plot_load([other, row, dict(row, followers=16)], tmp_path / "leader_load.png")
     assert labels == ["14b, 8 followers", "14b, 16 followers"]
     assert (tmp_path / "leader_load.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_more_followers_than_layer_units_are_refused_not_capped_in_silence():
+    """Review of issue 16: ``--followers 500`` ran 98 followers under the name m500. An explicit
+    count above the layer units is refused, naming the value and the limit; GRID's defaults
+    above a model's units are capped, the capped count named (and said)."""
+    base = load_sim_scenario(ROOT / "configs" / "simulate" / "scale-100b.yaml")
+    with pytest.raises(ValueError, match=r"followers = 500 exceeds the 98 layer units .* at most 98"):
+        scaled(base, 64, 500, 1.0)
+    small = load_sim_scenario(ROOT / "configs" / "simulate" / "scale-14b.yaml")
+    counts, note = grid_followers(small, 1024)
+    assert counts == [42] and "GRID's 64, 96 followers at 1024 clusters capped to 42" in note
+    assert grid_followers(small, 64) == ([16, 32], None)
+
+
+def test_a_horizon_without_a_sync_of_every_cluster_gives_no_h_figure():
+    """Review of issue 16: ``--days 0.01`` printed "H for < 5%: 64" (the base H, as if the
+    overhead were 0) and staleness None. A run in which some cluster completed no sync now
+    says so in its row, and no H, overhead or staleness figure is given."""
+    base = load_sim_scenario(ROOT / "configs" / "simulate" / "scale-14b.yaml")
+    sc = scaled(base, 18, 8, 0.05)  # 4,320 s: under one 6,720-s sync interval
+    row = _row("14b", sc, simulate(sc))
+    assert not row["answers"] and row["H_for_5pct"] is None and row["syncs_min"] == 0
+    assert "too short to answer" in row["why"]
+    line = table([row]).splitlines()[-1]
+    assert "n/a: the horizon (4320 s)" in line and "| 64 |" not in line and "None" not in line
 
 
 def test_data_is_sized_for_the_horizon():
@@ -100,7 +128,14 @@ def test_search_h_is_not_fooled_by_a_dip_below_target():
     (["--followers", "0"], "--followers: '0': give comma-separated positive integers"),
     (["--models", "7b"], "--models: '7b': no configs/simulate/scale-7b.yaml"),
     (["--days", "-1"], "--days: -1.0: must be a positive number"),
-    (["--days", "nan"], "--days: nan: must be a positive number")])
+    (["--days", "nan"], "--days: nan: must be a positive number"),
+    (["--days", "0.01"], "--days: 0.01: shorter than one sync interval of model 100b's slowest "
+                         "cluster type (H x step x slowdown = 6720 s): no outer step could "
+                         "answer; at least 0.078"),
+    (["--followers", "16,500", "--clusters", "64"],
+     "--followers: 500: exceeds the 98 layer units of model 100b"),
+    (["--followers", "50", "--clusters", "64", "--models", "14b"],
+     "--followers: 50: exceeds the 42 layer units of model 14b")])
 def test_the_command_line_names_a_bad_argument_and_its_value(capsys, args, says):
     from dips.sim import scale
 

@@ -52,6 +52,9 @@ def simulate(scenario: Path = typer.Option(..., "--scenario", exists=True, dir_o
     if not doc["rounds"]["outer_steps"]:
         typer.echo("  no outer step kept: the global model did not move (the figures above "
                    "are about time, not progress)")
+    if not doc["horizon"]["answers"]:
+        typer.echo(f"  NOT ANSWERED: {doc['horizon']['why']}; the overhead, staleness and "
+                   "leader figures are of the start only: give a longer horizon_s")
     stale = doc["staleness"]["mean"]
     typer.echo(f"  leader: {lead['msg_rate_avg']:.2f} msg/s average, {lead['msg_rate_peak']} "
                f"peak; staleness mean {'n/a (no push)' if stale is None else stale}; rejected "

@@ -19,6 +19,11 @@
   back, leader restarts, clusters that re-joined for a push the restarted leader did not know,
   the random (MTBF) follower faults and leader crashes (:mod:`dips.sim.faults`), and
   the first 100 events (seconds, what, details).
+* ``horizon``: whether the run's horizon held enough to answer: ``answers`` is true when at
+  least one outer step was kept and every cluster completed a sync (push, verdict, pull);
+  else ``why`` says what was missing (a per-cluster overhead, a staleness or an H for a
+  target from a horizon of no complete sync would be a figure of the start, not of the run).
+  ``syncs_min``: the fewest syncs a cluster completed; ``clusters_without_sync``.
 * ``rounds``, ``staleness`` (versions applied between a push's base and its update),
   ``pushes`` (verdicts, rejections by reason), ``tokens``, ``model``, and ``reference``: each
   figure of the scenario's reference next to the simulated one, their ratio and whether it is
@@ -34,7 +39,7 @@ from typing import Any
 from dips.sim.engine import Simulation
 from dips.sim.member import OVERHEAD
 
-__all__ = ["summarize"]
+__all__ = ["horizon_answer", "summarize"]
 
 
 def _r(x: float, digits: int = 6) -> float:
@@ -123,6 +128,24 @@ def _reference(sim: Simulation, doc: dict[str, Any]) -> dict[str, Any] | None:
     return out
 
 
+def horizon_answer(outer_steps: int, syncs: dict[str, int], horizon_s: float) -> dict[str, Any]:
+    """Whether a run of ``horizon_s`` seconds that kept ``outer_steps`` outer steps, its
+    clusters completing ``syncs`` (cluster -> syncs pushed, decided and pulled), answers
+    what a projection asks (the per-cluster overhead, staleness, the H for a target): at
+    least one outer step and a completed sync of every cluster (``answers``); ``why`` names
+    what was short, in words a reader of the output sees (None when it answers)."""
+    missing = sorted(c for c, n in syncs.items() if n == 0)
+    why = None
+    if not outer_steps:
+        why = (f"the horizon ({horizon_s:.6g} s) holds no outer step: too short to answer "
+               "(no overhead, staleness or H figure)")
+    elif missing:
+        why = (f"the horizon ({horizon_s:.6g} s) is too short to answer: {len(missing)} of "
+               f"{len(syncs)} clusters completed no sync (push, verdict, pull)")
+    return {"answers": why is None, "why": why, "outer_steps": outer_steps,
+            "syncs_min": min(syncs.values(), default=0), "clusters_without_sync": missing}
+
+
 def summarize(sim: Simulation) -> dict[str, Any]:
     """The JSON-able document of ``sim`` (after :meth:`Simulation.run`); see the module
     docstring. Deterministic: no wall-clock time, sorted keys where order is not given."""
@@ -180,5 +203,7 @@ def summarize(sim: Simulation) -> dict[str, Any]:
         "random_follower_faults": sim.counts["random_follower_faults"],
         "random_leader_faults": sim.counts["random_leader_faults"],
         "events": [[_r(t), kind, detail] for t, kind, detail in sim.fault_log[:100]]}
+    doc["horizon"] = horizon_answer(sim.version, {c: len(m.pull_s) for c, m in
+                                                  sim.members.items()}, sc.horizon_s)
     doc["reference"] = _reference(sim, doc)
     return doc

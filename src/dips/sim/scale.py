@@ -15,6 +15,14 @@ would bring it under 5% (overhead per push is about constant, compute grows with
 H × overhead / 5%; with ``--search-h`` also found by simulating, :func:`search_h`), staleness (mean, p95, max), the share of pushes the §8 penalty rejected
 (no corrupted pushes in the model: staleness and noise alone), and a follower's peak memory
 (bytes per parameter in the base file's ``followers.memory``).
+
+Refused (exit 2, nothing run): a ``--followers`` count above a model's layer units (its layers
++ embedding + head: each follower owns at least one, :func:`layer_units`), and a ``--days``
+shorter than one sync interval of a model's slowest cluster type (:func:`sync_interval_s`).
+GRID's default counts above a model's layer units are capped, and the capped count is the
+one named, run and reported (a line says so). A run whose horizon still held too little
+(no outer step, or a cluster that completed no sync: :func:`dips.sim.report.horizon_answer`)
+gets no H estimate, and its table row says why instead of a figure.
 """
 
 from __future__ import annotations
@@ -28,12 +36,37 @@ from typing import Any
 
 from dips.spec.simulate import SimScenario, load_sim_scenario
 
-__all__ = ["GRID", "SEARCH_SYNCS", "chunks_for", "plot_load", "run_grid", "scaled", "search_h",
-           "table"]
+__all__ = ["GRID", "SEARCH_SYNCS", "chunks_for", "grid_followers", "layer_units", "plot_load",
+           "run_grid", "scaled", "search_h", "sync_interval_s", "table"]
 
 ROOT = Path(__file__).resolve().parents[3]
-#: (clusters, followers) of the projections; followers at most the model's layers + 2.
+#: (clusters, followers) of the projections; capped at a model's layer units (grid_followers).
 GRID = {64: (16, 32), 256: (32, 64), 1024: (64, 96)}
+
+
+def layer_units(base: SimScenario) -> int:
+    """The units the followers share (the model's layers + embedding + head): the most
+    followers a run of ``base``'s model can have (each owns at least one)."""
+    return base.model.num_layers + 2
+
+
+def sync_interval_s(base: SimScenario) -> float:
+    """Seconds of the H inner steps of ``base``'s slowest cluster type (step × §13 slowdown
+    × H): a horizon shorter than this completes no sync of that type."""
+    return max((c.H or base.H) * c.step_s * c.slowdown for c in base.clusters)
+
+
+def grid_followers(base: SimScenario, clusters: int) -> tuple[list[int], str | None]:
+    """GRID's follower counts for ``clusters`` clusters, capped at ``base``'s
+    :func:`layer_units` (duplicates dropped), and a line saying what was capped (None:
+    nothing)."""
+    cap = layer_units(base)
+    counts = sorted({min(m, cap) for m in GRID[clusters]})
+    over = [m for m in GRID[clusters] if m > cap]
+    note = None if not over else (
+        f"{base.name}: GRID's {', '.join(map(str, over))} followers at {clusters} clusters "
+        f"capped to {cap}, the model's layer units ({base.model.num_layers} layers + 2)")
+    return counts, note
 
 
 def chunks_for(types: list[Any], data: Any, horizon_s: float) -> int:
@@ -51,22 +84,27 @@ def chunks_for(types: list[Any], data: Any, horizon_s: float) -> int:
 def scaled(base: SimScenario, clusters: int, followers: int, days: float,
            H: int | None = None) -> SimScenario:
     """``base`` with its cluster types multiplied to ``clusters`` clusters (counts in the base's
-    proportions, the remainder to the first type), ``followers`` followers (capped at the
-    model's layers + 2), ``days`` simulated days and, if given, ``H`` inner steps per push; the
-    chunks at least 8 × clusters and enough for the horizon (:func:`chunks_for`)."""
+    proportions, the remainder to the first type), ``followers`` followers, ``days`` simulated
+    days and, if given, ``H`` inner steps per push; the chunks at least 8 × clusters and enough
+    for the horizon (:func:`chunks_for`). Raises ValueError naming ``followers`` if it exceeds
+    the model's :func:`layer_units` (never capped in silence)."""
+    if followers > layer_units(base):
+        raise ValueError(f"followers = {followers} exceeds the {layer_units(base)} layer units "
+                         f"of {base.name}'s model ({base.model.num_layers} layers + embedding "
+                         f"+ head; each follower owns at least one): at most "
+                         f"{layer_units(base)}")
     counts = [c.count for c in base.clusters]
     total = sum(counts)
     new = [clusters * k // total for k in counts]
     new[0] += clusters - sum(new)
     types = [c.model_copy(update={"count": k}) for c, k in zip(base.clusters, new) if k]
-    layers = base.model.num_layers + 2
     chunks = max(base.data.num_chunks, 8 * clusters, chunks_for(types, base.data, days * 86400.0))
     data = base.data.model_copy(update={"num_chunks": chunks})
     update: dict[str, Any] = {
         "name": f"{base.name}-n{clusters}-m{followers}" + (f"-h{H}" if H else ""),
         "clusters": types, "horizon_s": days * 86400.0, "data": data, "reference": None,
         "token_budget": None,  # a projection runs to its horizon
-        "followers": base.followers.model_copy(update={"count": min(followers, layers)})}
+        "followers": base.followers.model_copy(update={"count": followers})}
     if H is not None:
         update["H"] = H
     return SimScenario.model_validate({**base.model_dump(), **{
@@ -103,8 +141,10 @@ def search_h(base: SimScenario, clusters: int, followers: int, days: float,
     if run is None:
         from dips.sim import simulate
 
-        def run(sc: SimScenario) -> float:
-            return simulate(sc, plots=False)["overhead"]["added_time_frac_max"] or 0.0
+        def run(sc: SimScenario) -> float:  # a trial that answers nothing is not under
+            doc = simulate(sc, plots=False)
+            over = doc["overhead"]["added_time_frac_max"]
+            return over if doc["horizon"]["answers"] and over is not None else math.inf
 
     slowest = max(c.step_s * c.slowdown for c in base.clusters)
     over: dict[int, float] = {}
@@ -151,6 +191,7 @@ def search_h(base: SimScenario, clusters: int, followers: int, days: float,
 def _row(model: str, sc: SimScenario, doc: dict[str, Any]) -> dict[str, Any]:
     lead, f, st = doc["leader"], doc["followers_summary"], doc["staleness"]
     over = doc["overhead"]["added_time_frac_max"] or 0.0
+    answer = doc["horizon"]
     params = max(doc["model"]["params_per_follower"])
     return {"model": model, "clusters": sum(c.count for c in sc.clusters),
             "followers": sc.followers.count, "H": sc.H, "days": doc["simulated_s"] / 86400,
@@ -159,7 +200,9 @@ def _row(model: str, sc: SimScenario, doc: dict[str, Any]) -> dict[str, Any]:
             "leader_cpu": lead["cpu_frac"], "overhead_max": over,
             "overhead_mean": doc["overhead"]["added_time_frac_mean"],
             "clusters_without_push": len(doc["overhead"]["clusters_without_push"]),
-            "H_for_5pct": math.ceil(sc.H * over / 0.05) if over > 0.05 else sc.H,
+            "answers": answer["answers"], "why": answer["why"], "syncs_min": answer["syncs_min"],
+            "H_for_5pct": (None if not answer["answers"] else
+                           math.ceil(sc.H * over / 0.05) if over > 0.05 else sc.H),
             "staleness_mean": st["mean"], "staleness_p95": st["p95"], "staleness_max": st["max"],
             "rejected_frac": doc["pushes"]["rejected_frac"], "pushes": doc["pushes"]["decided"],
             "outer_steps": doc["rounds"]["outer_steps"],
@@ -182,18 +225,23 @@ def run_grid(models: list[str], clusters: list[int], days: float,
     for model in models:
         base = load_sim_scenario(ROOT / "configs" / "simulate" / f"scale-{model}.yaml")
         for n in clusters:
-            for m in followers or GRID[n]:
+            counts, note = (followers, None) if followers else grid_followers(base, n)
+            if note:
+                print(note, flush=True)
+            for m in counts:
                 sc = scaled(base, n, m, days)
                 wall, cpu = time.perf_counter(), time.process_time()
                 doc = simulate(sc, plots=False)
                 row = _row(model, sc, doc)
                 print(f"{sc.name}: {days:g} days in {time.perf_counter() - wall:.1f} s wall, "
-                      f"{time.process_time() - cpu:.1f} s CPU", flush=True)
+                      f"{time.process_time() - cpu:.1f} s CPU"
+                      + ("" if row["answers"] else f"; NOT ANSWERED: {row['why']}"), flush=True)
                 if search:
                     found = search_h(base, n, m, days)
                     row["H_for_5pct_simulated"] = found["H"]
                     row["H_search_monotone"] = found["monotone"]
-                    row["H_search"] = {str(h): o for h, o in sorted(found["over"].items())}
+                    row["H_search"] = {str(h): o if math.isfinite(o) else None
+                                       for h, o in sorted(found["over"].items())}
                     print(f"{sc.name}: H for < 5% (simulated) = {found['H']}, trials "
                           f"{row['H_search']}", flush=True)
                 rows.append(row)
@@ -245,24 +293,33 @@ def plot_load(rows: list[dict[str, Any]], path: Path) -> list[str]:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    """The markdown table of ``rows`` (SCALE.md)."""
+    """The markdown table of ``rows`` (SCALE.md); a row whose horizon did not answer
+    (``answers`` false) says why in place of its overhead, H, staleness and follower figures."""
     head = ("| model | clusters | followers | leader msg/s avg / peak (no heartbeats) | leader CPU "
             "| overhead max / mean | H for < 5% | staleness mean / p95 / max | rejected "
             "| pushes per round | follower CPU idle | link peak Gbit/s | follower peak memory |\n"
             "|" + " --- |" * 13 + "\n")
-    lines = [f"| {r['model']} | {r['clusters']} | {r['followers']} | {r['msg_avg']:.2f} / "
-             f"{r['msg_peak']} ({r['msg_peak_no_hb']}) | {100 * r['leader_cpu']:.3f}% | "
-             f"{100 * r['overhead_max']:.2f}% / {100 * (r['overhead_mean'] or 0):.2f}%"
-             + (f" ({r['clusters_without_push']} never pushed)"
-                if r.get("clusters_without_push") else "") + " | "
-             f"{r['H_for_5pct']}" + (f" (simulated: {r['H_for_5pct_simulated']})"
-                                     if "H_for_5pct_simulated" in r else "") +
-             f" | {r['staleness_mean']} / {r['staleness_p95']} / "
-             f"{r['staleness_max']} | {100 * r['rejected_frac']:.2f}% | "
-             f"{r['pushes_per_round']} | {100 * r['cpu_idle_min']:.1f}% | "
-             f"{r['link_peak_gbps']:.1f} | {r['memory_peak_gb']:.0f} GB "
-             f"({r['memory_bytes_per_param']:.0f} B/param) |" for r in rows]
-    return head + "\n".join(lines) + "\n"
+    return head + "\n".join(_line(r) for r in rows) + "\n"
+
+
+def _line(r: dict[str, Any]) -> str:
+    """One row of :func:`table`."""
+    cells = [r["model"], r["clusters"], r["followers"],
+             f"{r['msg_avg']:.2f} / {r['msg_peak']} ({r['msg_peak_no_hb']})",
+             f"{100 * r['leader_cpu']:.3f}%"]
+    if not r.get("answers", True):
+        cells += [f"n/a: {r['why']}"] + ["n/a"] * 7
+        return "| " + " | ".join(map(str, cells)) + " |"
+    never = r.get("clusters_without_push")
+    cells += [f"{100 * r['overhead_max']:.2f}% / {100 * (r['overhead_mean'] or 0):.2f}%"
+              + (f" ({never} never pushed)" if never else ""),
+              f"{r['H_for_5pct']}" + (f" (simulated: {r['H_for_5pct_simulated']})"
+                                      if "H_for_5pct_simulated" in r else ""),
+              f"{r['staleness_mean']} / {r['staleness_p95']} / {r['staleness_max']}",
+              f"{100 * r['rejected_frac']:.2f}%", r["pushes_per_round"],
+              f"{100 * r['cpu_idle_min']:.1f}%", f"{r['link_peak_gbps']:.1f}",
+              f"{r['memory_peak_gb']:.0f} GB ({r['memory_bytes_per_param']:.0f} B/param)"]
+    return "| " + " | ".join(map(str, cells)) + " |"
 
 
 def _ints(p: argparse.ArgumentParser, name: str, text: str) -> list[int]:
@@ -305,6 +362,19 @@ def main(argv: list[str] | None = None) -> None:
                     f"(there are: {', '.join(have)})")
     if not (math.isfinite(a.days) and a.days > 0):
         p.error(f"argument --days: {a.days!r}: must be a positive number of simulated days")
+    for m in models:
+        base = load_sim_scenario(ROOT / "configs" / "simulate" / f"scale-{m}.yaml")
+        big = [k for k in follow or [] if k > layer_units(base)]
+        if big:
+            p.error(f"argument --followers: {big[0]}: exceeds the {layer_units(base)} layer "
+                    f"units of model {m} ({base.model.num_layers} layers + embedding + head; "
+                    f"each follower owns at least one): at most {layer_units(base)}")
+        least = sync_interval_s(base) / 86400.0
+        if a.days < least:
+            p.error(f"argument --days: {a.days!r}: shorter than one sync interval of model "
+                    f"{m}'s slowest cluster type (H x step x slowdown = "
+                    f"{sync_interval_s(base):.0f} s): no outer step could answer; at least "
+                    f"{math.ceil(least * 1000) / 1000:g}")
     rows = run_grid(models, clusters, a.days, a.out, follow, a.search_h)
     print(table(rows))
 
