@@ -52,6 +52,7 @@ from dips.sim.faults import RandomFaults, ServerFaults
 from dips.sim.followers import FollowerLoad, ModelledFollower, NormBoard
 from dips.sim.ledger_journal import JournaledLedger
 from dips.sim.member import Member
+from dips.sim.messages import FOLLOWER_CALLS, Beats, Messages
 from dips.sim.network import Job, Network
 from dips.sim.rounds import RoundActions
 from dips.spec.run import PUSH_TOKENS_SLACK
@@ -59,11 +60,9 @@ from dips.spec.simulate import SimScenario
 
 __all__ = ["FOLLOWER_CALLS", "Simulation"]
 
-#: The leader's calls to its followers in an update phase (the rest come from clusters).
-FOLLOWER_CALLS = ("Score", "Aggregate", "Discard", "Apply", "Commit")
 
 
-class Simulation(RoundActions, ServerFaults, RandomFaults):
+class Simulation(RoundActions, ServerFaults, RandomFaults, Messages):
     """One simulated run of ``scenario``; :meth:`run` plays it to the end (the horizon, the
     token budget, or nothing left to do). Deterministic: same scenario, same result."""
 
@@ -106,6 +105,9 @@ class Simulation(RoundActions, ServerFaults, RandomFaults):
         self.push_tokens_weighed = max(
             m.cfg.windows_per_step * m.H for m in self.members.values()) * d.tokens_per_window
         self.max_push_tokens = PUSH_TOKENS_SLACK * self.push_tokens_weighed
+        self.beats = Beats(sc.leader.membership.heartbeat_interval_s)
+        for f in range(M):  # a follower registers when it starts (its first heartbeat)
+            self.beats.start(("follower", f), "RegisterFollower", 0.0)
         self.msgs: Counter[str] = Counter()
         self.bins: Counter[int] = Counter()
         self.follower_bins: Counter[int] = Counter()
@@ -135,6 +137,10 @@ class Simulation(RoundActions, ServerFaults, RandomFaults):
                 for change in (link.schedule if link is not None else []):
                     self.q.push(change.at_s, "relink")
         self.q.push(sc.horizon_s, "end", priority=9)
+        # the leader reconciles the followers that registered before anything else
+        # (Leader._reconcile: GetState, Restore, Abort of each); here they start reconciled
+        for rpc in ("GetState", "Restore", "Abort"):
+            self._message(0.0, rpc, sc.followers.count)
         t = 0.0
         while len(self.q) and not self.finished:
             t, kind, payload = self.q.pop()
@@ -145,14 +151,6 @@ class Simulation(RoundActions, ServerFaults, RandomFaults):
         for load in self.loads:
             load.close(t)
         return self
-
-    def _message(self, t: float, kind: str, n: int = 1) -> None:
-        """``n`` control messages of ``kind`` at ``t`` (one RPC each, heartbeats aside); the
-        leader's calls to followers are binned apart as well (``follower_bins``)."""
-        self.msgs[kind] += n
-        self.bins[int(t)] += n
-        if kind in FOLLOWER_CALLS:
-            self.follower_bins[int(t)] += n
 
     def _feed(self, event: Any, accepted: Any = None) -> bool:
         """The leader: one event into the round machine, its actions carried out. A refused
@@ -226,6 +224,9 @@ class Simulation(RoundActions, ServerFaults, RandomFaults):
         if self.leader_down:  # the client retries until the leader is back
             self._parked.append(m)
             return
+        if not self.beats.is_open(m.cid):  # a new process: it fetches the spec, then beats
+            self._message(t, "GetSpec")
+            self.beats.start(m.cid, "Heartbeat", t + self.beats.period_s)
         self._message(t, "JoinCluster")
         self.ledger.release(m.cid)  # as the leader's join: a (re-)joining cluster starts afresh
         self._feed(MemberGone(t, m.cid, "cluster re-joined"))
@@ -280,6 +281,7 @@ class Simulation(RoundActions, ServerFaults, RandomFaults):
                         lambda: self.ledger.report(m.cid, progress))
         if not ok:  # the run finished (or a push is still in flight): the cluster stops here
             m.set_state("stopped", t)
+            self.beats.stop(m.cid, t)
 
     def _on_fault(self, t: float, payload: tuple[str, int], scheduled: bool = False) -> None:
         """Cluster ``payload[0]`` fails; back after an exponential draw of its ``recovery_s``
@@ -290,6 +292,7 @@ class Simulation(RoundActions, ServerFaults, RandomFaults):
         m.faults += 1
         m.epoch += 1
         m.down = True
+        self.beats.stop(m.cid, t)
         if m.job is not None:
             self.net.cancel(t, m.job)
             m.job = None

@@ -115,6 +115,7 @@ class ServerFaults:
     def _on_follower_fault(self, t: float, f: Any) -> None:
         control = self.followers[f.follower][1]
         control.alive = False
+        self.beats.stop(("follower", f.follower), t)
         self.net.set_down(t, f.follower, True)
         self._follower_gen[f.follower] += 1
         gen = self._follower_gen[f.follower]
@@ -140,6 +141,7 @@ class ServerFaults:
             return
         control = self.followers[f.follower][1]
         control.alive = True
+        self.beats.start(("follower", f.follower), "RegisterFollower", t)  # registers at once
         self.net.set_down(t, f.follower, False)
         if f.action == "kill":
             control.restarted(f.checkpoint_lag)
@@ -190,8 +192,10 @@ class ServerFaults:
                 f.restore(target)
         except (FollowerDown, ReconcileError) as exc:  # tried again when a follower is back
             self.fault_log.append((t, "reconcile_failed", str(exc)))
+            self._follower_calls(t)
             return
         abort_everywhere(self.followers, None)
+        self._follower_calls(t)  # GetState, Restore, Abort of each follower
         lost = max(0, self.version - target)
         windows_lost = 0
         if lost:
@@ -234,6 +238,7 @@ class ServerFaults:
 
     def _on_leader_fault(self, t: float, lf: Any) -> None:
         self.leader_down = True
+        self.beats.leader(t, down=True)
         self._leader_back_at = t + lf.restart_s
         for _, f in self.followers:
             f.commits_lost = True  # a step decided now is never committed by this leader
@@ -244,6 +249,10 @@ class ServerFaults:
         """The restarted leader resumes from :attr:`persisted` (the leader's ``_resume``)."""
         p = self.persisted
         self.leader_down = False
+        self.beats.leader(t, down=False)
+        for i, f in self.followers:  # dips.node.leader.take_leases: each one it knew, fenced
+            if f.alive:
+                self._message(t, "Fence")
         self.version = p["version"]
         self.state = RoundState(rounds=max(p["rounds"], p["rounds_reserved"]), ready=False,
                                 verdicts={v.push_id: v for v in p["verdicts"]},
@@ -278,6 +287,7 @@ class ServerFaults:
                 continue
             verdict = self.state.verdicts.get(m.push_id)
             if m.state in ("push", "verdict") and verdict is not None:
+                self._message(t, "PushDone")
                 self._verdict(verdict, t)  # asked again: the verdict is re-served
             elif m.state == "admit" and not stale:
                 parked.append(m)  # its request was queued, never admitted: made again

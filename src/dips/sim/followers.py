@@ -22,10 +22,13 @@ __all__ = ["CHECKPOINTS_KEPT", "FollowerDown", "FollowerLoad", "ModelledFollower
 @dataclass
 class NormBoard:
     """The round's modelled squared norms, shared by every follower: ``sq_norms`` cluster ->
-    G_j (units of Δ²) set by the simulator before the update; ``rho`` the §8 model's ρ."""
+    G_j (units of Δ²) set by the simulator before the update; ``rho`` the §8 model's ρ;
+    ``calls``: (RPC name, follower index) of each call a follower answered, in order, until
+    the simulator counts them as the leader's messages (:mod:`dips.sim.messages`)."""
 
     rho: float
     sq_norms: dict[str, float] = field(default_factory=dict)
+    calls: list[tuple[str, int]] = field(default_factory=list)
 
 
 class FollowerDown(TimeoutError):
@@ -57,19 +60,22 @@ class ModelledFollower:
         self.alive = True
         self.commits_lost = False
 
-    def _up(self) -> None:
+    def _up(self, rpc: str) -> None:
+        """A call of ``rpc`` (the Follower service's name) arrives: raises FollowerDown if
+        this follower cannot answer, else logs it (one message the leader receives)."""
         if not self.alive:
             raise FollowerDown(f"follower {self.index} unavailable")
+        self.board.calls.append((rpc, self.index))
 
     def score(self, rnd: int, clusters: list[str], push_ids: list[str] | None = None,
               retired: list[str] | None = None) -> list[tuple[str, bool, float, str]]:
         """(cluster, valid, its share of G_j, error) per cluster."""
-        self._up()
+        self._up("Score")
         return [(c, True, self.share * self.board.sq_norms[c], "") for c in clusters]
 
     def aggregate(self, rnd: int, clusters: list[str], weights: list[float]) -> float:
         """This shard's share of ‖δ‖² for δ = Σ w_j Δ_j (units of Δ²)."""
-        self._up()
+        self._up("Aggregate")
         return self.share * mean_sq_norm(self.board.sq_norms, dict(zip(clusters, weights)),
                                          self.board.rho)
 
@@ -77,16 +83,19 @@ class ModelledFollower:
               weights: list[float]) -> tuple[int, str]:
         """Prepare ``new_version`` (nothing to compute: the simulator times it); returns
         (version, a checksum naming follower and version)."""
-        self._up()
+        self._up("Apply")
         self.prepared = new_version
         return new_version, f"sim-{self.index}-{new_version}"
 
     def commit(self, new_version: int) -> tuple[int, str]:
         """Make the prepared ``new_version`` current and checkpoint it; returns (version,
         checksum). Raises ValueError if another version is prepared."""
-        self._up()
-        if self.commits_lost:
+        if self.alive and self.commits_lost:
             raise FollowerDown(f"commit of version {new_version} never sent")
+        self._up("Commit")
+        return self._commit(new_version)
+
+    def _commit(self, new_version: int) -> tuple[int, str]:
         if new_version != self.version:
             if self.prepared != new_version:
                 raise ValueError(f"commit field 'new_version' = {new_version}, prepared "
@@ -97,15 +106,15 @@ class ModelledFollower:
 
     def abort(self, rnd: int | None) -> None:
         """Drop a prepared step."""
-        self._up()
+        self._up("Abort")
         self.prepared = -1
 
     def restore(self, version: int) -> tuple[int, str]:
         """Bring the shard to ``version`` (commit it if prepared, else load its checkpoint);
         returns (version, checksum). Raises FileNotFoundError without such a checkpoint."""
-        self._up()
+        self._up("Restore")
         if version == self.prepared:
-            return self.commit(version)
+            return self._commit(version)
         if version != self.version and version not in self.checkpoints:
             raise FileNotFoundError(f"follower {self.index}: no checkpoint of version {version}")
         self.version, self.prepared = version, -1
@@ -121,11 +130,11 @@ class ModelledFollower:
 
     def discard(self, rnd: int) -> None:
         """Drop round ``rnd``'s staged pushes (nothing is held)."""
-        self._up()
+        self._up("Discard")
 
     def report(self) -> tuple[int, int, list[int]]:
         """(committed version, prepared version or -1, complete checkpoint versions)."""
-        self._up()
+        self._up("GetState")
         return self.version, self.prepared, list(self.checkpoints)
 
 

@@ -9,12 +9,16 @@
   NIC moved data, their union) / run seconds, ``cpu_busy_frac``, ``nic_busy_frac``, peak NIC
   rate per direction (bits/s; the fluid model's rates are piecewise constant, so this is the
   exact peak), bytes moved, peak memory (bytes).
-* ``leader``: control messages. Each RPC is one message: RequestPush, PushDone, PullDone,
-  Lease, JoinCluster from clusters; Score, Aggregate or Discard, Apply, Commit to each follower;
-  heartbeats (a cluster's Heartbeat, a follower's RegisterFollower) once per interval per
-  member alive. Heartbeats are counted, not simulated: members beat at evenly spread phases,
-  so a 1-s bin holds at most ⌈members / interval⌉ of them; the peak is the busiest 1-s bin of
-  the other messages plus that bound. ``cpu_frac``: messages × ``rpc_cpu_s`` / run seconds.
+* ``leader``: the control messages the leader receives (:mod:`dips.sim.messages`): one per
+  RPC, the requests of calls into it (JoinCluster, GetSpec, RequestPush, PushDone, PullDone,
+  Lease, a cluster's Heartbeat, a follower's RegisterFollower) and the replies of its calls
+  to followers (Score, Aggregate or Discard, Apply, Commit, Abort, Restore, GetState, Fence),
+  each when it arrives; heartbeats at the times the protocol gives them (a cluster every
+  interval from its join, a follower from its start). ``msg_rate_peak``: the busiest 1-s bin
+  of the run, all messages, at ``msg_rate_peak_at_s`` (the start-up's specs, joins, leases and
+  first reconciliation, if all members start together); ``msg_rate_peak_after_start``: the
+  busiest 1-s bin from the first RequestPush on; ``cpu_frac``: messages ×
+  ``rpc_cpu_s`` / run seconds.
 * ``server_faults``: follower and leader faults (:mod:`dips.sim.faults`): outer steps rolled
   back, leader restarts, clusters that re-joined for a push the restarted leader did not know,
   the random (MTBF) follower faults and leader crashes (:mod:`dips.sim.faults`), and
@@ -32,9 +36,10 @@
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from typing import Any
+
+import numpy as np
 
 from dips.sim.engine import Simulation
 from dips.sim.member import OVERHEAD
@@ -89,19 +94,27 @@ def _followers(sim: Simulation) -> list[dict[str, Any]]:
 
 def _leader(sim: Simulation) -> dict[str, Any]:
     sc, T = sim.sc, sim.end_s or 1.0
-    hb = sc.leader.membership.heartbeat_interval_s
-    alive = sum(T - m.totals.get("down", 0.0) - m.totals.get("idle", 0.0)
-                - m.totals.get("stopped", 0.0) for m in sim.members.values())
-    beats = {"Heartbeat": alive / hb, "RegisterFollower": sc.followers.count * T / hb}
+    other = np.zeros(max(int(T), max(sim.bins, default=0)) + 1, dtype=np.int64)
+    if sim.bins:
+        keys = np.fromiter(sim.bins.keys(), dtype=np.int64, count=len(sim.bins))
+        other[keys] = np.fromiter(sim.bins.values(), dtype=np.int64, count=len(sim.bins))
+    beats, hist = sim.beats.histogram(T, len(other))
+    total_hist = other + hist
+    peak_at = int(np.argmax(total_hist))
+    steady = total_hist[int(sim.first_request_s):] if sim.first_request_s is not None else None
+    steady_at = (int(sim.first_request_s) + int(np.argmax(steady))
+                 if steady is not None and len(steady) else None)
     total = sum(sim.msgs.values()) + sum(beats.values())
-    members = len(sim.members) + sc.followers.count
-    peak = max(sim.bins.values(), default=0) + math.ceil(members / hb)
-    by_kind = {**{k: v for k, v in sorted(sim.msgs.items())},
-               **{k: _r(v) for k, v in beats.items()}}
+    by_kind = dict(sorted({**sim.msgs, **beats}.items()))
     clusters = Counter(sim.bins)
     clusters.subtract(sim.follower_bins)
-    return {"messages": _r(total), "by_kind": by_kind, "msg_rate_avg": _r(total / T),
-            "msg_rate_peak": peak, "msg_rate_peak_no_heartbeats": max(sim.bins.values(), default=0),
+    return {"messages": int(total), "by_kind": by_kind, "msg_rate_avg": _r(total / T),
+            "msg_rate_peak": int(total_hist[peak_at]), "msg_rate_peak_at_s": peak_at,
+            "msg_rate_peak_window_s": 1,
+            "msg_rate_peak_after_start": None if steady_at is None else int(total_hist[steady_at]),
+            "msg_rate_peak_after_start_at_s": steady_at,
+            "msg_rate_peak_no_heartbeats": int(other.max()),
+            "msg_rate_peak_heartbeats": int(hist.max()),
             "msg_rate_peak_from_clusters": max(clusters.values(), default=0),
             "msg_rate_peak_to_followers": max(sim.follower_bins.values(), default=0),
             "heartbeat_rate": _r(sum(beats.values()) / T),

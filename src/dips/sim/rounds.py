@@ -62,22 +62,23 @@ class RoundActions:
                 self.board.sq_norms[s.cluster_id] = costs.push_sq_norm(
                     sc.norms, m.H, m.H, lag, m.rng["norms"])
         rnd = self.state.current
+        self._follower_calls(t)  # anything left before this update
         report = outer_step.run_update(self.followers, start.number, start.slots, self.version,
                                        self.penalty, sc.penalty, sc.outer,
                                        on_decided=lambda r: self._decide(rnd, r, t),
                                        weight_cap=self.push_tokens_weighed,
                                        members=len(self.members))
         if self.leader_down:
+            self._follower_calls(t)  # the calls it made before it died
             return  # died after its decision: the restarted leader takes over from there
         if not report.failed:
             self.version, self.penalty = report.outcome.version, report.penalty
         k = len(report.outcome.accepted)
         self.round_sizes[len(start.slots)] += 1
-        self._message(t, "Score", M)
-        self._message(t, "Aggregate" if k else "Discard", M)
         f = sc.followers
         per_param = f.update_s_per_param + k * f.update_s_per_push_param if k else 0.0
         begin = end = t  # sequential: each follower starts when the one before finished
+        applied: dict[int, float] = {}  # follower -> when its Apply's reply reaches the leader
         for (index, _), load in zip(self.followers, self.loads):
             load.memory(costs.memory_bytes(f.memory, load.params,
                                            len(start.slots) + len(self.state.staging)))
@@ -86,11 +87,12 @@ class RoundActions:
                 self.q.push(begin, "cpu", (index, True))
                 self.q.push(begin + busy, "cpu", (index, False))
             end = max(end, begin + busy)
+            applied[index] = begin + busy
             begin = end if f.apply == "sequential" else t
         phase = end - t + 4 * M * sc.leader.rpc_latency_s
-        if k:
-            self._message(t, "Apply", M)
-            self._message(t + phase, "Commit", M)
+        # the replies the leader receives, each when it arrives: Score, Aggregate / Discard /
+        # Abort at once, Apply when that follower's outer step is done, Commit at the end
+        self._follower_calls(t, {"Apply": applied, "Commit": {i: t + phase for i in applied}})
         self.q.push(t + phase, "updated", (start.number, report, self.counts["leader_restarts"]),
                     priority=2)
 
