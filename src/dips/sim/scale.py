@@ -9,7 +9,8 @@ SCALE.md) and ``leader_load.png`` (leader messages per second and the largest pe
 overhead against clusters). Every run is seeded; the table is the same on every machine. The
 wall and CPU seconds of each run are printed (not stored: they are the only figures that vary).
 
-Per run: the leader's control messages per second (average, busiest 1-s bin), its CPU share at
+Per run: the leader's control messages per second (average, busiest 1-s bin, busiest from the
+first push request on: :mod:`dips.sim.messages`), its CPU share at
 ``rpc_cpu_s`` per message, the largest per-cluster overhead (PS time / compute), the H that
 would bring it under 5% (overhead per push is about constant, compute grows with H:
 H × overhead / 5%; with ``--search-h`` also found by simulating, :func:`search_h`), staleness (mean, p95, max), the share of pushes the §8 penalty rejected
@@ -197,6 +198,7 @@ def _row(model: str, sc: SimScenario, doc: dict[str, Any]) -> dict[str, Any]:
             "followers": sc.followers.count, "H": sc.H, "days": doc["simulated_s"] / 86400,
             "msg_avg": lead["msg_rate_avg"], "msg_peak": lead["msg_rate_peak"],
             "msg_peak_no_hb": lead["msg_rate_peak_no_heartbeats"],
+            "msg_peak_after_start": lead["msg_rate_peak_after_start"],
             "leader_cpu": lead["cpu_frac"], "overhead_max": over,
             "overhead_mean": doc["overhead"]["added_time_frac_mean"],
             "clusters_without_push": len(doc["overhead"]["clusters_without_push"]),
@@ -295,7 +297,8 @@ def plot_load(rows: list[dict[str, Any]], path: Path) -> list[str]:
 def table(rows: list[dict[str, Any]]) -> str:
     """The markdown table of ``rows`` (SCALE.md); a row whose horizon did not answer
     (``answers`` false) says why in place of its overhead, H, staleness and follower figures."""
-    head = ("| model | clusters | followers | leader msg/s avg / peak (no heartbeats) | leader CPU "
+    head = ("| model | clusters | followers | leader msg/s avg / peak (no heartbeats) / peak "
+            "after the start | leader CPU "
             "| overhead max / mean | H for < 5% | staleness mean / p95 / max | rejected "
             "| pushes per round | follower CPU idle | link peak Gbit/s | follower peak memory |\n"
             "|" + " --- |" * 13 + "\n")
@@ -305,7 +308,8 @@ def table(rows: list[dict[str, Any]]) -> str:
 def _line(r: dict[str, Any]) -> str:
     """One row of :func:`table`."""
     cells = [r["model"], r["clusters"], r["followers"],
-             f"{r['msg_avg']:.2f} / {r['msg_peak']} ({r['msg_peak_no_hb']})",
+             f"{r['msg_avg']:.2f} / {r['msg_peak']} ({r['msg_peak_no_hb']}) / "
+             + ("n/a" if r.get("msg_peak_after_start") is None else f"{r['msg_peak_after_start']}"),
              f"{100 * r['leader_cpu']:.3f}%"]
     if not r.get("answers", True):
         cells += [f"n/a: {r['why']}"] + ["n/a"] * 7
