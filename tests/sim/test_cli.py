@@ -70,24 +70,26 @@ def test_a_horizon_before_any_push_is_summarised_not_a_traceback(tmp_path):
     assert "NOT ANSWERED: the horizon (600 s) holds no outer step" in result.output
 
 
+def _run(tmp_path, data):
+    """``dips simulate --no-plots`` on the scenario ``data``: (CLI result, simulate.json)."""
+    scenario, out = tmp_path / "s.yaml", tmp_path / "out"
+    scenario.write_text(yaml.safe_dump(data))
+    result = CliRunner().invoke(app, ["simulate", "--scenario", str(scenario), "--out", str(out),
+                                      "--no-plots"])
+    assert result.exit_code == 0, result.output
+    return result, json.loads((out / "simulate.json").read_text())
+
+
 def test_a_horizon_too_short_for_every_cluster_to_sync_says_so(tmp_path):
     """Review of issue 16: a horizon holding a few outer steps gave figures as if answered.
     Here c joins late and completes no sync: the run's figures are of the start only."""
     data = small(horizon_s=600).model_dump(mode="json")
     data["clusters"][2]["join_s"] = 590  # c joins, pulls, and the horizon ends while it trains
-    scenario = tmp_path / "s.yaml"
-    scenario.write_text(yaml.safe_dump(data))
-    out = tmp_path / "out"
-    result = CliRunner().invoke(app, ["simulate", "--scenario", str(scenario), "--out", str(out),
-                                      "--no-plots"])
-    assert result.exit_code == 0, result.output
-    h = json.loads((out / "simulate.json").read_text())["horizon"]
+    result, doc = _run(tmp_path, data)
+    h = doc["horizon"]
     assert h["outer_steps"] > 0 and h["clusters_without_sync"] == ["c"] and not h["answers"]
     assert "NOT ANSWERED: the horizon (600 s) is too short to answer: 1 of 4 clusters " \
            "completed no sync" in result.output
     data["clusters"][2]["join_s"] = 30
-    scenario.write_text(yaml.safe_dump(data))
-    result = CliRunner().invoke(app, ["simulate", "--scenario", str(scenario), "--out", str(out),
-                                      "--no-plots"])
-    assert "NOT ANSWERED" not in result.output
-    assert json.loads((out / "simulate.json").read_text())["horizon"]["answers"]
+    result, doc = _run(tmp_path, data)
+    assert "NOT ANSWERED" not in result.output and doc["horizon"]["answers"]
