@@ -150,7 +150,8 @@ class Launch:
             f.write(json.dumps(rec) + "\n")
 
     def stop(self, names: list[str], timeout_s: float) -> None:
-        """SIGTERM the named children, wait up to ``timeout_s``, then SIGKILL."""
+        """SIGTERM the named children, wait up to ``timeout_s``, then SIGKILL; then refresh
+        ``metrics.json`` (the launcher's loop no longer does once stopping)."""
         live = [self.children[n] for n in names if self.children[n].proc.poll() is None]
         for c in live:
             c.proc.send_signal(signal.SIGTERM)
@@ -166,6 +167,8 @@ class Launch:
                 c.proc.wait(10)
                 self.event("killed", c.name)
             self.event("stopped", c.name, returncode=c.proc.returncode)
+        if self.metrics is not None:  # a role restarted before the stop may serve only now
+            self.metrics.refresh()
 
 
 def free_port(host: str = "127.0.0.1") -> int:
