@@ -16,7 +16,8 @@ from typer.testing import CliRunner
 
 from dips.bench.runreport.build import write_report
 from dips.bench.runreport.files import load_run, read_jsonl
-from dips.bench.runreport.round_plots import staleness_of, sync_bars
+from dips.bench.runreport.round_plots import staleness_of
+from dips.bench.runreport.timeline import sync_bars
 from dips.bench.runreport.run_plots import cluster_steps
 from dips.cli import app
 from tests.report.fixtures import (
@@ -85,16 +86,16 @@ def test_multihost_run_report(tmp_path):
     for uri, png in zip(page.images, rep.pngs):
         assert base64.b64decode(uri.split(",", 1)[1]) == png.read_bytes()
         assert png.read_bytes().startswith(b"\x89PNG")
-    # 2 clusters + the held-out series (initial, the eval event, final)
-    assert series(rep, "loss_vs_time.png") == 3
+    # 2 clusters + the held-out series (initial, the eval event, final) + the stop
+    assert series(rep, "loss_vs_time.png") == 4
     assert series(rep, "loss_vs_tokens.png") == 3
-    # leader: window, push phase, update; clusters: inner steps, push, wait, pull
-    assert series(rep, "timeline.png") == 7
+    # leader: window, push phase, update; clusters: inner steps, push, wait, pull; the stop
+    assert series(rep, "timeline.png") == 8
     assert series(rep, "staleness.png") == 2
     # left: site-a, site-b, rejected, threshold; right: accepted, rejected, threshold (median)
     assert series(rep, "scores.png") == 7
     assert series(rep, "tokens_per_cluster.png") == 2
-    assert series(rep, "followers.png") == 2
+    assert series(rep, "followers.png") == 3  # ps0, ps1, the stop
     # the two bad lines, by file and line number; the rounds around them still read
     text = rep.html.read_text(encoding="utf-8")
     assert len(rep.problems) == 2

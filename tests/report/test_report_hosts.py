@@ -12,7 +12,7 @@ import pytest
 
 from dips.bench.runreport.build import write_report
 from dips.bench.runreport.files import load_run
-from dips.bench.runreport.round_plots import sync_bars
+from dips.bench.runreport.timeline import sync_bars
 from dips.bench.runreport.run_plots import cluster_steps, heldout_points
 from tests.report.fixtures import T0, make_host_copies, make_multihost_run, make_outage_run
 

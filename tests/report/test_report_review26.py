@@ -11,7 +11,9 @@ import pytest
 
 from dips.bench.runreport.build import recorded_figures, write_report
 from dips.bench.runreport.files import load_run
-from dips.bench.runreport.round_plots import ZOOM_ROUNDS, plot_scores, sync_bars
+from dips.bench.runreport.round_plots import plot_scores
+from dips.bench.runreport.timeline import sync_bars
+from dips.bench.runreport.zoom import ZOOM_ROUNDS
 from tests.report.fixtures import T0, _jsonl, _push, make_host_copies
 
 pytestmark = pytest.mark.timeout(120)
@@ -32,10 +34,10 @@ def test_scores_are_drawn_by_decision_and_the_leader_restart_is_marked(tmp_path)
     left = plot.figure.axes[0]
     xs = sorted({float(x) for line in left.lines if line.get_label() in ("a", "b")
                  for x in line.get_xdata()})
-    assert xs == [float(i) for i in range(8)]
+    assert xs == [float(i) for i in range(1, 9)]  # the n-th decision, from 1 (review 33 m4)
     marks = [line for line in left.lines if line.get_label() == "leader restart"]
-    assert len(marks) == 1 and list(marks[0].get_xdata()) == [4.5, 4.5]
-    assert "decision" in left.get_xlabel()
+    assert len(marks) == 1 and list(marks[0].get_xdata()) == [5.5, 5.5]  # after the 5th
+    assert "n-th" in left.get_xlabel() and "from 1" in left.get_xlabel()
     # the run's report takes the restarts from leader_events.jsonl
     _jsonl(tmp_path / "run" / "outer_steps.jsonl", recs)
     _jsonl(tmp_path / "run" / "leader_events.jsonl",

@@ -10,7 +10,7 @@ import pytest
 from dips.bench.runreport.build import write_report
 from dips.bench.runreport.faults import fault_rows
 from dips.bench.runreport.files import by_time, load_run
-from dips.bench.runreport.round_plots import sync_bars
+from dips.bench.runreport.timeline import sync_bars
 from dips.bench.runreport.run_plots import cluster_steps, heldout_points
 from dips.bench.runreport.zoom import ZOOM_MAX_FRACTION, ZOOM_ROUNDS, rounds_of, zoom_window
 from tests.report.fixtures import T0, _jsonl, make_outage_run

@@ -30,14 +30,15 @@ from dips.bench.runreport.files import (
     read_json,
     read_jsonl,
 )
+from dips.bench.runreport.followers import plot_followers
 from dips.bench.runreport.page import Page, Table, render
-from dips.bench.runreport.round_plots import plot_scores, plot_staleness, plot_timeline
+from dips.bench.runreport.round_plots import plot_scores, plot_staleness
 from dips.bench.runreport.run_plots import (
-    plot_followers,
     plot_loss_vs_time,
     plot_loss_vs_tokens,
     plot_tokens_per_cluster,
 )
+from dips.bench.runreport.timeline import plot_timeline
 
 __all__ = ["OutRequired", "Report", "SeveralRuns", "default_out", "write_report"]
 

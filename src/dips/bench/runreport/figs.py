@@ -25,10 +25,12 @@ from matplotlib.ticker import EngFormatter  # noqa: E402
 
 from dips.bench import curves as curves_rule  # noqa: E402
 
-__all__ = ["LossCurve", "Plot", "count_series", "draw_losses", "empty_plot", "mark_at",
-           "new_figure", "smooth", "time_axis", "tokens_axis"]
+__all__ = ["DOWN_COLOUR", "LossCurve", "Plot", "count_series", "draw_losses", "empty_plot", "mark_at",
+           "mark_stop", "new_figure", "smooth", "time_axis", "tokens_axis"]
 
 DPI = 100  # dots per inch of the PNGs
+#: The colour of a stretch a member was down, in every plot that shows one.
+DOWN_COLOUR = "#a50f15"
 
 
 @dataclass
@@ -104,6 +106,25 @@ def mark_at(ax: Axes, xs: Sequence[float], label: str) -> None:
     ``label`` (e.g. the leader's restarts); nothing without ``xs``."""
     for i, x in enumerate(xs):
         ax.axvline(x, color="0.35", linestyle=":", linewidth=1.2, label=label if i == 0 else "_")
+
+
+def mark_stop(ax: Axes, stop_s: float | None, reason: str | None, div: float = 1.0,
+              lo: float = 0.0, hi: float = math.inf, label: bool = True,
+              end_s: float | None = None) -> None:
+    """A dashed black vertical line where training stopped (``stop_s`` seconds since the
+    start, drawn at ``stop_s / div``) when it lies in ``lo``..``hi`` seconds, labelled
+    "training stopped (``reason``)" when ``label``, and the shutdown after it until the run's
+    end ``end_s`` shaded light grey, behind everything; nothing for a ``stop_s`` of None."""
+    if stop_s is None or not lo <= stop_s <= hi:
+        return
+    why = f" ({reason})" if reason else ""
+    shaded = end_s is not None and end_s > stop_s
+    ax.axvline(stop_s / div, color="black", linestyle="--", linewidth=1.2,
+               label=(f"training stopped{why}" + ("; shutdown shaded" if shaded else ""))
+               if label else "_")
+    if shaded:
+        ax.axvspan(stop_s / div, min(end_s, hi) / div, facecolor="0.93", edgecolor="none",
+                   zorder=0, label="_")
 
 
 def tokens_axis(axis: object) -> None:

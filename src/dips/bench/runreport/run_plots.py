@@ -7,17 +7,12 @@
   global model; a cluster's line breaks between two of its processes (:meth:`ClusterSteps.
   lines`);
 * ``tokens_per_cluster.png``: tokens each cluster trained on and tokens accepted from it;
-* ``followers.png``: each follower's utilisation: the % of wall time it was busy updating
-  (the leader's score, aggregate, apply and commit calls), receiving pushes and serving
-  pulls, stacked, from its ``applied.jsonl`` records' ``busy_s`` and ``span_s``
-  (:class:`dips.wire.workers.BusyTime`); for older files their ``idle_fraction`` or
-  ``utilisation``, else the version each applied over time.
+  ``followers.png`` is :mod:`dips.bench.runreport.followers`.
 
-Held-out points: ``eval_loss_initial`` (at 0 s, 0 tokens), every evaluation record (the
-leader's ``eval.jsonl`` of ``dips evaluate``: at its ``time`` and ``tokens_accepted``), and
-``eval_loss_final`` (at ``train_time_s``, ``tokens_accepted``) of ``summary.json`` (without
-the ``train_start`` file to count ``train_time_s`` from: at the last outer step); the
-summary's points are left out where the series has their version (0, ``final_version``).
+Held-out points: :func:`dips.bench.runreport.heldout.heldout_points`, and under
+``loss_vs_time.png`` a note on which versions the series holds
+(:func:`dips.bench.runreport.heldout.heldout_note`). ``loss_vs_time.png`` spans the whole
+run (:func:`dips.bench.runreport.span.run_span`, review 33 M2), the stop marked.
 """
 
 from __future__ import annotations
@@ -33,15 +28,17 @@ from dips.bench.runreport.figs import (
     draw_losses,
     empty_plot,
     finish,
+    mark_stop,
     new_figure,
     smooth,
     time_axis,
     tokens_axis,
 )
 from dips.bench.runreport.files import RunFiles, num
+from dips.bench.runreport.heldout import heldout_note, heldout_points
+from dips.bench.runreport.span import run_span
 
-__all__ = ["ClusterSteps", "busy_spans", "cluster_steps", "heldout_points", "plot_followers",
-           "plot_loss_vs_time",
+__all__ = ["ClusterSteps", "cluster_steps", "heldout_points", "plot_loss_vs_time",
            "plot_loss_vs_tokens", "plot_tokens_per_cluster"]
 
 
@@ -95,33 +92,6 @@ def cluster_steps(run: RunFiles, records: list[dict[str, Any]]) -> ClusterSteps:
     return out
 
 
-def heldout_points(run: RunFiles) -> list[tuple[float | None, float | None, float]]:
-    """(seconds since the start, tokens accepted, held-out loss) of every evaluation known:
-    the initial model's (``summary.json``'s ``eval_loss_initial``, else ``run.json``'s, as
-    the key figures take it), the evaluations, the summary's final one (the initial or final
-    point is left out when an evaluation record is of the same version: the evaluator's
-    series already has it)."""
-    s = run.summary or {}
-    pts: list[tuple[float | None, float | None, float]] = []
-    versions = {r.get("version") for r in run.evals}
-    initial = num(s, "eval_loss_initial")
-    if initial is None:  # a run in progress, or without the launcher's files (review 28 #5)
-        initial = num(run.run_spec or {}, "eval_loss_initial")
-    if initial is not None and 0 not in versions:
-        pts.append((0.0, 0.0, initial))
-    for rec in run.evals:
-        t = num(rec, "time")
-        tok = num(rec, "tokens_accepted")
-        pts.append((None if t is None else run.rel(t),
-                    tok if tok is not None else num(rec, "tokens"), float(rec["eval_loss"])))
-    final = s.get("final_version")
-    if (v := num(s, "eval_loss_final")) is not None and (final is None or final not in versions):
-        ends = [run.rel(t) for r in run.outer_steps if (t := num(r, "time")) is not None]
-        t_end = num(s, "train_time_s") if run.train_start is not None or not ends else max(ends)
-        pts.append((t_end, num(s, "tokens_accepted"), v))
-    return pts
-
-
 def _window(n: int) -> int:
     return max(1, min(30, n // 10))
 
@@ -171,15 +141,20 @@ def plot_loss_vs_time(run: RunFiles) -> Plot:
     steps, held = _losses(run, by_time=True)
     if not steps and not held:
         return _no_losses("loss_vs_time.png", title)
-    span = max([t for s in steps.values() for t in s.time_s] + [t for t, _ in held] + [1.0])
-    div, unit = time_axis(span)
+    span = run_span(run)
+    end = max([t for s in steps.values() for t in s.time_s] + [t for t, _ in held] + [span.end])
+    div, unit = time_axis(end)
     fig, (ax,) = new_figure()
     bad = draw_losses(ax, [*_training_curves(steps, lambda s: [t / div for t in s.time_s],
                                              " training loss"),
                            *_heldout_curve([(t / div, v) for t, v in held])], marker=None)
+    mark_stop(ax, span.stop, span.stop_reason, div, end_s=end)
+    ax.set_xlim(0.0, end / div)
     ax.set_xlabel(f"wall time since the training start ({unit})")
     ax.set_ylabel("loss (nats/token)")
     notes = [] if held else ["no held-out evaluation in the run (summary.json eval_loss_*)"]
+    if (what := heldout_note(run)) is not None:
+        notes.append(what)
     if not steps:
         notes.append("no cluster training losses found (train.jsonl)")
     notes += _diverged_note(bad)
@@ -250,100 +225,3 @@ def plot_tokens_per_cluster(run: RunFiles) -> Plot:
     note = None if consumed and accepted else (
         "no accepted pushes in outer_steps.jsonl" if consumed else "no per-cluster training counts")
     return finish("tokens_per_cluster.png", title, fig, note)
-
-
-#: Busy phases of a follower's ``applied.jsonl`` records (:class:`dips.wire.workers.BusyTime`)
-PHASES = (("update", "update (score, aggregate, apply, commit)"),
-          ("push", "receiving pushes"), ("pull", "serving pulls"))
-_BARS = 150  # bars per follower at most: records are summed into as many time spans
-
-
-def busy_spans(run: RunFiles, recs: list[dict[str, Any]]) -> list[tuple[float, float,
-                                                                         dict[str, float]]]:
-    """A follower's utilisation: ``(start s, end s, {phase: % of the span busy})`` over the
-    records that carry ``busy_s`` and ``span_s`` (each covers the ``span_s`` seconds before
-    its ``time``), consecutive records summed into at most :data:`_BARS` spans."""
-    pts = [(run.rel(t), span, rec["busy_s"]) for rec in recs
-           if (t := num(rec, "time")) is not None and (span := num(rec, "span_s")) is not None
-           and span > 0 and isinstance(rec.get("busy_s"), dict)]
-    k = max(1, -(-len(pts) // _BARS))
-    out = []
-    for i in range(0, len(pts), k):
-        group = pts[i:i + k]
-        span = sum(g[1] for g in group)
-        busy = {p: sum(num(g[2], p) or 0.0 for g in group) for p, _ in PHASES}
-        out.append((max(0.0, group[0][0] - group[0][1]), group[-1][0],
-                    {p: 100.0 * b / span for p, b in busy.items()}))
-    return out
-
-
-def _plot_busy(run: RunFiles) -> Plot:
-    """One axes per follower: the % of wall time it was busy in each phase, stacked."""
-    spans = {fid: busy_spans(run, recs) for fid, recs in sorted(run.followers.items())}
-    spans = {fid: sp for fid, sp in spans.items() if sp}
-    end = max(e for sp in spans.values() for _, e, _ in sp)
-    div, unit = time_axis(max(end, 1.0))
-    fig, axes = new_figure(nrows=len(spans), height_in=1.2 + 1.8 * len(spans))
-    tops: list[float] = []
-    for ax, (fid, sp) in zip(axes, spans.items()):
-        bottom = [0.0] * len(sp)
-        for (phase, label), color in zip(PHASES, ("C0", "C1", "C2")):
-            ys = [pct[phase] for _, _, pct in sp]
-            ax.bar([s / div for s, _, _ in sp], ys, width=[(e - s) / div for s, e, _ in sp],
-                   bottom=bottom, align="edge", color=color, label=label, linewidth=0)
-            bottom = [b + y for b, y in zip(bottom, ys)]
-        tops.append(max(bottom))
-        ax.set_xlim(0, end / div)
-        ax.set_ylabel(f"follower {fid}\n% of wall time")
-        mean = sum(sum(p.values()) * (e - s) for s, e, p in sp) / max(
-            1e-9, sum(e - s for s, e, _ in sp))
-        ax.set_title(f"follower {fid}: busy {mean:.1f}% of the time, idle the rest", fontsize=9)
-    for ax in axes:  # one scale for all, from the busiest, with room for the legend above
-        ax.set_ylim(0, max(5.0, 1.35 * max(tops)))
-    axes[-1].set_xlabel(f"wall time since the training start ({unit})")
-    fig.suptitle("Follower utilisation: busy time by phase")
-    missing = sorted(set(run.followers) - set(spans))
-    plot = finish("followers.png", "Followers", fig,
-                  f"no busy time recorded by follower {', '.join(missing)} (an older version)"
-                  if missing else None)
-    for ax in axes:  # one row above the bars, never over them
-        ax.legend(fontsize=7, loc="upper center", ncols=3, frameon=False)
-    return plot
-
-
-def _utilisation(rec: dict[str, Any]) -> float | None:
-    if (u := num(rec, "utilisation")) is not None:
-        return 100.0 * u
-    if (idle := num(rec, "idle_fraction")) is not None:
-        return 100.0 * (1.0 - idle)
-    return None
-
-
-def plot_followers(run: RunFiles) -> Plot:
-    """Each follower's utilisation over time: its busy time by phase (``busy_s`` and
-    ``span_s`` of its ``applied.jsonl`` records) stacked as % of wall time, one axes per
-    follower; from an older version's ``idle_fraction``/``utilisation``; else the version
-    it applied."""
-    title = "Followers"
-    if not run.followers:
-        return empty_plot("followers.png", title, "no follower applied.jsonl found")
-    if any(busy_spans(run, recs) for recs in run.followers.values()):
-        return _plot_busy(run)
-    util = any(_utilisation(r) is not None for recs in run.followers.values() for r in recs)
-    fig, (ax,) = new_figure()
-    span = max([run.rel(t) for recs in run.followers.values() for r in recs
-                if (t := num(r, "time")) is not None] + [1.0])
-    div, unit = time_axis(span)
-    for i, (fid, recs) in enumerate(sorted(run.followers.items())):
-        pts = [(run.rel(t), _utilisation(r) if util else num(r, "version"))
-               for r in recs if (t := num(r, "time")) is not None]
-        pts = [(t / div, y) for t, y in pts if y is not None]
-        if pts:
-            ax.step([t for t, _ in pts], [y for _, y in pts], where="post", label=f"follower {fid}",
-                    linestyle=("-", "--", ":", "-.")[i % 4], linewidth=2.0 - 0.3 * (i % 4))
-    ax.set_xlabel(f"wall time since the training start ({unit})")
-    ax.set_ylabel("utilisation (% busy)" if util else "version applied")
-    ax.set_title("Follower utilisation" if util else "Version applied by each follower")
-    note = None if util else ("the followers' files carry no utilisation (applied.jsonl: version, "
-                              "round, time); shown instead: the version each one applied")
-    return finish("followers.png", title, fig, note)

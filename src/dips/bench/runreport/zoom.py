@@ -11,8 +11,9 @@ each cluster present. :class:`Zoom` says what it holds, in its :meth:`Zoom.title
 
 A *fault* is any record of :func:`dips.bench.runreport.faults.fault_rows` (faults and
 recoveries, the launcher's kills and stops); an *outage* is a stretch where the leader
-decided no round for much longer than usual (:data:`LEADER_GAP`) or a cluster ran no process
-(a gap between its bars). Times are seconds since the training start. Pure: no I/O.
+decided no round for much longer than usual (:data:`LEADER_GAP`), a cluster ran no process
+(a gap between its bars), or a member was down (its :data:`DOWN` bars, which are no
+activity). Times are seconds since the training start. Pure: no I/O.
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ from bisect import bisect_left, bisect_right
 from dataclasses import dataclass, field
 from statistics import median
 
-__all__ = ["LEADER_GAP", "ZOOM_MAX_FRACTION", "ZOOM_ROUNDS", "Zoom", "outages", "rounds_of",
-           "zoom_window"]
+__all__ = ["DOWN", "LEADER_GAP", "OPEN", "ZOOM_MAX_FRACTION", "ZOOM_ROUNDS", "Zoom", "outages",
+           "rounds_of", "zoom_window"]
 
 #: Complete rounds of every cluster the timeline's zoom holds (where the run has them).
 ZOOM_ROUNDS = 3
@@ -32,7 +33,18 @@ ZOOM_MAX_FRACTION = 0.25
 #: 1.5 slowest cluster rounds) is an outage.
 LEADER_GAP = 3.0
 
+#: The kind of a row's bars that are a stretch it was down, not an activity.
+DOWN = "down"
+#: The kind repeating a row's bars that no record ends (drawn to the end of the run).
+OPEN = "open"
+
 Bars = dict[str, list[tuple[float, float]]]  # kind -> [(start s, width s)]
+
+
+def _active(bars: Bars) -> list[tuple[float, float]]:
+    """(start, end s) of a row's activity bars, in time order (not its down stretches)."""
+    return sorted((s, s + w) for kind, bs in bars.items() if kind not in (DOWN, OPEN)
+                  for s, w in bs)
 
 
 @dataclass(frozen=True)
@@ -83,8 +95,10 @@ def outages(leader: Bars, rows: dict[str, Bars]) -> list[tuple[float, float]]:
     if gaps:
         limit = max(LEADER_GAP * median(gaps), 1.5 * max(periods, default=0.0))
         out += [(a, b) for a, b in zip(ends, ends[1:]) if b - a > limit]
+    for b in [leader, *rows.values()]:
+        out += [(s, s + w) for s, w in b.get(DOWN, [])]
     for b in rows.values():
-        spans = sorted((s, s + w) for kind in b.values() for s, w in kind)
+        spans = _active(b)
         limit = max(0.5, 0.5 * (_period(b) or 0.0))
         reach = None
         for s, e in spans:
@@ -134,5 +148,5 @@ def zoom_window(leader: Bars, rows: dict[str, Bars], span: float,
         hi = e
     counts = {cid: sum(1 for s, e in rounds_of(b) if lo <= s and e <= hi)
               for cid, b in rows.items()
-              if any(s < hi and s + w > lo for kind in b.values() for s, w in kind)}
+              if any(s < hi and e > lo for s, e in _active(b))}
     return Zoom(lo, hi, *here, span=span, rounds=counts)
