@@ -124,7 +124,8 @@ def _plot_busy(run: RunFiles, span: RunSpan, down: dict[str, list[Stretch]]) -> 
         handles, labels = ax.get_legend_handles_labels()
         order = sorted(range(len(labels)), key=lambda i: labels[i] not in phases)
         ax.legend([handles[i] for i in order], [labels[i] for i in order], fontsize=7,
-                  loc="upper center", ncols=3, frameon=False)
+                  loc="upper center", ncols=3, facecolor="white", edgecolor="none",
+                  framealpha=0.9)
     return plot
 
 
