@@ -83,9 +83,9 @@ def install(monkeypatch: Any, trace: Trace) -> None:
     monkeypatch.setattr(leader_mod, "run_update", run_update)
     real_decide = outer_step.decide
 
-    def decide(state, sq_norms, cfg):
+    def decide(state, sq_norms, cfg, bound=None):
         trace.add("decide", tuple(sorted(sq_norms)))
-        return real_decide(state, sq_norms, cfg)
+        return real_decide(state, sq_norms, cfg, bound)
 
     monkeypatch.setattr(outer_step, "decide", decide)
     for name in LEDGER:

@@ -39,8 +39,8 @@ def test_the_real_decision_functions_decide(monkeypatch):
         events.append(type(event).__name__)
         return real_step(state, event, policy)
 
-    def decide(state, sq_norms, cfg):
-        verdict, new = real_decide(state, sq_norms, cfg)
+    def decide(state, sq_norms, cfg, bound=None):
+        verdict, new = real_decide(state, sq_norms, cfg, bound)
         verdicts.append((verdict.accepted, verdict.rejected))
         return verdict, new
 

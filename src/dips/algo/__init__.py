@@ -13,7 +13,7 @@ from typing import Any
 
 _LOCATIONS = {
     "clip_factor": "aggregate", "clip_threshold": "aggregate", "staleness_scale": "aggregate", "squared_norm": "aggregate", "token_weights": "aggregate",
-    "weighted_mean": "aggregate", "robust_scale": "aggregate",
+    "weighted_mean": "aggregate", "robust_scale": "aggregate", "push_bound": "aggregate",
     "GraceState": "grace", "expected_cost_s": "grace", "optimal_grace_s": "grace",
     "Refusal": "refusal", "Refused": "refusal",
     "OuterConfig": "outer", "nesterov_step": "outer", "round_state_": "outer", "pseudo_gradient": "outer",

@@ -261,6 +261,23 @@ def staleness_scale(mode: str, weights: dict[str, float], staleness: dict[str, i
     return 1.0 / (1.0 + mean)
 
 
+def push_bound(mu_robust: float | None, ratio: float | None) -> float | None:
+    """The largest ‖Δ_j‖² an accepted push enters the mean with, ``ratio``² × ``mu_robust``
+    (units of Δ²; :func:`robust_scale`), and the largest G that enters the §8 statistics
+    (:func:`dips.algo.penalty.decide`'s ``bound``); None when either is None (no bound).
+
+    Raises ValueError: ``ratio`` not a finite number > 1, ``mu_robust`` negative or not finite.
+    """
+    if ratio is None or mu_robust is None:
+        return None
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) \
+            or not math.isfinite(ratio) or not ratio > 1:
+        raise ValueError(f"push_norm_ratio must be a finite number > 1 or None, got {ratio!r}")
+    if not math.isfinite(mu_robust) or mu_robust < 0:
+        raise ValueError(f"mu_robust must be a finite number >= 0 or None, got {mu_robust!r}")
+    return ratio * ratio * mu_robust
+
+
 def robust_scale(sq_norms: dict[str, float], mu: float | None, mu_robust: float | None,
                  ratio: float | None) -> tuple[dict[str, float], float | None]:
     """Bound what one member can do to an outer step (issue 13: hostile members), given the
@@ -274,14 +291,17 @@ def robust_scale(sq_norms: dict[str, float], mu: float | None, mu_robust: float 
       clusters' median scale as its radius;
     * the μ of the relative clip (:func:`clip_threshold`) is min(μ, ratio² · μ_robust), so a
       member that drags §8's pooled μ upward (pushing just under the penalty's threshold,
-      round after round) cannot widen the clip.
+      round after round) cannot widen the clip beyond ratio × an honest one.
 
-    With the sweeps' honest clusters ‖Δ_j‖² stays within ratio² of the median scale and neither
-    bound binds (the figures of CONVERGENCE.md are bit-identical); a cluster at 5× the median
-    scale is scaled down. Until half of the run's members have pushed, ``mu_robust`` is the
-    caller's absolute prior (the seed's clip norm squared; :func:`robust_mu`). Known gap
-    (RELIABILITY.md): the clip cap lets a step reach ratio × an honest one. ``ratio`` None:
-    s_j = 1, μ unchanged.
+    The same bound, :func:`push_bound`, caps each G that enters §8's statistics
+    (:func:`dips.algo.penalty.decide`), so the pooled μ a minority can drag is at most its share
+    of the EMA times that bound: a member growing its push 1.6× per accepted one (review 30)
+    left the honest steps within 1.07× (2.2× for 190 rounds before), one that pushes the bound
+    every round within 1.49× (RELIABILITY.md, "Hostile input"). With the sweeps' honest
+    clusters ‖Δ_j‖² stays within ratio² of the median scale and no bound binds (the figures of
+    CONVERGENCE.md are bit-identical); a cluster at 5× the median scale is scaled down. Until
+    half of the run's members have pushed, ``mu_robust`` is the caller's absolute prior (the
+    seed's clip norm squared; :func:`robust_mu`). ``ratio`` None: s_j = 1, μ unchanged.
 
     Returns:
         ({cluster: s_j in [0, 1]} (0 when μ_robust is 0), the clip's μ or None when ``mu`` is
@@ -296,10 +316,8 @@ def robust_scale(sq_norms: dict[str, float], mu: float | None, mu_robust: float 
     for cid, g in sq_norms.items():
         if isinstance(g, bool) or not isinstance(g, (int, float)) or not math.isfinite(g) or g < 0:
             raise ValueError(f"sq_norms[{cid!r}] must be a finite number >= 0, got {g!r}")
-    if ratio is None or mu_robust is None:
+    bound = push_bound(mu_robust, ratio)
+    if bound is None:
         return {cid: 1.0 for cid in sq_norms}, mu
-    if not math.isfinite(ratio) or not ratio > 1:
-        raise ValueError(f"push_norm_ratio must be a finite number > 1 or None, got {ratio!r}")
-    bound = ratio * ratio * mu_robust
     scales = {cid: 1.0 if g <= bound else math.sqrt(bound / g) for cid, g in sq_norms.items()}
     return scales, None if mu is None else min(mu, bound)

@@ -31,51 +31,49 @@ Semantics (the parts §8 leaves open are fixed here):
   max(recent scores)); an empty history gives β · score_floor. The floor keeps a calm history
   (all scores <= 0) from rejecting every cluster that is merely above average. Pooled, as §8
   writes it: honest clusters whose ‖Δ‖² differ systematically (different batch sizes, H)
-  widen σ and pass. (Scoring each cluster against the others' history alone was tried for
-  issue 13 and rejected: a 2× cluster was refused 55% of the time and two colluding members
-  still ratcheted the threshold; review of 2026-12-01.)
+  widen σ and pass. (Scoring each cluster against the others' history alone was rejected:
+  a 2× cluster refused 55% of the time, two colluders still ratcheting; review of 2026-12-01.)
 * Every finite G (accepted and rejected) then updates the moments with rate α, in sorted
   cluster-id order, a rejected one winsorized to the largest G the step accepts,
   μ_t + threshold · σ_t: the clipped innovation of robust (Huber) filtering (Huber, 1964;
-  Masreliez & Martin, 1977). An accepted G is never changed.
+  Masreliez & Martin, 1977). With a ``bound`` B (the leader passes the largest ‖Δ_j‖² the
+  aggregation takes whole, :func:`dips.algo.aggregate.push_bound` of the history before the
+  step), every G enters as min(G, B), accepted ones too: the same clipped innovation at a
+  threshold from the clusters' own means, which fewer than half cannot lift (review 30: a
+  member growing its push 1.6× per accepted one lifted μ 1 → 570; RELIABILITY.md). The
+  verdict still tests the G pushed; where no G exceeds B this is §8 bit for bit.
 * σ is always floored at max(sigma_floor_rel · μ, 1e-12), so a run of identical norms cannot
   make the next score divide by zero.
 * Only accepted scores are appended to the recent stack (most recent last, at most
   ``cfg.recent``, each with its cluster): one outlier must not raise the threshold for the
-  next ``recent`` steps.
+  next ``recent`` steps. A G above B enters it with B's score (B − μ_t) / σ_t: an accepted
+  push lifts the next threshold no more than a push of B (§8 alone: up to β times a step).
 * ``cfg.enabled = False`` (ablation): every cluster with a finite G is accepted, but scores,
   the threshold and the history are computed exactly as if enabled, so logs show what the
   penalty would have done and switching it back on starts from the same history.
 * accepted / rejected lists and the scores / thresholds dicts are sorted by cluster id.
 
-What the test cannot do (RELIABILITY.md, "Hostile input"): a member with valid credentials that
-pushes just under the threshold every round is accepted every time, and §8's pooled μ, σ and
-threshold follow it upward (each accepted score lifts the next threshold up to β times). The
-bound on what such a member can do is therefore not here but in the aggregation: every push is
-scaled to at most ``outer.push_norm_ratio`` × √:func:`robust_mu` and the clip's μ is capped
-by the same robust scale (:mod:`dips.algo.aggregate`).
+What the test cannot do (RELIABILITY.md, "Hostile input"): a member that pushes just under the
+threshold every round is accepted every time; what it does to θ is bounded in the aggregation
+(each push scaled to at most ``outer.push_norm_ratio`` × √:func:`robust_mu`, the clip's μ
+capped by the same scale: :mod:`dips.algo.aggregate`), and with B, to the statistics.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
+from dips.algo.moments import PRUNE_MASS, SHARED, SIGMA_EPS, Moments, _absorb, robust_mu
 from dips.spec import PenaltyConfig
 
-__all__ = ["SIGMA_EPS", "Moments", "PenaltyConfig", "PenaltyState", "Verdict", "decide",
-           "robust_mu"]
+__all__ = ["MAX_SQ_NORM", "PRUNE_MASS", "SHARED", "SIGMA_EPS", "Moments", "PenaltyConfig",
+           "PenaltyState", "Verdict", "decide", "robust_mu"]
 
-#: Absolute floor of sigma: keeps E finite when all observed G are 0.
-SIGMA_EPS = 1e-12
 #: The largest G the statistics take (its square, in the second moment, must stay finite);
 #: a larger one is rejected alone, as a non-finite one is.
 MAX_SQ_NORM = 1e150
-#: A cluster whose share fell below this is folded into the unattributed history ("").
-PRUNE_MASS = 1e-9
-#: Key of the history no current cluster owns (a pre-issue-13 checkpoint, pruned clusters).
-SHARED = ""
 
 
 def _is_int(x: Any) -> bool:
@@ -86,33 +84,6 @@ def _finite(name: str, x: Any) -> float:
     if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x):
         raise ValueError(f"{name} must be a finite number, got {x!r}")
     return float(x)
-
-
-@dataclass(frozen=True)
-class Moments:
-    """EMA masses of one source of history: ``w`` = Σ weights, ``a`` = Σ w·G, ``b`` = Σ w·G².
-
-    Units: ``a`` in Δ², ``b`` in Δ⁴. The mean is a / w and the variance b / w − (a / w)².
-    """
-
-    w: float = 0.0
-    a: float = 0.0
-    b: float = 0.0
-
-    def __add__(self, other: "Moments") -> "Moments":
-        return Moments(self.w + other.w, self.a + other.a, self.b + other.b)
-
-    def __sub__(self, other: "Moments") -> "Moments":
-        return Moments(self.w - other.w, self.a - other.a, self.b - other.b)
-
-    def scaled(self, k: float) -> "Moments":
-        return Moments(self.w * k, self.a * k, self.b * k)
-
-    def stats(self, cfg: PenaltyConfig) -> tuple[float, float]:
-        """(μ, σ) of this mass, σ floored (module docstring); requires w > 0."""
-        mu = self.a / self.w
-        var = max(0.0, self.b / self.w - mu * mu)
-        return mu, max(math.sqrt(var), cfg.sigma_floor_rel * mu, SIGMA_EPS)
 
 
 @dataclass
@@ -280,29 +251,9 @@ def _check_norms(sq_norms: dict[str, float]) -> tuple[list[tuple[str, float]], l
     return sorted(items), sorted(overflowed)
 
 
-def _absorb(sources: Mapping[str, Moments], items: list[tuple[str, float]],
-            rates: list[float]) -> dict[str, Moments]:
-    """The moments after adding each ``(cluster, G)`` in order with its EMA rate: every earlier
-    mass decays by (1 − rate) and the new G gets weight rate. Shares below PRUNE_MASS are folded
-    into the unattributed history."""
-    # On (w, a, b) tuples: the same float operations, in the same order, as Moments.scaled
-    # and Moments.__add__ (bit for bit), without an object per source and item (a round of
-    # 100 pushes over 1,024 sources made 100,000 of them).
-    out = {c: (m.w, m.a, m.b) for c, m in sources.items()}
-    for (cid, g), r in zip(items, rates):
-        k = 1.0 - r
-        out = {c: (w * k, a * k, b * k) for c, (w, a, b) in out.items()}
-        w, a, b = out.get(cid, (0.0, 0.0, 0.0))
-        out[cid] = (w + r, a + r * g, b + r * g * g)
-    pruned = {c: Moments(*m) for c, m in out.items() if c == SHARED or m[0] >= PRUNE_MASS}
-    folded = [Moments(*m) for c, m in out.items() if c not in pruned]
-    if folded:
-        pruned[SHARED] = sum(folded, pruned.get(SHARED, Moments()))
-    return pruned
-
-
 def decide(
-    state: PenaltyState, sq_norms: dict[str, float], cfg: PenaltyConfig
+    state: PenaltyState, sq_norms: dict[str, float], cfg: PenaltyConfig,
+    bound: float | None = None,
 ) -> tuple[Verdict, PenaltyState]:
     """Score one outer step's clusters and return (verdict, new state); see the module docstring.
 
@@ -311,16 +262,24 @@ def decide(
         sq_norms: cluster id -> G_j, the squared L2 norm of its full pseudo-gradient (float, >= 0;
             units of Δ²; NaN/inf rejects that cluster alone). Must be non-empty.
         cfg: penalty parameters.
+        bound: the largest G that enters the statistics and the recent stack (units of Δ²;
+            None: §8 as written). The leader passes ``push_norm_ratio``² × :func:`robust_mu`
+            of ``state`` (:func:`dips.algo.aggregate.push_bound`); see the module docstring.
 
     Returns:
         The verdict (sorted by cluster id) and a NEW :class:`PenaltyState`.
 
     Raises:
         ValueError: empty ``sq_norms``, a non-str cluster id, a negative or non-numeric G
-            (naming the cluster and value), or an inconsistent ``state``. Source: §8 of the seed.
+            (naming the cluster and value), a ``bound`` that is not a finite number >= 0, or an
+            inconsistent ``state``. Source: §8 of the seed.
     """
     if not isinstance(cfg, PenaltyConfig):
         raise ValueError(f"cfg must be a PenaltyConfig, got {type(cfg).__name__}")
+    if bound is not None:
+        bound = _finite("bound", bound)
+        if bound < 0.0:
+            raise ValueError(f"bound must be >= 0 or None, got {bound!r}")
     items, overflowed = _check_norms(sq_norms)
     state.validate()
     ids = [cid for cid, _ in items]
@@ -331,7 +290,9 @@ def decide(
         # Warm-up: weight 1/n per value, so μ, σ are the exact mean and population std.
         rates = [1.0 / (state.n_seen + k + 1) for k in range(len(items))]
         verdict = Verdict(ids, overflowed, {**{cid: None for cid in ids}, **inf_scores}, {})
-        return verdict, PenaltyState(n, _absorb(state.sources, items, rates), list(state.recent))
+        entering = [(cid, _capped(g, bound)) for cid, g in items]
+        return verdict, PenaltyState(n, _absorb(state.sources, entering, rates),
+                                     list(state.recent))
 
     # Only the last cfg.recent scores count, even if a checkpoint kept more (cfg changed).
     history = list(state.recent)[-cfg.recent:]
@@ -339,55 +300,24 @@ def decide(
     threshold = cfg.beta * max([cfg.score_floor, *(e for _, e in history)])
     scores: dict[str, float | None] = {cid: (g - mu_t) / sigma_t for cid, g in items}
     thresholds = {cid: threshold for cid in ids}
-    # A rejected G counts as the largest G the step accepts (module docstring).
-    winsorized = [(cid, min(g, mu_t + threshold * sigma_t)) for cid, g in items]
+    # A rejected G counts as the largest G the step accepts, and no G as more than the bound
+    # (module docstring).
+    winsorized = [(cid, _capped(min(g, mu_t + threshold * sigma_t), bound)) for cid, g in items]
     passing = [cid for cid in ids if scores[cid] <= thresholds[cid]]
     if cfg.enabled:
         accepted, rejected = passing, [cid for cid in ids if cid not in passing]
     else:
         accepted, rejected = list(ids), []
     sources = _absorb(state.sources, winsorized, [cfg.alpha] * len(winsorized))
-    # History holds the scores that passed, so disabling the penalty leaves it unchanged.
-    recent = (history + [(cid, scores[cid]) for cid in passing])[-cfg.recent:]
+    # History holds the scores that passed (so disabling the penalty leaves it unchanged), each
+    # as its G entered the statistics: one above the bound as the bound's score.
+    recent = (history + [(cid, scores[cid] if bound is None or g <= bound else
+                          (bound - mu_t) / sigma_t)
+                         for cid, g in items if cid in passing])[-cfg.recent:]
     verdict = Verdict(accepted, sorted(rejected + overflowed), {**scores, **inf_scores},
                       thresholds)
     return verdict, PenaltyState(n, sources, recent)
 
 
-def robust_mu(state: PenaltyState, members: int = 0,
-              prior: float | None = None) -> float | None:
-    """A scale of ‖Δ_j‖² (units of Δ²) that a minority of members cannot lift, from each
-    cluster's own EMA mean μ_j = a_j / w_j in the history (issue 13).
-
-    With n = max(``members``, clusters in the history) the run's members and k ≤ n of them
-    with a history, at most F = ⌈n/2⌉ − 1 of them hostile (fewer than half): while k is below
-    the quorum q = max(⌈n/2⌉, min(2, n)) the hostile ones may be all that pushed so far, and
-    nothing a member pushed can be believed, so the result is ``prior`` (the caller's absolute
-    scale: the seed's clip norm c squared, §8). From k ≥ q on it is the μ_j of rank k − q
-    (ascending, from 0): the highest rank that the F largest means cannot reach, so that
-    hostile members can never lift it, and as far as that allows from the smallest, so that
-    near-zero pushes of a few cannot shrink it (with every member in the history: the median,
-    the upper one for even n). Review of 2026-12-01: a hostile member of three that pushed
-    first and alone set the scale, and the steps were 4e9; in a two-cluster run one member's
-    history alone was the scale (steps of 5e9), so two members must have pushed (unless the
-    run has one). Two-sided safety needs k ≥ 2F + 1: with fewer in the history (a member
-    down), F members pushing near zero can shrink the scale (a stall, never a larger step).
-
-    Args:
-        state: the §8 history (:func:`decide`'s output).
-        members: clusters of the run (the leader: its configured clusters or the members now
-            joined, whichever is more); 0: those in the history.
-        prior: the scale before enough members pushed (None: no bound).
-
-    Returns None before the first G; the pooled μ when no cluster owns any history (a
-    pre-issue-13 checkpoint, the §11 example).
-    """
-    means = sorted(m.a / m.w for cid, m in state.sources.items() if cid != SHARED and m.w > 0)
-    if not means:
-        return state.mu
-    k = len(means)
-    n = max(members, k)
-    quorum = max((n + 1) // 2, min(2, n))
-    if k < quorum:
-        return prior
-    return means[k - quorum]
+def _capped(g: float, bound: float | None) -> float:
+    return g if bound is None else min(g, bound)

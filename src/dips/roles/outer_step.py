@@ -28,6 +28,7 @@ from dips.algo import (
     clip_factor,
     clip_threshold,
     decide,
+    push_bound,
     robust_scale,
     staleness_scale,
     token_weights,
@@ -127,7 +128,9 @@ def run_update(followers: Sequence[tuple[int, FollowerControl]], number: int,
             :func:`dips.algo.token_weights`; None: T_j as it is).
         members: the run's clusters, for the robust scale's quorum
             (:func:`dips.algo.penalty.robust_mu`; 0: those in the history). Until half of
-            them have pushed, ``outer.max_norm`` (the seed's clip norm c) is the scale.
+            them have pushed, ``outer.max_norm`` (the seed's clip norm c) is the scale, and
+            nothing bounds what enters the §8 statistics; from then on no G enters them above
+            :func:`dips.algo.push_bound` of the history before the round (issue 13, review 30).
         on_decided: called with the report (its ``outcome`` the decided step, ``penalty`` the
             new history, ``checksums`` those of the prepared shards) once every follower
             prepared the step and before any commit: the leader records it durably there.
@@ -177,7 +180,10 @@ def run_update(followers: Sequence[tuple[int, FollowerControl]], number: int,
         thresholds: dict[str, float] = {}
         new_penalty = penalty
         if scored:
-            verdict, new_penalty = decide(penalty, scored, penalty_cfg)
+            # Issue 13: no G enters the statistics larger than the history's robust bound
+            # (none before half of the members have pushed: nothing to bound it by yet).
+            bound = push_bound(robust_mu(penalty, members), outer.push_norm_ratio)
+            verdict, new_penalty = decide(penalty, scored, penalty_cfg, bound)
             accepted, scores = list(verdict.accepted), dict(verdict.scores)
             thresholds = dict(verdict.thresholds)
         report.penalty = new_penalty

@@ -282,10 +282,11 @@ class OuterConfig(Strict):
                                                      "token weights T_j/ΣT (§8)")
     push_norm_ratio: float | None = Field(
         2.0, gt=1, allow_inf_nan=False,
-        description="each accepted pseudo-gradient is scaled to at most this × √μ_robust, and "
-                    "the relative clip's μ is capped at its square × μ_robust (μ_robust: the "
-                    "lower median of the clusters' own mean ‖Δ_j‖², which fewer than half of "
-                    "the members cannot lift; issue 13); None: neither bound")
+        description="each accepted pseudo-gradient is scaled to at most this × √μ_robust, "
+                    "the relative clip's μ is capped at its square × μ_robust, and no ‖Δ_j‖² "
+                    "enters the penalty's statistics above that (μ_robust: the median of the "
+                    "clusters' own mean ‖Δ_j‖², which fewer than half of the members cannot "
+                    "lift; issue 13); None: none of these bounds")
     wire_dtype: Literal["bf16", "fp32"] = Field(
         "bf16", description="dtype of the parameters clusters push and pull (§12: BF16 halves "
                             "the bytes; fp32: exact, twice the bytes)")
