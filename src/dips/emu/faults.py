@@ -14,7 +14,9 @@ the kernel drops all of its traffic; on loopback it is emulated in the cluster p
 ``target`` is a process name of the run (``leader``, ``follower-<i>``, ``cluster-<id>``).
 ``phase`` faults (``kill`` only: a process cannot SIGSTOP itself at a failpoint and be resumed
 by its own timer) arm a failpoint (:mod:`dips.roles.failpoints`) that the target trips at that
-protocol phase (``idle``, ``window``, ``push``, ``update`` or ``pull``) after ``after_s``. Every injected fault and
+protocol phase (``idle``, ``window``, ``push``, ``update`` or ``pull``; the leader also
+``decided``: a round recorded in ``leader.json``, its ``outer_steps.jsonl`` line not yet written)
+after ``after_s``. Every injected fault and
 every recovery is an event in ``events.jsonl`` with its timestamp.
 """
 
@@ -38,10 +40,12 @@ class Fault(Strict):
     target: str = Field(pattern=r"^(leader|follower-\d+|cluster-[A-Za-z0-9_.-]+)$",
                         description="process name: leader, follower-<i> or cluster-<id>")
     at_s: float | None = Field(None, ge=0, description="when, seconds of training")
-    phase: Literal["idle", "window", "push", "update", "pull"] | None = Field(
+    phase: Literal["idle", "window", "push", "update", "pull", "decided"] | None = Field(
         None, description="or: kill the target inside this protocol phase (a failpoint): "
                           "idle (between rounds / transfers), window (a round just opened, its "
-                          "first push starting), push (mid-push), update, pull")
+                          "first push starting), push (mid-push), update, pull; decided (the "
+                          "leader only: a round in leader.json, its outer_steps.jsonl line not "
+                          "yet written)")
     after_s: float = Field(0.0, ge=0, description="phase faults: armed after this many seconds")
     duration_s: float = Field(5.0, gt=0, description="stop / cut_link: how long, seconds")
 

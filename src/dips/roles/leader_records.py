@@ -7,11 +7,13 @@ machine and the state); split out to keep each module small.
 Exactly once (issue 10): when every follower has prepared an outer step, :meth:`_decide`
 records, under the lock and before any follower commits, everything that follows from the
 decision — the new version and penalty history, the counts of the round, the ledger's accepted
-(and rejected) windows, each push's verdict with the ledger positions to continue from, and the
-round's line of ``outer_steps.jsonl`` — then writes ``leader.json``. A leader that dies after
-this resumes with all of it: it re-serves the verdicts by push id, and the round's pushes are
-neither lost nor counted twice. A round with nothing accepted changes no follower and is
-recorded when its update ends (:meth:`_settle`).
+(and rejected) windows, each push's verdict with the ledger positions to continue from — in
+``leader.json``, then writes the round's line of ``outer_steps.jsonl``. A leader that dies
+after the first write resumes with all of it: it re-serves the verdicts by push id, the
+round's pushes are neither lost nor counted twice, and it writes the line if it is missing.
+A round with nothing accepted changes no follower and is recorded, in the same order, when
+its update ends (:meth:`_settle`). So the records never claim a step (or a round's counts)
+that the leader would not resume with (:meth:`_log_decision`; review 33 of issue 15, M1).
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ from dips.algo.ledger import ChunkLedger
 from dips.algo.limits import INT64_MAX, saturating_add
 from dips.algo.penalty import PenaltyState
 from dips.algo.round import Decided, RoundEnded, RoundState, Verdict, verdicts_of
-from dips.roles.leader_checkpoint import load_state, save_state
+from dips.roles import failpoints
+from dips.roles.leader_checkpoint import end_torn_line, last_decision_round, load_state, save_state
 from dips.roles.leader_faults import STREAMS, RecentFaults
 from dips.roles.leader_types import ClusterEntry
 from dips.roles.outer_step import UpdateReport
@@ -57,6 +60,8 @@ class Records:
     #: from here. It runs on the writing thread, sometimes under the lock: it must be quick.
     observer: Callable[[str, dict[str, Any]], None] | None = None
 
+    #: The decision line being written, carried by ``leader.json`` (:meth:`_log_decision`).
+    _unlogged: dict[str, Any] | None = None
     _recent: RecentFaults | None = None
     _recent_lock = threading.Lock()
 
@@ -177,6 +182,9 @@ class Records:
             self.ledger.pending.clear()  # pushes in flight at the crash are lost
             for holder in self.ledger.holders() - set(self.clusters):
                 self.ledger.release(holder)  # left while its last round was being decided
+        for stream in ("outer_steps", "leader_events"):  # one the crash cut: lines stay whole
+            end_torn_line(path.parent / f"{stream}.jsonl")
+        self._log_unlogged(state.get("unlogged"))
         self.event("leader_resumed", version=self.version, rounds=self.rounds,
                    finished=self._state.finished)
         if self._state.finished:
@@ -223,7 +231,9 @@ class Records:
                      # Which held-out records still describe the model (rollbacks).
                      "eval_lineage": self._lineage_state(),
                      "verdicts": [{**asdict(v), "holdings": self._holdings.get(v.push_id, [])}
-                                  for v in recent]}
+                                  for v in recent],
+                     # The decision line being written (see _log_decision), if any.
+                     "unlogged": self._unlogged}
             save_state(self._run_dir / "leader.json", state)
 
     def _lineage_state(self) -> dict[str, Any] | None:
@@ -269,11 +279,11 @@ class Records:
             self._recorded = {v.push_id: v for v in verdicts}
             self._decided = number
             self._log_decision(number, report, rnd)
-        self.checkpoint()
 
     def _settle(self, decided: Decided) -> None:
         """The verdicts of a round are out (lock held): record a round that was not decided
-        durably (nothing accepted, or failed), release members that left meanwhile."""
+        durably (nothing accepted, or failed: ``leader.json`` with its counts, then its line),
+        release members that left meanwhile."""
         if self._decided != decided.number:
             report = self._reports[decided.number]
             self._account(decided.verdicts, report, None)
@@ -307,7 +317,13 @@ class Records:
 
     # ----- the outer-step log ---------------------------------------------------------------
     def _log_decision(self, number: int, report: UpdateReport, rnd: Any) -> None:
-        """The round's line of ``outer_steps.jsonl``, written and flushed to disk at once."""
+        """The round's line of ``outer_steps.jsonl`` (lock held), after ``leader.json``: the
+        checkpoint, which carries the line as ``unlogged``, is made durable first, then the
+        line is written and flushed to disk. The records never claim a step (or a round's
+        counts) that a restarted leader does not hold: a leader that dies between the two
+        writes resumes with the round, and :meth:`_resume` writes its missing line (review
+        33 of issue 15, M1: the other order left a phantom step in the log, counted by the
+        summary, the report and the metrics, that the resumed leader did not hold)."""
         record = report.record(number)
         if rnd is not None:
             end = rnd.update_done if rnd.update_done is not None else self._clock()
@@ -315,7 +331,22 @@ class Records:
                           push_s=round(rnd.update_started - rnd.closes_at, 4),
                           update_s=round(end - rnd.update_started, 4))
         record.update(time=time.time())
+        self._unlogged = record
+        self.checkpoint()
+        failpoints.hit("decided")  # fault injection: leader.json written, its line not yet
         self._write(record, durable=True)
+        self._unlogged = None
+
+    def _log_unlogged(self, record: Any) -> None:
+        """Write the decision line ``leader.json`` carried (a previous incarnation died
+        before writing it), unless ``outer_steps.jsonl`` has it already."""
+        if self._run_dir is None or not isinstance(record, dict):
+            return
+        last = last_decision_round(self._run_dir / "outer_steps.jsonl")
+        if last is None or last < int(record.get("round", 0)):
+            log.warning("writing the decision line of round %s, which the previous leader "
+                        "recorded in leader.json but did not write", record.get("round"))
+            self._write(record, durable=True)
 
     def _log_round(self, ended: RoundEnded) -> None:
         """The round-end line of ``outer_steps.jsonl`` (commits, pulls, §7 estimates)."""
