@@ -19,7 +19,7 @@ from dips.algo.refusal import Refused
 from dips.emu.summary import PER_CLUSTER, leader_counts, read_jsonl
 from dips.node.metrics import LeaderMetrics
 from dips.roles import leader_records
-from dips.roles.leader_checkpoint import end_torn_line, last_decision_round
+from dips.roles.outer_log import end_torn_line, last_decision_round
 from tests.roles.test_leader_exactly_once import TPW, Run, wait_for
 
 pytestmark = pytest.mark.timeout(90)

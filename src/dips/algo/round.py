@@ -222,7 +222,7 @@ def _on_gone(state: RoundState, ev: MemberGone, policy: RoundPolicy,
         # Dropped from the round even if delivered: its data chunks go back to the ledger
         # now, so its push must not be applied too (issue 10). In the update phase it is too
         # late to drop it: the caller credits it instead (its chunks wait for the verdict).
-        slot = replace(slot, done=True, ok=False, error=ev.reason, code=RejectCode.CLUSTER_GONE,
+        slot = replace(slot, done=True, ok=False, error=ev.reason, code=ev.code,
                        reported_at=ev.now if slot.reported_at is None else slot.reported_at)
     return _with_slot(state, replace(slot, pulled=True))
 

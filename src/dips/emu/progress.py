@@ -234,8 +234,10 @@ def step_line(rec: dict[str, Any], tokens: int, budget: int, loss: float | None,
     clock), the version it made (or that nothing was applied), the accepted clusters, the
     rejected ones by reason (:func:`rejected_text`), the accepted clusters' mean last
     training ``loss`` (nats/token; omitted when None), and ``tokens`` accepted so far of the
-    ``budget``."""
+    ``budget``; the pushes withdrawn by clusters that left the finished run."""
     rejected = f"; rejected {rejected_text(rec['rejected'])}" if rec.get("rejected") else ""
+    if rec.get("withdrawn"):  # left the finished run: not rejected (dips.roles.outer_log)
+        rejected += f"; withdrawn {', '.join(map(str, rec['withdrawn']))} (the run finished)"
     if rec.get("accepted"):
         what = f"outer step v{rec['version']} (round {rec['round']}): accepted " + \
             ", ".join(rec["accepted"])

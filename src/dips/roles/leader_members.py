@@ -16,7 +16,7 @@ from dips.algo.ledger import ChunkLedger
 from dips.algo.limits import INT64_MAX, JoinHistory, join_allowed, lease_allowed
 from dips.algo.liveness import OwnLag, silent_s, ticked
 from dips.algo.refusal import Refusal, Refused
-from dips.algo.round import MemberGone, Phase
+from dips.algo.round import MemberGone, Phase, RejectCode
 from dips.roles.leader_types import (
     ClusterEntry,
     FollowerEntry,
@@ -265,7 +265,9 @@ class Membership:
             self._leaving.add(cluster_id)
         elif self.ledger is not None:
             self.ledger.release(cluster_id)
-        self._apply(MemberGone(self._clock(), cluster_id, reason))
+        # Leaving a finished run withdraws its push: no rejection (review 33 of issue 15, m3).
+        code = RejectCode.RUN_FINISHED if self._state.finished else RejectCode.CLUSTER_GONE
+        self._apply(MemberGone(self._clock(), cluster_id, reason, code))
         return known
 
     def lease(self, cluster_id: str, n: int) -> tuple[list[tuple[int, int]], int, int]:

@@ -34,9 +34,10 @@ from dips.algo.limits import INT64_MAX, saturating_add
 from dips.algo.penalty import PenaltyState
 from dips.algo.round import Decided, RoundEnded, RoundState, Verdict, verdicts_of
 from dips.roles import failpoints
-from dips.roles.leader_checkpoint import end_torn_line, last_decision_round, load_state, save_state
+from dips.roles.leader_checkpoint import load_state, save_state
 from dips.roles.leader_faults import STREAMS, RecentFaults
 from dips.roles.leader_types import ClusterEntry
+from dips.roles.outer_log import end_torn_line, last_decision_round, set_apart, withdrawn
 from dips.roles.outer_step import UpdateReport
 
 log = logging.getLogger(__name__)
@@ -295,11 +296,15 @@ class Records:
 
     def _account(self, verdicts: tuple[Verdict, ...], report: UpdateReport,
                  version: int | None) -> None:
-        """Counts, ledger and positions of a round's verdicts (lock held)."""
-        self._count("updates_pushed", len(verdicts))
-        self._count("updates_rejected", sum(not v.accepted for v in verdicts))
-        self._count("tokens_pushed", sum(report.tokens.values()))
-        for c, t in report.tokens.items():
+        """Counts, ledger and positions of a round's verdicts (lock held); a push withdrawn
+        by leaving the finished run (:func:`withdrawn`) counts nowhere."""
+        gone = withdrawn(report)
+        counted = [v for v in verdicts if v.cluster_id not in gone]
+        tokens = {c: t for c, t in report.tokens.items() if c not in gone}
+        self._count("updates_pushed", len(counted))
+        self._count("updates_rejected", sum(not v.accepted for v in counted))
+        self._count("tokens_pushed", sum(tokens.values()))
+        for c, t in tokens.items():
             self._count_cluster(c, "tokens_pushed", t)
         for v in verdicts:
             holdings: list[tuple[int, int]] = []
@@ -324,7 +329,7 @@ class Records:
         writes resumes with the round, and :meth:`_resume` writes its missing line (review
         33 of issue 15, M1: the other order left a phantom step in the log, counted by the
         summary, the report and the metrics, that the resumed leader did not hold)."""
-        record = report.record(number)
+        record = set_apart(report.record(number), withdrawn(report))
         if rnd is not None:
             end = rnd.update_done if rnd.update_done is not None else self._clock()
             record.update(window_s=round(rnd.closes_at - rnd.opened_at, 4),
@@ -369,3 +374,4 @@ class Records:
                     f.flush()
                     os.fsync(f.fileno())
         self._observe("outer_steps", record)
+

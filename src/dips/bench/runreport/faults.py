@@ -28,8 +28,11 @@ from dips.bench.runreport.files import RunFiles, num
 
 __all__ = ["FaultRow", "fault_counts", "fault_rows", "rejections"]
 
-#: Launcher events of a finished or starting run that are not faults.
-_QUIET = {"start", "stop", "stopped", "network", "interrupt", "fault_armed", "final_eval_asked"}
+#: Launcher events of a finished or starting run that are not faults; ``killed`` is the
+#: launcher's own shutdown (a process that did not stop within ``shutdown_s`` of its SIGTERM,
+#: :meth:`dips.emu.children.Launch.stop`): not a fault of the run (review 33 of issue 15, m3).
+_QUIET = {"start", "stop", "stopped", "network", "interrupt", "fault_armed", "final_eval_asked",
+          "killed"}
 
 
 @dataclass(frozen=True)

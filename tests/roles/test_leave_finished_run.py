@@ -1,0 +1,76 @@
+"""Clusters leaving a finished run (review 33 of issue 15, m3): the push each had in the round
+still in flight is withdrawn, not rejected — no ``cluster_gone`` rejection in the leader's
+counts, in its ``outer_steps.jsonl`` line (``withdrawn`` instead), in the faults of the last
+hour, in the summary's per-cluster counts or in the metrics. A cluster that leaves while the
+run goes on is still a rejection and a fault."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from dips.emu.summary import leader_counts, read_jsonl
+from dips.node.metrics import LeaderMetrics
+from tests.roles.test_leader_exactly_once import Run, wait_for
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _open_round_with(run: Run, cid: str) -> None:
+    """``cid`` joined and admitted into the round now waiting for its push."""
+    chunks = run.member(cid)
+    run.leader.request_push(cid, 0, 1, 5.0, {min(chunks): 2})
+    wait_for(lambda: run.leader.phase == "push", "the round waiting for its pushes")
+
+
+def _decisions(run_dir) -> list[dict]:
+    return [r for r in read_jsonl(run_dir / "outer_steps.jsonl")
+            if "event" not in r and "accepted" in r]
+
+
+def test_a_push_in_flight_when_the_run_finished_is_withdrawn(tmp_path):
+    run = Run(tmp_path)
+    try:
+        leader = run.leader
+        leader.cfg = leader.cfg.model_copy(update={"max_time_s": 1000.0})
+        _open_round_with(run, "a")
+        leader.training_started_at = time.time() - 2000.0  # the time limit has passed
+        wait_for(lambda: leader.status().finished != "", "the run finished")
+        leader.leave("a")  # as a cluster told the run finished does
+        wait_for(lambda: _decisions(tmp_path), "the round's line")
+        line = _decisions(tmp_path)[-1]
+        assert line["accepted"] == [] and line["rejected"] == {} and line["clusters"] == []
+        assert list(line["withdrawn"]) == ["a"] and line["tokens"] == {}
+        counts = leader.counts
+        assert counts["updates_pushed"] == counts["updates_rejected"] == 0
+        assert counts["tokens_pushed"] == 0
+        assert all(row["updates_rejected"] == row["updates_pushed"] == 0
+                   for row in leader_counts(read_jsonl(tmp_path / "outer_steps.jsonl")).values())
+        faults, by_kind, _ = leader.recent_faults(time.time())
+        assert [f for f in faults if f.kind == "push_rejected"] == [], faults
+        registry = CollectorRegistry()
+        metrics = LeaderMetrics(registry)
+        metrics.replay(tmp_path)
+        assert registry.get_sample_value("dips_pushes_total",
+                                         {"result": "rejected", "reason": "run_finished"}) is None
+        assert registry.get_sample_value("dips_cluster_tokens_pushed_total",
+                                         {"cluster": "a"}) is None
+    finally:
+        run.close()
+
+
+def test_a_cluster_that_leaves_a_running_run_is_still_rejected(tmp_path):
+    run = Run(tmp_path)
+    try:
+        _open_round_with(run, "a")
+        run.leader.leave("a")
+        wait_for(lambda: _decisions(tmp_path), "the round's line")
+        line = _decisions(tmp_path)[-1]
+        assert line["rejected"]["a"]["code"] == "cluster_gone" and "withdrawn" not in line
+        assert run.leader.counts["updates_rejected"] == 1
+        faults, _, _ = run.leader.recent_faults(time.time())
+        assert [f.reason for f in faults if f.kind == "push_rejected"] == ["cluster_gone"]
+    finally:
+        run.close()
