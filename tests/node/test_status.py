@@ -31,9 +31,11 @@ pytestmark = pytest.mark.timeout(120)
 TOP = {"leader", "time", "reachable", "version", "outer_steps", "rounds", "phase", "finished",
        "finished_reason", "counts", "ledger", "followers_ready", "followers_total", "clusters",
        "followers", "heldout", "faults", "fault_counts", "fault_window_s", "conditions"}
-CLUSTER = {"cluster_id", "inner_step", "tokens", "tokens_accepted", "tokens_pushed",
+CLUSTER = {"cluster_id", "inner_step", "tokens", "tokens_trained", "tokens_accepted",
+           "tokens_pushed",
            "last_loss", "last_push", "pulled_version", "staleness", "heartbeat_age_s"}
-FOLLOWER = {"index", "up", "version", "incarnation", "control_endpoint", "data_endpoint",
+FOLLOWER = {"index", "registered", "up", "version", "incarnation", "control_endpoint",
+            "data_endpoint",
             "layers", "heartbeat_age_s"}
 COUNTS = {"updates_pushed", "updates_accepted", "updates_rejected", "tokens_pushed",
           "tokens_accepted", "outer_steps_lost"}
@@ -70,7 +72,7 @@ def test_the_json_object_has_stable_keys_and_staleness_is_version_minus_pulled()
     assert (by_id["a"]["staleness"], by_id["b"]["staleness"], by_id["c"]["staleness"]) == (0, 3, None)
     assert by_id["c"]["pulled_version"] is None and by_id["c"]["last_loss"] is None
     assert by_id["b"] == {"cluster_id": "b", "inner_step": 30, "tokens": 300,
-                          "tokens_accepted": 0, "tokens_pushed": 0, "last_loss": 4.25,
+                          "tokens_trained": 300, "tokens_accepted": 0, "tokens_pushed": 0, "last_loss": 4.25,
                           "last_push": "rejected", "pulled_version": 4, "staleness": 3,
                           "heartbeat_age_s": None}  # an older leader: no ages, no faults
     assert (doc["fault_window_s"], doc["faults"], doc["fault_counts"]) == (None, [], [])

@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-__all__ = ["StepTokens", "consumed_series", "tokens_consumed_of"]
+__all__ = ["StepTokens", "consumed_series", "tokens_consumed_of", "trained_at_least"]
 
 
 @dataclass(frozen=True)
@@ -114,3 +114,13 @@ def tokens_consumed_of(records: Iterable[dict[str, Any]]) -> int:
     """Tokens a cluster consumed over every process it ran as (module docstring)."""
     series = consumed_series(records)
     return series[-1].tokens if series else 0
+
+
+def trained_at_least(counted: int, pushed: int) -> int:
+    """Tokens a cluster trained, at least: what it ``counted`` (its ``train.jsonl``, or its
+    last heartbeat), never below the tokens the leader saw it ``pushed`` (every token a push
+    carried was trained), so never below its tokens accepted either: a count that lags (a
+    heartbeat sent before the push, a process killed before its step's line) does not show
+    less trained than accepted (review 33 of issue 15, m1). One rule for ``summary.json``
+    and ``dips status``."""
+    return max(int(counted), int(pushed))

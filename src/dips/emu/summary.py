@@ -28,7 +28,7 @@ from typing import Any, Callable
 
 import torch
 
-from dips.algo.consumed import tokens_consumed_of
+from dips.algo.consumed import tokens_consumed_of, trained_at_least
 from dips.spec import RunConfig, RunSpec
 from dips.wire.keys import MemberKey
 
@@ -114,7 +114,8 @@ def per_cluster(run_dir: Path, cfg: RunConfig) -> dict[str, dict[str, int]]:
     out = {}
     for c in cfg.clusters:
         row = counts.get(c.id, dict.fromkeys(PER_CLUSTER, 0))
-        out[c.id] = {**row, "tokens_consumed": max(consumed[c.id], row["tokens_pushed"])}
+        out[c.id] = {**row, "tokens_consumed": trained_at_least(consumed[c.id],
+                                                                row["tokens_pushed"])}
     return out
 
 

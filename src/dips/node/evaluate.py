@@ -53,6 +53,7 @@ from dips.wire import heldout
 from dips.wire.control import describe, refusal_of
 from dips.wire.keys import MemberKey
 from dips.wire.pb import control_pb2 as pb
+from dips.wire.status_msg import followers_total
 from dips.wire.security import Credentials
 
 log = logging.getLogger(__name__)
@@ -130,7 +131,8 @@ class Evaluator:
         if self.pending is not None:
             return self._report(now) if now >= self.schedule.not_before else \
                 self.schedule.not_before - now
-        ready = len(status.followers) > 0 and status.followers_ready == len(status.followers)
+        total = followers_total(status)  # the run's, not those registered so far
+        ready = total > 0 and status.followers_ready == total == len(status.followers)
         finished = bool(status.finished) or self.final.is_set()
         version = self.schedule.target(status.version, finished, ready, now)
         if version is None:

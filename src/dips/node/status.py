@@ -2,9 +2,13 @@
 
 It calls the leader's ``GetStatus`` over the same channel as the roles (mutual TLS with a
 bundle from ``dips init``, normally the operator's ``pki/admin``, or ``--insecure``) and shows
-the members (clusters: inner step and tokens trained in the cluster's own numbering, which a
-resumed process counts on; tokens accepted and pushed over all its processes, the leader's
-ledger counts; last loss, last verdict, pulled version, staleness, heartbeat age; followers: up, version, heartbeat age), the global version, rounds, phase,
+the members (clusters: inner step and tokens trained as its last heartbeat said, in the
+cluster's own numbering, which a resumed process counts on, and ``tokens_trained``: that but
+never below its tokens pushed, so never below its tokens accepted, whatever a heartbeat lags;
+tokens accepted and pushed over all its processes, the leader's ledger counts; last loss,
+last verdict, pulled version, staleness, heartbeat age; followers: every one of the run,
+registered or not (the run's count from the leader, not who has reported yet), up, version,
+heartbeat age), the global version, rounds, phase,
 counts, whether the run finished, the last held-out loss ``dips evaluate`` reported, and the
 faults the leader recorded in the last hour (members removed, followers down or restarted,
 pushes rejected by reason, rollbacks, ...: :mod:`dips.algo.faultlog`), the newest listed and
@@ -20,7 +24,9 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
+from dips.algo.consumed import trained_at_least
 from dips.algo.faultlog import cluster_member, follower_member
+from dips.wire.status_msg import followers_total
 
 if TYPE_CHECKING:
     from dips.wire.pb import control_pb2 as pb
@@ -58,9 +64,10 @@ def snapshot(reply: pb.StatusReply, leader: str, now: float) -> dict[str, Any]:
     (epoch seconds). Its keys are stable (README "dips status"); ``conditions`` is empty here
     (:meth:`Faults.update` fills it). An older leader (no fault record, ``fault_window_s``
     0) gives null heartbeat ages, follower versions and fault window, and no faults."""
-    total, ready = len(reply.followers), reply.followers_ready
+    total, ready = followers_total(reply), reply.followers_ready
     known = reply.fault_window_s > 0  # a leader that sends ages and faults
     clusters = [{"cluster_id": c.cluster_id, "inner_step": c.inner_step, "tokens": c.tokens,
+                 "tokens_trained": trained_at_least(c.tokens, c.tokens_pushed),
                  "tokens_accepted": c.tokens_accepted, "tokens_pushed": c.tokens_pushed,
                  "last_loss": c.last_loss if math.isfinite(c.last_loss) else None,
                  "last_push": c.last_push,
@@ -73,11 +80,18 @@ def snapshot(reply: pb.StatusReply, leader: str, now: float) -> dict[str, Any]:
     for f in sorted(reply.followers, key=lambda f: f.index):
         h = health.get(f.index)
         followers.append({
-            "index": f.index, "up": _follower_up(ready, total) if h is None else h.up,
+            "index": f.index, "registered": True,
+            "up": _follower_up(ready, total) if h is None else h.up,
             "version": None if h is None else h.version, "incarnation": f.incarnation,
             "control_endpoint": f.control_endpoint, "data_endpoint": f.data_endpoint,
             "layers": len(f.layers),
             "heartbeat_age_s": None if h is None else _age(h.heartbeat_age_s, True)})
+    registered = {f.index for f in reply.followers}
+    for i in (i for i in range(total) if i not in registered):  # e.g. a restarted leader's
+        followers.append({"index": i, "registered": False, "up": False, "version": None,
+                          "incarnation": None, "control_endpoint": None,
+                          "data_endpoint": None, "layers": None, "heartbeat_age_s": None})
+    followers.sort(key=lambda f: f["index"])
     return {"leader": leader, "time": round(now, 3), "reachable": True, "version": reply.version,
             "outer_steps": reply.outer_steps, "rounds": reply.rounds, "phase": reply.phase,
             "finished": bool(reply.finished), "finished_reason": reply.finished,
@@ -189,9 +203,11 @@ class Faults:
                 if (kind == "cluster_gone" and fault["active"]
                         and member not in present):
                     out[kind, member] = fault["detail"]
-        before = {f["index"]: f["incarnation"] for f in prev["followers"]}
+        before = {f["index"]: f["incarnation"] for f in prev["followers"]
+                  if f["incarnation"] is not None}  # (not registered yet: unknown)
         for f in doc["followers"]:
-            if f["index"] in before and before[f["index"]] != f["incarnation"]:
+            if (f["index"] in before and f["incarnation"] is not None
+                    and before[f["index"]] != f["incarnation"]):
                 out["follower_restarted", follower_member(f['index'])] = (
                     f"incarnation {before[f['index']]} -> {f['incarnation']}")
         lost = doc["counts"]["outer_steps_lost"] - prev["counts"]["outer_steps_lost"]

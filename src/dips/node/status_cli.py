@@ -81,7 +81,8 @@ def render(doc: dict[str, Any], error: str = "") -> Group:
         clusters.add_column(col, justify="left" if col == "cluster" else "right")
     for c in doc["clusters"]:
         push = _t(c["last_push"], _PUSH_STYLE.get(c["last_push"], ""))
-        clusters.add_row(_t(c["cluster_id"]), _num(c["inner_step"]), _num(c["tokens"]),
+        clusters.add_row(_t(c["cluster_id"]), _num(c["inner_step"]),
+                         _num(c.get("tokens_trained", c["tokens"])),
                          _num(c.get("tokens_accepted")), _num(c.get("tokens_pushed")),
                          _num(c["last_loss"], "{:.3f}"), push, _num(c["pulled_version"], "{}"),
                          _num(c["staleness"], "{}"), _hb(c.get("heartbeat_age_s")))
@@ -93,6 +94,10 @@ def render(doc: dict[str, Any], error: str = "") -> Group:
             "version", "heartbeat", "incarnation", "layers") else "left")
     up = {True: Text("yes", style="green"), False: Text("no", style="red"), None: Text("?")}
     for f in doc["followers"]:
+        if not f.get("registered", True):  # the run's, not registered (yet, or again)
+            followers.add_row(str(f["index"]), up[False], "-", "-", "-",
+                              Text("not registered", style="red"), "-", "-")
+            continue
         followers.add_row(str(f["index"]), up[f["up"]], _num(f["version"], "{}"),
                           _hb(f.get("heartbeat_age_s")), str(f["incarnation"]),
                           _t(f["control_endpoint"]), _t(f["data_endpoint"]), str(f["layers"]))

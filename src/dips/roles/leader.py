@@ -425,4 +425,4 @@ class Leader(Membership, Records, Pushes, EvalReports):
                                 [replace(f) for f in self.followers.values()],
                                 sum(f.up for f in self.followers.values()),
                                 led["accepted_windows"], led["epoch"], self._state.finished,
-                                self._clock())
+                                self._clock(), self.cfg.followers)

@@ -34,7 +34,7 @@ from dips.algo.limits import INT64_MAX, saturating_add
 from dips.algo.penalty import PenaltyState
 from dips.algo.round import Decided, RoundEnded, RoundState, Verdict, verdicts_of
 from dips.roles import failpoints
-from dips.roles.leader_checkpoint import load_state, save_state
+from dips.roles.leader_checkpoint import load_state, progress_of, progress_state, save_state
 from dips.roles.leader_faults import STREAMS, RecentFaults
 from dips.roles.leader_types import ClusterEntry
 from dips.roles.outer_log import end_torn_line, last_decision_round, set_apart, withdrawn
@@ -170,8 +170,10 @@ class Records:
         members = self.cfg.membership
         grace = self._clock() + 2 * members.missed_heartbeats * members.heartbeat_interval_s
         floors = state.get("floor_versions", {})
+        progress = state.get("progress") or {}
         self.clusters = {c: ClusterEntry(c, stages, last_seen=grace,
-                                         floor_version=min(int(floors.get(c, 0)), self.version))
+                                         floor_version=min(int(floors.get(c, 0)), self.version),
+                                         **progress_of(progress.get(c)))
                          for c, stages in state["clusters"].items()}
         # (an older leader.json lists no "joined": its members at least joined before)
         self._joined = {str(c) for c in state.get("joined", [])} | set(self.clusters)
@@ -212,6 +214,9 @@ class Records:
                      "joined": sorted(self._joined),
                      "floor_versions": {c.cluster_id: c.floor_version
                                         for c in self.clusters.values()},
+                     # What dips status shows of each until its next heartbeat and pull.
+                     "progress": {c.cluster_id: progress_state(c)
+                                  for c in self.clusters.values()},
                      "ledger": self.ledger.to_dict() if self.ledger else None,
                      "version_stats": {str(v): list(x) for v, x in self._version_stats.items()},
                      "cluster_counts": {c: dict(kv) for c, kv in self.cluster_counts.items()},
@@ -374,4 +379,5 @@ class Records:
                     f.flush()
                     os.fsync(f.fileno())
         self._observe("outer_steps", record)
+
 

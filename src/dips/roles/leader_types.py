@@ -129,8 +129,9 @@ class VerdictReply:
 @dataclass(frozen=True)
 class LeaderStatus:
     """The run as the leader sees it (``GetStatus``): version, rounds, phase, counts (updates,
-    tokens, outer steps, rolled-back steps), members, followers and the ledger's state;
-    ``finished``: why the run ended ("" while it runs)."""
+    tokens, outer steps, rolled-back steps), members, followers (those registered, and how
+    many the run has) and the ledger's state; ``finished``: why the run ended ("" while it
+    runs)."""
 
     version: int
     rounds: int
@@ -143,3 +144,4 @@ class LeaderStatus:
     ledger_epoch: int
     finished: str = ""
     now: float | None = None  # the leader's clock at the snapshot (heartbeat ages: now - last_seen)
+    followers_configured: int = 0  # the run's followers (its spec), registered or not

@@ -84,4 +84,12 @@ def status_reply(s: Any, last_eval: dict[str, Any] | None,
                           outer_steps_lost=n["outer_steps_lost"], finished=s.finished,
                           last_eval=heldout.encode(last_eval), faults=listed,
                           fault_counts=counted, fault_window_s=window_s,
-                          follower_health=health)
+                          follower_health=health,
+                          followers_configured=int(getattr(s, "followers_configured", 0)))
+
+
+def followers_total(reply: pb.StatusReply) -> int:
+    """The run's followers in a ``StatusReply``: its spec's count, registered or not; from an
+    older leader that does not send it, those registered (review 33 of issue 15, m1: right
+    after a restart "1 of 1 ready" in a 2-follower run)."""
+    return max(int(reply.followers_configured), len(reply.followers))

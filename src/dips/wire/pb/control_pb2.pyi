@@ -371,7 +371,7 @@ class FaultCount(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., reason: _Optional[str] = ..., count: _Optional[int] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("version", "rounds", "updates_pushed", "updates_accepted", "updates_rejected", "tokens_pushed", "tokens_accepted", "phase", "clusters", "followers", "outer_steps", "followers_ready", "accepted_windows", "ledger_epoch", "outer_steps_lost", "finished", "last_eval", "faults", "fault_counts", "fault_window_s", "follower_health")
+    __slots__ = ("version", "rounds", "updates_pushed", "updates_accepted", "updates_rejected", "tokens_pushed", "tokens_accepted", "phase", "clusters", "followers", "outer_steps", "followers_ready", "accepted_windows", "ledger_epoch", "outer_steps_lost", "finished", "last_eval", "faults", "fault_counts", "fault_window_s", "follower_health", "followers_configured")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
     UPDATES_PUSHED_FIELD_NUMBER: _ClassVar[int]
@@ -393,6 +393,7 @@ class StatusReply(_message.Message):
     FAULT_COUNTS_FIELD_NUMBER: _ClassVar[int]
     FAULT_WINDOW_S_FIELD_NUMBER: _ClassVar[int]
     FOLLOWER_HEALTH_FIELD_NUMBER: _ClassVar[int]
+    FOLLOWERS_CONFIGURED_FIELD_NUMBER: _ClassVar[int]
     version: int
     rounds: int
     updates_pushed: int
@@ -414,7 +415,8 @@ class StatusReply(_message.Message):
     fault_counts: _containers.RepeatedCompositeFieldContainer[FaultCount]
     fault_window_s: float
     follower_health: _containers.RepeatedCompositeFieldContainer[FollowerHealth]
-    def __init__(self, version: _Optional[int] = ..., rounds: _Optional[int] = ..., updates_pushed: _Optional[int] = ..., updates_accepted: _Optional[int] = ..., updates_rejected: _Optional[int] = ..., tokens_pushed: _Optional[int] = ..., tokens_accepted: _Optional[int] = ..., phase: _Optional[str] = ..., clusters: _Optional[_Iterable[_Union[ClusterStatus, _Mapping]]] = ..., followers: _Optional[_Iterable[_Union[FollowerInfo, _Mapping]]] = ..., outer_steps: _Optional[int] = ..., followers_ready: _Optional[int] = ..., accepted_windows: _Optional[int] = ..., ledger_epoch: _Optional[int] = ..., outer_steps_lost: _Optional[int] = ..., finished: _Optional[str] = ..., last_eval: _Optional[_Union[EvalRecord, _Mapping]] = ..., faults: _Optional[_Iterable[_Union[Fault, _Mapping]]] = ..., fault_counts: _Optional[_Iterable[_Union[FaultCount, _Mapping]]] = ..., fault_window_s: _Optional[float] = ..., follower_health: _Optional[_Iterable[_Union[FollowerHealth, _Mapping]]] = ...) -> None: ...
+    followers_configured: int
+    def __init__(self, version: _Optional[int] = ..., rounds: _Optional[int] = ..., updates_pushed: _Optional[int] = ..., updates_accepted: _Optional[int] = ..., updates_rejected: _Optional[int] = ..., tokens_pushed: _Optional[int] = ..., tokens_accepted: _Optional[int] = ..., phase: _Optional[str] = ..., clusters: _Optional[_Iterable[_Union[ClusterStatus, _Mapping]]] = ..., followers: _Optional[_Iterable[_Union[FollowerInfo, _Mapping]]] = ..., outer_steps: _Optional[int] = ..., followers_ready: _Optional[int] = ..., accepted_windows: _Optional[int] = ..., ledger_epoch: _Optional[int] = ..., outer_steps_lost: _Optional[int] = ..., finished: _Optional[str] = ..., last_eval: _Optional[_Union[EvalRecord, _Mapping]] = ..., faults: _Optional[_Iterable[_Union[Fault, _Mapping]]] = ..., fault_counts: _Optional[_Iterable[_Union[FaultCount, _Mapping]]] = ..., fault_window_s: _Optional[float] = ..., follower_health: _Optional[_Iterable[_Union[FollowerHealth, _Mapping]]] = ..., followers_configured: _Optional[int] = ...) -> None: ...
 
 class EvalReport(_message.Message):
     __slots__ = ("version", "eval_loss", "eval_tokens")
