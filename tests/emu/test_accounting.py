@@ -84,3 +84,27 @@ def test_describe_names_the_code_not_the_debug_string():
 
     assert describe(Err()) == "FAILED_PRECONDITION (NOT_JOINED): cluster 'c' has not joined"
     assert describe(ValueError("bad")) == "ValueError: bad"
+
+
+def test_a_cluster_killed_in_a_sync_counts_the_step_it_trained_before_it(tmp_path: Path):
+    """Review 33 of issue 15, m5: cluster a killed in the pull of step 64 (16,384 tokens) left
+    63 step lines; summary.json said 16,128. The ``sync_start`` record before the sync counts
+    the step; the step's own line after a completed sync counts nothing more."""
+    from dips.algo.consumed import consumed_series
+
+    cfg = _cfg()
+    step = [{"step": k, "tokens": 256 * k} for k in range(1, 65)]
+    lines = {"a": [{"event": "join"}, *step[:63],
+                   {"event": "sync_start", "inner_step": 64, "tokens": 16_384},  # killed here
+                   {"event": "join"}, {"step": 1, "tokens": 256}],                # fresh start
+             "b": [{"event": "join"}, *step[:7],
+                   {"event": "sync_start", "inner_step": 8, "tokens": 2048},
+                   {**step[7], "push": {"accepted": True}}, step[8]]}
+    for cid, recs in lines.items():
+        d = tmp_path / "clusters" / cid
+        d.mkdir(parents=True)
+        (d / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    assert tokens_consumed(tmp_path, cfg) == {"a": 16_384 + 256, "b": 9 * 256}
+    series = consumed_series(lines["b"])  # the loss plots' points: one per step line
+    assert [s.tokens for s in series] == [256 * k for k in range(1, 10)]
+    assert {s.process for s in series} == {0}

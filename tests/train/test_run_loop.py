@@ -222,6 +222,9 @@ class _Client:
         self.calls.append((tokens, loss))
         return self.results.pop(0)
 
+    def sync_due_after_step(self):
+        return bool(self.results) and self.results[0] is not None  # its next step_done syncs
+
     def hold_tick(self):
         return True, None
 
@@ -250,6 +253,8 @@ def test_dips_sync_reports_pushes_and_leases_when_starved(tiny_cfg, tokens, tmp_
     run_loop(trainer, sync, stop, None, log, clock=lambda: 0.0)
     log.close()
     recs = _records(tmp_path / "train.jsonl")
+    assert recs[2] == {"event": "sync_start", "inner_step": 3, "tokens": 3 * TPB, "time": 0.0}
+    recs = [r for r in recs if "step" in r]
     assert [("push" in r) for r in recs] == [False, False, True]
     assert recs[2]["push"] == {"accepted": True, "ok": True, "version": 4, "round": 2,
                                "tokens": 3 * TPB, "score": 0.5, "reason": "ok", "push_s": 0.1235,
@@ -288,3 +293,32 @@ def test_no_inner_step_while_the_sync_holds_and_its_records_are_written(tiny_cfg
     recs = _records(tmp_path / "train.jsonl")
     assert [r.get("event", r.get("step")) for r in recs] == [1, 2, "hold", "hold_end", 3, 4]
     assert recs[2]["tokens"] == 2 * TPB and not ticks
+
+
+class _DyingSync(_RoundSync):
+    """Says a sync is due at step ``H``; the process "dies" in that sync (SystemExit)."""
+
+    def sync_due(self, trainer) -> bool:
+        return trainer.steps == self.H
+
+    def after_step(self, trainer, result, stop) -> dict:
+        if trainer.steps == self.H:
+            raise SystemExit("killed in the pull")
+        return {}
+
+
+def test_a_process_killed_in_a_sync_leaves_the_step_before_it_counted(tiny_cfg, tokens,
+                                                                       tmp_path):
+    """Review 33 of issue 15, m5: the line of a sync step is written after the sync, so a
+    cluster killed in its pull lost that step's tokens from summary.json."""
+    from dips.algo.consumed import tokens_consumed_of
+
+    log = TrainLog(tmp_path / "train.jsonl", stamp=lambda: 0.0)
+    with pytest.raises(SystemExit):
+        run_loop(_trainer(tiny_cfg, tokens), _DyingSync(H=3, rounds=9), threading.Event(),
+                 None, log, lambda: 0.0)
+    log.close()
+    recs = [json.loads(line) for line in (tmp_path / "train.jsonl").read_text().splitlines()]
+    assert [r.get("step", r.get("event")) for r in recs] == [1, 2, "sync_start"]
+    assert recs[-1] == {"event": "sync_start", "inner_step": 3, "tokens": 3 * TPB, "time": 0.0}
+    assert tokens_consumed_of(recs) == 3 * TPB

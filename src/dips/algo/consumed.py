@@ -14,7 +14,12 @@ process's cumulative ``tokens`` and its ``step`` number. So:
 * a resumed process counts on from the saved ``tokens``, which an earlier process trained and
   counted already: only what it counts beyond them is new. The steps an earlier process
   trained after that save (before it died) were trained, so they count too: each step record
-  counts once, whichever process wrote it; no token is counted twice.
+  counts once, whichever process wrote it; no token is counted twice;
+* a step whose sync follows it has its line written after that sync, and a ``sync_start``
+  record (``inner_step``, ``tokens``) before it: a process killed in the middle of the sync
+  (its push or pull) leaves only the ``sync_start``, which counts the step; the step's own
+  line, when it comes, counts nothing more (review 33 of issue 15, m5: a cluster killed in a
+  pull was 256 tokens short).
 
 Pure: records in, numbers out (tokens; a record's fields of another type are skipped).
 """
@@ -72,17 +77,30 @@ class _Count:
     def now(self) -> int:
         return self.total + self.last - self.base
 
+    def step(self, tokens: int, step: int | None) -> None:
+        """Count an inner step whose cumulative count is ``tokens`` (step number ``step``)."""
+        if tokens < self.last or (step is not None and step <= self.last_step):
+            self.close()  # a fresh process: its counts start again from 0
+            self.base = 0
+            self.new_process()
+        elif self.pending:
+            self.new_process()  # a join and a count that goes on: a new process all the same
+        self.pending = False
+        self.last = tokens
+        self.last_step = step if step is not None else self.last_step
+        self.started = True
 
-def consumed_series(records: Iterable[dict[str, Any]]) -> list[StepTokens]:
-    """Every inner-step record (one with an int ``tokens``) of a cluster's ``train.jsonl``
-    with the tokens consumed through it (module docstring); events and records without a
-    count are left out."""
+
+def _fold(records: Iterable[dict[str, Any]]) -> tuple[list[StepTokens], int]:
+    """(:func:`consumed_series`, the tokens consumed in all)."""
     c = _Count()
     out: list[StepTokens] = []
+    marked: tuple[int | None, int] | None = None  # (step, tokens) a sync_start counted
     for i, rec in enumerate(records):
         if not isinstance(rec, dict):
             continue
         event = rec.get("event")
+        seen, marked = marked, None
         if event == "join":
             c.pending = True
             continue
@@ -93,27 +111,31 @@ def consumed_series(records: Iterable[dict[str, Any]]) -> list[StepTokens]:
             c.new_process()
             c.pending = False
             continue
+        if event == "sync_start" and (tokens := _int(rec, "tokens")) is not None:
+            step = _int(rec, "inner_step")
+            c.step(tokens, step)
+            marked = (step, tokens)
+            continue
         tokens, step = _int(rec, "tokens"), _int(rec, "step")
         if tokens is None or event is not None:
+            marked = seen  # (a record between them, e.g. a hold's: the mark still holds)
             continue
-        if tokens < c.last or (step is not None and step <= c.last_step):
-            c.close()  # a fresh process: its counts start again from 0
-            c.base = 0
-            c.new_process()
-        elif c.pending:
-            c.new_process()  # a join and a count that goes on: a new process all the same
-        c.pending = False
-        c.last = tokens
-        c.last_step = step if step is not None else c.last_step
-        c.started = True
+        if seen != (step, tokens):  # else the step its sync_start counted already
+            c.step(tokens, step)
         out.append(StepTokens(i, c.now(), c.process))
-    return out
+    return out, c.now()
+
+
+def consumed_series(records: Iterable[dict[str, Any]]) -> list[StepTokens]:
+    """Every inner-step record (one with an int ``tokens``) of a cluster's ``train.jsonl``
+    with the tokens consumed through it (module docstring); events (a ``sync_start`` counts,
+    but is not listed) and records without a count are left out."""
+    return _fold(records)[0]
 
 
 def tokens_consumed_of(records: Iterable[dict[str, Any]]) -> int:
     """Tokens a cluster consumed over every process it ran as (module docstring)."""
-    series = consumed_series(records)
-    return series[-1].tokens if series else 0
+    return _fold(records)[1]
 
 
 def trained_at_least(counted: int, pushed: int) -> int:

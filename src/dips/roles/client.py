@@ -174,6 +174,12 @@ class ClusterClient(SyncMixin, HoldMixin, HeartbeatMixin):
         self.joins = 0
         self.finished = ""  # why the run ended, once the leader says so: the loop stops
 
+    def sync_due_after_step(self) -> bool:
+        """Whether the next :meth:`step_done` reaches H inner steps since the last sync, so
+        that it syncs unless a backoff or the leader's state defers it (the training loop
+        records the step before that sync: :func:`dips.train.run.run_loop`)."""
+        return self.inner_step + 1 - self._last_sync_step >= self.H
+
     @property
     def stage_layers(self) -> list[list[str]]:
         """Layer keys of each stage worker (contiguous, model order)."""

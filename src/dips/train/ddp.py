@@ -259,6 +259,11 @@ class RankSync:
             return None
         return self._lead(lambda: self._record(self.lead.held(trainer, stop)))
 
+    def sync_due(self, trainer: ClusterTrainer) -> bool:
+        """Rank 0 (the one that writes ``train.jsonl``): :meth:`DiPSSync.sync_due`; no
+        collective."""
+        return self.lead is not None and self.lead.sync_due(trainer)
+
     def after_step(self, trainer: ClusterTrainer, result: StepResult,
                    stop: threading.Event) -> dict[str, Any]:
         return self._lead(lambda: self._record(self.lead.after_step(trainer, result, stop))) or {}

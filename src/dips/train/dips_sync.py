@@ -116,6 +116,10 @@ class DiPSSync:
         res = self.client.step_done(result.tokens, result.loss, wait=False)
         return {} if res is None else {"push": push_record(res)}
 
+    def sync_due(self, trainer: ClusterTrainer) -> bool:
+        """Whether :meth:`after_step` of the step just trained may sync (H steps reached)."""
+        return self.client.sync_due_after_step()
+
     def held(self, trainer: ClusterTrainer, stop: threading.Event) -> dict[str, Any] | None:
         """One short step of the cluster's hold (:meth:`~dips.roles.client_hold.HoldMixin.
         hold_tick`, :mod:`dips.algo.hold`): None when it may train; else the fields of an
@@ -217,6 +221,10 @@ class InnerStateSync:
         """The inner sync's hold; a sync that ended it saves the state as after a step."""
         fields = self.inner.held(trainer, stop)
         return None if fields is None else self._saved(trainer, fields)
+
+    def sync_due(self, trainer: ClusterTrainer) -> bool:
+        due = getattr(self.inner, "sync_due", None)
+        return bool(due is not None and due(trainer))
 
     def after_step(self, trainer: ClusterTrainer, result: StepResult,
                    stop: threading.Event) -> dict[str, Any]:

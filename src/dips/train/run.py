@@ -60,6 +60,12 @@ class Sync(Protocol):
        step (after the step's injected delay);
     4. :meth:`after_step` — may synchronise; returns fields for the step's record.
 
+    A sync may also have ``sync_due(trainer) -> bool`` (optional: the baselines have none):
+    True when :meth:`after_step` of the step just trained may synchronise; the loop then
+    writes a ``sync_start`` record (``inner_step``, ``tokens``) before it, so that a process
+    killed in the middle of that sync leaves its last step counted
+    (:mod:`dips.algo.consumed`).
+
     ``stop`` is the process's local stop request (signal, time limit).  A sync whose peers wait
     for it (an all-reduce) goes on until it has told them; the others end at once.
     """
@@ -195,6 +201,12 @@ def run_loop(trainer: ClusterTrainer, sync: Sync, stop: threading.Event, pacer: 
             continue
         if hook is None:
             delay_s = pace(result.compute_s)
+        due = getattr(sync, "sync_due", None)  # optional (a Di-PS sync has it)
+        if due is not None and due(trainer):
+            # The step's own line comes after its sync: a process killed in that sync (a
+            # push, a pull) still leaves the step it trained counted (review 33, m5).
+            log.write({"event": "sync_start", "inner_step": trainer.steps,
+                       "tokens": trainer.tokens})
         fields = sync.after_step(trainer, result, stop)
         log.step(trainer.steps, result, trainer.tokens, delay_s, fields)
         steps += 1
