@@ -46,7 +46,14 @@ def check_run(run_dir: Path, followers: int = 2, seq_len: int = 64, evaluated: b
         if r.get("event") == "rollback":
             lead = {v: x for v, x in lead.items() if v <= r["version"]}
         elif r.get("accepted") and not r.get("error"):
+            # A version decided again without a rollback between: the log claimed a step
+            # the model did not hold (review 33 of issue 15, M1).
+            assert r["version"] not in lead, f"version {r['version']} decided twice"
             lead[r["version"]] = r
+    # Per cluster the summary's counts add up to its totals (the same records, review 33).
+    per = summary.get("per_cluster") or {}
+    for key in ("updates_pushed", "updates_accepted", "updates_rejected", "tokens_accepted"):
+        assert sum(row[key] for row in per.values()) == summary[key], (key, per, summary)
     for h in hists[0]:
         assert h["version"] in lead, f"version {h['version']} applied but not decided"
         assert lead[h["version"]]["accepted"] == h["accepted"]
