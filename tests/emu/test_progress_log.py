@@ -165,7 +165,7 @@ def test_a_follower_down_is_one_line_its_failed_rounds_one_more_and_its_return_o
 
 
 def test_the_pushes_withdrawn_at_the_runs_end_are_said_as_such(tmp_path: Path):
-    """Review 33 of issue 15, m3: clusters leaving a finished run are not rejected."""
+    """Review 33 of issue 15, m3: clusters leaving the run (it finished) are not rejected."""
     progress, out = _progress(tmp_path, terminal=False)
     gone = {"reason": "cluster left", "tokens": 1024}
     with progress.live():
@@ -173,4 +173,4 @@ def test_the_pushes_withdrawn_at_the_runs_end_are_said_as_such(tmp_path: Path):
                 {**_decision(4, 3, []), "withdrawn": {"a": gone, "b": gone}, "time": T0 + 40})
         progress.log(_status())
     assert out.getvalue().splitlines()[1:] == [
-        "[    40 s] round 4: nothing applied; withdrawn a, b (the run finished); tokens 0/20M"]
+        "[    40 s] round 4: nothing applied; withdrawn a, b (left the run); tokens 0/20M"]

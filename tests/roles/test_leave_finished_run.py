@@ -1,8 +1,10 @@
-"""Clusters leaving a finished run (review 33 of issue 15, m3): the push each had in the round
-still in flight is withdrawn, not rejected — no ``cluster_gone`` rejection in the leader's
+"""Clusters leaving the run (review 33 of issue 15, m3: the end of every launched run made a
+round of ``cluster_gone`` rejections, listed as faults): the push a cluster had in the round
+in flight when it left gracefully (stopped by the launcher, or told the run finished), or was
+removed after the run finished, is withdrawn, not rejected — no rejection in the leader's
 counts, in its ``outer_steps.jsonl`` line (``withdrawn`` instead), in the faults of the last
-hour, in the summary's per-cluster counts or in the metrics. A cluster that leaves while the
-run goes on is still a rejection and a fault."""
+hour, in the summary's per-cluster counts or in the metrics. A cluster removed while the run
+goes on (here: its process restarted and joined again) is still a rejection and a fault."""
 
 from __future__ import annotations
 
@@ -61,11 +63,44 @@ def test_a_push_in_flight_when_the_run_finished_is_withdrawn(tmp_path):
         run.close()
 
 
-def test_a_cluster_that_leaves_a_running_run_is_still_rejected(tmp_path):
+def test_a_cluster_stopped_before_the_leader_finished_withdraws_its_push(tmp_path):
+    """The launcher stops the clusters at its own time limit, moments before the leader's."""
     run = Run(tmp_path)
     try:
         _open_round_with(run, "a")
         run.leader.leave("a")
+        wait_for(lambda: _decisions(tmp_path), "the round's line")
+        line = _decisions(tmp_path)[-1]
+        assert list(line["withdrawn"]) == ["a"] and line["rejected"] == {}
+        assert run.leader.counts["updates_rejected"] == run.leader.counts["updates_pushed"] == 0
+        faults, _, _ = run.leader.recent_faults(time.time())
+        assert [f for f in faults if f.kind == "push_rejected"] == []
+    finally:
+        run.close()
+
+
+def test_a_cluster_removed_after_the_finish_withdraws_its_push(tmp_path):
+    run = Run(tmp_path)
+    try:
+        leader = run.leader
+        leader.cfg = leader.cfg.model_copy(update={"max_time_s": 1000.0})
+        _open_round_with(run, "a")
+        leader.training_started_at = time.time() - 2000.0
+        wait_for(lambda: leader.status().finished != "", "the run finished")
+        with leader._cond:  # what the monitor does to a member silent too long
+            leader._drop_cluster("a", "heartbeat timeout")
+        wait_for(lambda: _decisions(tmp_path), "the round's line")
+        assert _decisions(tmp_path)[-1]["withdrawn"]["a"]["reason"] == "heartbeat timeout"
+        assert leader.counts["updates_rejected"] == 0
+    finally:
+        run.close()
+
+
+def test_a_cluster_removed_while_the_run_goes_on_is_still_rejected(tmp_path):
+    run = Run(tmp_path)
+    try:
+        _open_round_with(run, "a")
+        run.leader.join_cluster("a", [["l0", "l1"]])  # its process restarted: it joins again
         wait_for(lambda: _decisions(tmp_path), "the round's line")
         line = _decisions(tmp_path)[-1]
         assert line["rejected"]["a"]["code"] == "cluster_gone" and "withdrawn" not in line

@@ -32,10 +32,11 @@ class RejectCode(str, enum.Enum):
     NOT_DELIVERED = "not_delivered"  # the member reported a failed push, or it timed out
     INVALID = "invalid"  # a follower refused its shard, or ‖Δ‖² is not a finite number
     FOLLOWERS_NOT_READY = "followers_not_ready"  # a follower down, restarted or reconciling
-    CLUSTER_GONE = "cluster_gone"  # its cluster left or was removed during the round
-    #: Not a rejection: its cluster left (or was removed) after the run finished, its push
-    #: withdrawn; the records list it apart and count it nowhere (review 33 of issue 15, m3).
-    RUN_FINISHED = "run_finished"
+    CLUSTER_GONE = "cluster_gone"  # its cluster was removed (or re-joined) during the round
+    #: Not a rejection: its cluster left the run gracefully (stopped, or the run finished), or
+    #: was removed after the run finished; the records list its push apart as withdrawn and
+    #: count it nowhere (review 33 of issue 15, m3).
+    WITHDRAWN = "withdrawn"
     ROUND_FAILED = "round_failed"  # the update failed as a whole: nothing applied anywhere
     OTHER = "other"  # a record of an older version, without a code
 
@@ -270,8 +271,8 @@ class PullDone:
 @dataclass(frozen=True)
 class MemberGone:
     """A cluster left or was removed (missed heartbeats): its queued request is dropped, its
-    push in the current round fails with ``reason`` and ``code`` (``run_finished`` once the
-    run has ended: withdrawn, not rejected) and is not waited for."""
+    push in the current round fails with ``reason`` and ``code`` (``withdrawn``: a graceful
+    leave, or any once the run has ended; not a rejection) and is not waited for."""
 
     now: float
     cluster_id: str

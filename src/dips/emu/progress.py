@@ -234,10 +234,10 @@ def step_line(rec: dict[str, Any], tokens: int, budget: int, loss: float | None,
     clock), the version it made (or that nothing was applied), the accepted clusters, the
     rejected ones by reason (:func:`rejected_text`), the accepted clusters' mean last
     training ``loss`` (nats/token; omitted when None), and ``tokens`` accepted so far of the
-    ``budget``; the pushes withdrawn by clusters that left the finished run."""
+    ``budget``; the pushes withdrawn by clusters that left the run."""
     rejected = f"; rejected {rejected_text(rec['rejected'])}" if rec.get("rejected") else ""
-    if rec.get("withdrawn"):  # left the finished run: not rejected (dips.roles.outer_log)
-        rejected += f"; withdrawn {', '.join(map(str, rec['withdrawn']))} (the run finished)"
+    if rec.get("withdrawn"):  # they left the run: not rejected (dips.roles.outer_log)
+        rejected += f"; withdrawn {', '.join(map(str, rec['withdrawn']))} (left the run)"
     if rec.get("accepted"):
         what = f"outer step v{rec['version']} (round {rec['round']}): accepted " + \
             ", ".join(rec["accepted"])

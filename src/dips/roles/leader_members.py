@@ -243,17 +243,20 @@ class Membership:
     def leave(self, cluster_id: str) -> None:
         """A graceful leave: like a removal, its chunks return to the ledger."""
         with self._cond:
-            known = self._drop_cluster(cluster_id)
+            known = self._drop_cluster(cluster_id, withdrawn=True)
         if known:
             self.event("cluster_left", cluster=cluster_id)
             self.checkpoint()  # its chunks are back: a restart must not count them again
 
-    def _drop_cluster(self, cluster_id: str, reason: str = "cluster left") -> bool:
+    def _drop_cluster(self, cluster_id: str, reason: str = "cluster left",
+                      withdrawn: bool = False) -> bool:
         """Remove a cluster (lock held): for the round machine its queued request dropped, its
         push in the current round failed and no longer awaited; its data chunks go back to
         the ledger. A push already in the update phase cannot be taken back from followers
         that may have prepared it: its chunks are released only once the round's verdicts are
         out, so its windows are either credited or handed out again, never both.
+        Its push in the round is ``withdrawn`` (a graceful leave), or removed after the run
+        finished: not a rejection (review 33 of issue 15, m3); else ``cluster_gone``.
         Returns whether it was a member."""
         known = self.clusters.pop(cluster_id, None) is not None
         self._member_keys.pop(Identity.cluster(cluster_id).name, None)  # its key stops working
@@ -265,8 +268,8 @@ class Membership:
             self._leaving.add(cluster_id)
         elif self.ledger is not None:
             self.ledger.release(cluster_id)
-        # Leaving a finished run withdraws its push: no rejection (review 33 of issue 15, m3).
-        code = RejectCode.RUN_FINISHED if self._state.finished else RejectCode.CLUSTER_GONE
+        gone = withdrawn or bool(self._state.finished)
+        code = RejectCode.WITHDRAWN if gone else RejectCode.CLUSTER_GONE
         self._apply(MemberGone(self._clock(), cluster_id, reason, code))
         return known
 

@@ -1,8 +1,8 @@
 """The lines of the leader's ``outer_steps.jsonl`` (README "Outputs"): what a round's line
 counts, and reading the end of the file when a restarted leader resumes.
 
-A round's pushes withdrawn because their clusters left the finished run (code
-``run_finished``) are not rejections: its line lists them under ``withdrawn``, outside the
+A round's pushes withdrawn because their clusters left the run gracefully (stopped, or the
+run finished) or were removed after it finished (code ``withdrawn``) are not rejections: its line lists them under ``withdrawn``, outside the
 ``clusters``, ``rejected`` and ``tokens`` every reader counts (the summary, the report, the
 metrics, ``dips status``; review 33 of issue 15, m3). ``leader.json`` carries a round's line
 until it is written (:mod:`dips.roles.leader_records`); :func:`last_decision_round` tells a
@@ -23,11 +23,11 @@ __all__ = ["end_torn_line", "last_decision_round", "set_apart", "withdrawn"]
 
 
 def withdrawn(report: UpdateReport) -> set[str]:
-    """The clusters of a round whose push was withdrawn, not rejected: they left (or were
-    removed) after the run finished (code ``run_finished``; review 33 of issue 15, m3)."""
+    """The clusters of a round whose push was withdrawn, not rejected: they left gracefully,
+    or were removed after the run finished (code ``withdrawn``; review 33 of issue 15, m3)."""
     out = report.outcome
     return {c for c in report.clusters if c not in out.accepted
-            and out.code_of(c) == RejectCode.RUN_FINISHED.value}
+            and out.code_of(c) == RejectCode.WITHDRAWN.value}
 
 
 def set_apart(record: dict[str, Any], gone: set[str]) -> dict[str, Any]:
