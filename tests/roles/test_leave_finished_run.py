@@ -32,17 +32,27 @@ def _decisions(run_dir) -> list[dict]:
             if "event" not in r and "accepted" in r]
 
 
+def _round_line(run_dir) -> dict:
+    """The line of the round in flight, once written."""
+    wait_for(lambda: _decisions(run_dir), "the round's line")
+    return _decisions(run_dir)[-1]
+
+
+def _finish(leader) -> None:
+    """End the run at its time limit (the round in flight still completes)."""
+    leader.cfg = leader.cfg.model_copy(update={"max_time_s": 1000.0})
+    leader.training_started_at = time.time() - 2000.0  # the time limit has passed
+    wait_for(lambda: leader.status().finished != "", "the run finished")
+
+
 def test_a_push_in_flight_when_the_run_finished_is_withdrawn(tmp_path):
     run = Run(tmp_path)
     try:
         leader = run.leader
-        leader.cfg = leader.cfg.model_copy(update={"max_time_s": 1000.0})
         _open_round_with(run, "a")
-        leader.training_started_at = time.time() - 2000.0  # the time limit has passed
-        wait_for(lambda: leader.status().finished != "", "the run finished")
+        _finish(leader)
         leader.leave("a")  # as a cluster told the run finished does
-        wait_for(lambda: _decisions(tmp_path), "the round's line")
-        line = _decisions(tmp_path)[-1]
+        line = _round_line(tmp_path)
         assert line["accepted"] == [] and line["rejected"] == {} and line["clusters"] == []
         assert list(line["withdrawn"]) == ["a"] and line["tokens"] == {}
         counts = leader.counts
@@ -56,7 +66,7 @@ def test_a_push_in_flight_when_the_run_finished_is_withdrawn(tmp_path):
         metrics = LeaderMetrics(registry)
         metrics.replay(tmp_path)
         assert registry.get_sample_value("dips_pushes_total",
-                                         {"result": "rejected", "reason": "run_finished"}) is None
+                                         {"result": "rejected", "reason": "withdrawn"}) is None
         assert registry.get_sample_value("dips_cluster_tokens_pushed_total",
                                          {"cluster": "a"}) is None
     finally:
@@ -69,8 +79,7 @@ def test_a_cluster_stopped_before_the_leader_finished_withdraws_its_push(tmp_pat
     try:
         _open_round_with(run, "a")
         run.leader.leave("a")
-        wait_for(lambda: _decisions(tmp_path), "the round's line")
-        line = _decisions(tmp_path)[-1]
+        line = _round_line(tmp_path)
         assert list(line["withdrawn"]) == ["a"] and line["rejected"] == {}
         assert run.leader.counts["updates_rejected"] == run.leader.counts["updates_pushed"] == 0
         faults, _, _ = run.leader.recent_faults(time.time())
@@ -83,14 +92,11 @@ def test_a_cluster_removed_after_the_finish_withdraws_its_push(tmp_path):
     run = Run(tmp_path)
     try:
         leader = run.leader
-        leader.cfg = leader.cfg.model_copy(update={"max_time_s": 1000.0})
         _open_round_with(run, "a")
-        leader.training_started_at = time.time() - 2000.0
-        wait_for(lambda: leader.status().finished != "", "the run finished")
+        _finish(leader)
         with leader._cond:  # what the monitor does to a member silent too long
             leader._drop_cluster("a", "heartbeat timeout")
-        wait_for(lambda: _decisions(tmp_path), "the round's line")
-        assert _decisions(tmp_path)[-1]["withdrawn"]["a"]["reason"] == "heartbeat timeout"
+        assert _round_line(tmp_path)["withdrawn"]["a"]["reason"] == "heartbeat timeout"
         assert leader.counts["updates_rejected"] == 0
     finally:
         run.close()
@@ -101,8 +107,7 @@ def test_a_cluster_removed_while_the_run_goes_on_is_still_rejected(tmp_path):
     try:
         _open_round_with(run, "a")
         run.leader.join_cluster("a", [["l0", "l1"]])  # its process restarted: it joins again
-        wait_for(lambda: _decisions(tmp_path), "the round's line")
-        line = _decisions(tmp_path)[-1]
+        line = _round_line(tmp_path)
         assert line["rejected"]["a"]["code"] == "cluster_gone" and "withdrawn" not in line
         assert run.leader.counts["updates_rejected"] == 1
         faults, _, _ = run.leader.recent_faults(time.time())
