@@ -694,3 +694,18 @@ def test_a_member_reporting_empty_pushes_ahead_never_stalls_a_round_again(tmp_pa
         assert again._state.push_s["evil"] == 3.0  # and its estimate holds while it owes
     finally:
         again.stop()
+
+
+def test_an_abandoned_wait_for_a_verdict_says_how_long_it_waited(tmp_path):
+    """Review 34, F2: a client gone after about a second was logged "undecided after
+    39.899 s", the limit instead of the time waited."""
+    clock = ManualClock()
+    leader, _ = make_leader(tmp_path, clock=clock, window_s=5.0)
+    try:
+        ca, _ = member(leader, "a"), member(leader, "b")
+        ga = leader.request_push("a", 0, 3 * TPW, 5.0, {min(ca): 3})
+        message = refused(lambda: leader.push_done("a", ga.push_id, True, "", 39.899,
+                                                   cancelled=lambda: True), Refusal.UNDECIDED)
+        assert message.endswith("undecided after 0.0 s"), message
+    finally:
+        leader.stop()

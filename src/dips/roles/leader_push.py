@@ -189,12 +189,14 @@ class Pushes:
         """
         with self._cond:
             self._apply(PushReported(self._clock(), cluster_id, push_id, ok, error))
-            deadline = self._clock() + timeout_s
+            start = self._clock()
+            deadline = start + timeout_s
             while push_id not in self._state.verdicts:
                 left = deadline - self._clock()
                 if left <= 0 or self._stop.is_set() or (cancelled is not None and cancelled()):
+                    waited = self._clock() - start  # the time waited, not the limit (review 34)
                     raise Refused(Refusal.UNDECIDED, f"push {push_id} of cluster {cluster_id!r} "
-                                                     f"undecided after {timeout_s} s")
+                                                     f"undecided after {waited:.1f} s")
                 self._cond.wait(min(left, 0.5))
             verdict = self._state.verdicts[push_id]
             if verdict.cluster_id != cluster_id:
