@@ -11,6 +11,7 @@ from dips.algo.ratelimit import (
     HEARTBEAT_BURST,
     HEARTBEAT_RATE_FACTOR,
     Bucket,
+    first_beat_delay,
     heartbeat_limit,
     take,
 )
@@ -98,3 +99,46 @@ def test_a_ninth_beat_at_once_and_a_flood_are_refused():
     # A flood every 1/64 s for 64 s: the burst, then 4 per second.
     times = [i / 64 for i in range(64 * 64)]
     assert len(times) - len(_refused(times, 1.0)) == 8 + 255  # 4 × 4095/64 = 255.9 tokens
+
+
+# ----- the first beat at a random offset (issue 16) -----
+def test_the_first_beat_comes_at_the_drawn_offset_but_never_within_an_interval_of_the_last():
+    assert first_beat_delay(27.0, 0.0) == 0.0 and first_beat_delay(27.0, 0.5) == 13.5
+    assert first_beat_delay(2.0, 0.25, since_last_s=0.5) == 1.5  # a thread started again
+    assert first_beat_delay(2.0, 0.25, since_last_s=10.0) == 0.5
+    for kw in ({"interval_s": 0}, {"interval_s": float("inf")}, {"u": 1.0}, {"u": -0.1},
+               {"u": float("nan")}, {"since_last_s": -1.0}, {"since_last_s": float("nan")}):
+        args = {"interval_s": 1.0, "u": 0.5, **kw}
+        with pytest.raises(ValueError, match=next(iter(kw)).replace("interval_s",
+                                                                    "heartbeat_interval_s")):
+            first_beat_delay(**args)
+
+
+def _restarted(restart_every_s, restarts, interval_s=1.0):
+    """A member's beats when its process restarts every ``restart_every_s`` seconds, the
+    worst case of the offset: each new process beats at once (a follower's registration)
+    and again at offset u = 0, then every interval until the next restart."""
+    times = []
+    for k in range(restarts):
+        start = k * restart_every_s
+        times += [start, start + first_beat_delay(interval_s, 0.0)]
+        beat = start + interval_s
+        while beat < start + restart_every_s:
+            times.append(beat)
+            beat += interval_s
+    return times
+
+
+def test_a_member_restarted_every_half_interval_is_never_refused():
+    # Hand-computed (I = 1: 4 tokens per second, burst 8): each restart takes 2 at once and
+    # the half interval to the next brings back 2, so the bucket goes 8 -> 6 -> 8 for ever.
+    assert _refused(_restarted(0.5, 10_000), 1.0) == []
+    for every in (0.75, 1.0, 1.5, 2.5, 7.0):  # longer lives beat once more per interval
+        assert _refused(_restarted(every, 2_000), 1.0) == []
+
+
+def test_a_member_restarted_faster_is_refused_at_the_hand_computed_beat():
+    # Every 0.375 s (exact in binary): 2 taken, 1.5 back per restart. Before restart k (from
+    # 1) the bucket holds 8 - 0.5 (k - 1) tokens; the second beat needs 2 of them: k <= 13
+    # passes, restart 14's second beat (index 2 × 13 + 1 = 27) finds 1.5 - 1 = 0.5: refused.
+    assert _refused(_restarted(0.375, 14), 1.0) == [27]

@@ -15,6 +15,25 @@ the leader takes the answered ones at least I apart; a sequence whose times at t
 each lie within ±J of a period-I schedule conforms while 2J <= (HEARTBEAT_BURST - 1) · I
 (7 intervals of jitter, or 7 unanswered beats that arrive at once after a stall of the
 leader), whatever its length (``tests/algo/test_ratelimit.py``, hand-computed).
+
+When a member beats (issue 16): members that start together (a launch, a leader restart's
+re-registrations) would beat in the same second for as long as they live — the §16 run's
+leader got all 25 members' heartbeats in one second every interval, 1,120 at 1,024
+clusters. So a heartbeat loop's first beat comes at a random offset, ``u × I`` with u
+uniform in [0, 1) from the member's own random source (:func:`first_beat_delay`), and every
+I after it: the members' beats spread uniformly over the interval,
+and the interval, hence the §12 detection, is unchanged. A cluster's first beat follows its
+join, which set the leader's last-heard time, so the silence before it is under I: with the
+leader's limit of ``missed_heartbeats × I`` (3 I by default) at least 2 intervals of slack
+remain (the old first beat, one full I after the join, left exactly 2). The rate limit and a
+restart: a loop started again in the same process beats no sooner than I after that
+process's previous beat (``since_last_s``), so only a new process adds a beat to the
+period-I schedule (a follower registers at once when it starts and beats again at u × I,
+both at once for u = 0). A member restarted at most every I / 2 still has at least 6 tokens
+at each restart (each restart takes at most 2 at once, a lifetime R ≥ I / 2 brings back
+4 R / I ≥ 2; a longer one takes 1 more per I and brings back 4), so it is never refused;
+restarted every 3 I / 8 it would be, at its 14th restart (8 − 0.5 × 13 = 1.5 tokens before
+it: the second beat finds 0.5).
 """
 
 from __future__ import annotations
@@ -22,8 +41,8 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
-__all__ = ["Bucket", "HEARTBEAT_BURST", "HEARTBEAT_RATE_FACTOR", "check_rate", "heartbeat_limit",
-           "take"]
+__all__ = ["Bucket", "HEARTBEAT_BURST", "HEARTBEAT_RATE_FACTOR", "check_rate", "first_beat_delay",
+           "heartbeat_limit", "take"]
 
 #: Heartbeats per heartbeat interval one member may send, sustained (an honest one sends 1).
 HEARTBEAT_RATE_FACTOR = 4.0
@@ -79,3 +98,31 @@ def heartbeat_limit(interval_s: float) -> tuple[float, float]:
         raise ValueError(f"heartbeat_interval_s {interval_s!r} must be a finite number > 0 "
                          "(seconds)")
     return HEARTBEAT_RATE_FACTOR / interval_s, float(HEARTBEAT_BURST)
+
+
+def first_beat_delay(interval_s: float, u: float, since_last_s: float | None = None) -> float:
+    """Seconds from the start of a heartbeat loop (a cluster's join answered, a follower's
+    registration at its start) to its first beat: ``u × interval_s``, but never less than
+    ``interval_s − since_last_s`` when the same process beat ``since_last_s`` seconds ago
+    (module docstring, "When a member beats"; issue 16).
+
+    Args:
+        interval_s: the heartbeat interval I (seconds, finite, > 0).
+        u: a draw uniform in [0, 1) from the member's own random source.
+        since_last_s: seconds since this process's previous beat (>= 0); None: none yet.
+
+    Raises:
+        ValueError: a value out of range, naming it.
+    """
+    if not (isinstance(interval_s, (int, float)) and math.isfinite(interval_s) and interval_s > 0):
+        raise ValueError(f"heartbeat_interval_s {interval_s!r} must be a finite number > 0 "
+                         "(seconds)")
+    if not (isinstance(u, (int, float)) and 0.0 <= u < 1.0):
+        raise ValueError(f"heartbeat offset u {u!r} must be a number in [0, 1)")
+    delay = u * interval_s
+    if since_last_s is not None:
+        if not (isinstance(since_last_s, (int, float)) and since_last_s >= 0):
+            raise ValueError(f"since_last_s {since_last_s!r} must be a number >= 0 (seconds)")
+        delay = max(delay, interval_s - since_last_s)
+    return delay
+

@@ -2,11 +2,12 @@
 
 It asks the leader for the run spec, serves its shard (version 0 from ``--init`` or built
 from the config's seed; after a restart, its newest complete checkpoint), binds its control
-service (gRPC, mutual TLS) and its data plane (ZeroMQ), and registers with the leader every
-heartbeat interval. The registration's reply carries the leader's term (its lease, see
-:mod:`dips.algo.fencing`) and the data secret from which members' keys and the admission key
-of push tickets (:mod:`dips.wire.admission`) derive. Each registration also says whether the
-data plane still serves (``data_plane_error``: a thread died, or a peer has waited for its
+service (gRPC, mutual TLS) and its data plane (ZeroMQ), and registers with the leader at once,
+then at a random offset within the heartbeat interval and every interval after it (issue 16).
+The registration's reply carries the leader's term (its lease, see :mod:`dips.algo.fencing`)
+and the data secret from which members' keys and the admission key of push tickets
+(:mod:`dips.wire.admission`) derive. Each registration also says whether the data plane
+still serves (``data_plane_error``: a thread died, or a peer has waited for its
 turn beyond ``starved_s``, :meth:`dips.wire.dataplane.DataServer.health`): such a follower is
 marked down by the leader instead of being believed to serve. The state directory holds
 ``checkpoints/``, ``applied.jsonl`` and ``leader_term``.
@@ -15,6 +16,7 @@ marked down by the leader instead of being believed to serve. The state director
 from __future__ import annotations
 
 import logging
+import random
 import threading
 import time
 from pathlib import Path
@@ -23,6 +25,7 @@ import grpc
 import zmq
 
 from dips.algo import fencing
+from dips.algo.ratelimit import first_beat_delay
 from dips.algo.refusal import Refusal
 from dips.node.common import RoleError, StateDir, Unreachable, fetch_spec, split_address
 from dips.wire.admission import admission_key
@@ -170,7 +173,10 @@ def run_follower(leader_addr: str, index: int, listen: str, advertise: str, data
     code = 0
     # Registration doubles as the heartbeat: the leader learns a restart from the incarnation,
     # a restarted leader learns this follower within one interval (§12), and the reply renews
-    # the leader's lease on this follower.
+    # the leader's lease on this follower. The first registers at once, the next at a random
+    # offset within the interval, then every interval: followers started together do not
+    # beat in the same second ever after (issue 16, dips.algo.ratelimit.first_beat_delay).
+    wait_s = first_beat_delay(interval, random.SystemRandom().random())
     unreachable = Unreachable(f"follower {index}: leader {leader_addr}")
     while not stop.is_set():
         failpoints.hit("idle")  # fault injection between transfers
@@ -194,7 +200,8 @@ def run_follower(leader_addr: str, index: int, listen: str, advertise: str, data
                 code = 3
                 break
             unreachable.failed(describe(exc))
-        stop.wait(interval)
+        stop.wait(wait_s)
+        wait_s = interval
     server.stop(grace=2.0).wait(5.0)
     data.stop()
     shard.close()

@@ -18,6 +18,7 @@ and the end of a hold are logged (a warning, with why; then how long it lasted).
 from __future__ import annotations
 
 import logging
+import random
 import threading
 import time
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from typing import Any, Callable
 import grpc
 
 from dips.algo.hold import Hold, hold
+from dips.algo.ratelimit import first_beat_delay
 from dips.algo.refusal import Refusal
 from dips.roles import failpoints
 from dips.roles.cluster import SyncResult
@@ -146,7 +148,16 @@ class HeartbeatMixin:
     cluster a member. Its reply ends what a hold waits for: an unknown or revoked member
     sets the re-join; a leader heard again after failures makes the next try come now
     instead of after the backoff; a finished run sets ``finished``. It runs from the
-    leader's answer to the join on, through the pull and any resume (review 26, M6)."""
+    leader's answer to the join on, through the pull and any resume (review 26, M6).
+
+    Its first beat comes :func:`dips.algo.ratelimit.first_beat_delay` after it starts: at a
+    random offset within the interval (``beat_offset``, uniform in [0, 1) from the OS's
+    random source), so that clusters joining together do not beat in the same second ever
+    after (issue 16), and never sooner than one interval after this process's previous beat
+    (a thread started again after a failed join)."""
+
+    #: Draws u in [0, 1) for the first beat's offset (a test may set its own).
+    beat_offset: Callable[[], float] = random.SystemRandom().random
 
     cluster_id: str
     inner_step: int
@@ -158,6 +169,7 @@ class HeartbeatMixin:
     _hb_interval: float | None
     _hb_stop: threading.Event
     _hb_thread: threading.Thread | None
+    _hb_last: float | None = None  # when this process last sent a heartbeat (monotonic s)
     _followers_epoch: int | None
     _rejoin: threading.Event
     _retry_at: float
@@ -167,13 +179,19 @@ class HeartbeatMixin:
         """Start the thread (no-op while one runs)."""
         if self._hb_thread is not None:
             return
+        interval = self._hb_interval or 1.0
+        since = None if self._hb_last is None else max(0.0, time.monotonic() - self._hb_last)
+        first = first_beat_delay(interval, self.beat_offset(), since)
 
         def beat(stop: threading.Event = self._hb_stop) -> None:
             failing = False
-            while not stop.wait(self._hb_interval):
+            wait_s = first
+            while not stop.wait(wait_s):
+                wait_s = self._hb_interval or 1.0
                 if failpoints.link_down():
                     failing = True
                     continue
+                self._hb_last = time.monotonic()
                 try:
                     reply = self._leader.Heartbeat(pb.HeartbeatRequest(
                         cluster_id=self.cluster_id, inner_step=self.inner_step,
