@@ -1,11 +1,17 @@
 """The hold rule (dips.algo.hold; review 15, #2): when a cluster stops training until it can
-sync again, and how long it waits before its next try."""
+sync again, and how long it waits before its next try; a push request's admission deadline
+and the backoff (issue 16)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
-from dips.algo.hold import POLL_S, Hold, hold
+from dips.algo.hold import (BACKOFF_FIRST_S, BACKOFF_MAX_S, POLL_S, Admission, Hold, admission,
+                            hold, next_backoff)
+from dips.algo.round import PushRequested, PushWithdrawn, RoundPolicy, RoundState, Tick, step
+from dips.spec.protocol import GraceConfig
 
 NOW = 100.0
 
@@ -50,3 +56,45 @@ def test_bad_input_is_refused_naming_the_argument_and_value(kwargs, names):
             "verdict_pending": False, "now": NOW, "retry_at": 0.0, **kwargs}
     with pytest.raises(ValueError, match=names.replace("(", r"\(")):
         hold(**args)
+
+
+# ----- a push request's admission deadline and the backoff (issue 16) -----
+def _round(window_s=1.0):
+    return RoundPolicy(GraceConfig(window_s=window_s), 60.0, 60.0)
+
+
+def test_a_request_is_admitted_sent_ahead_waiting_or_withdrawn_at_its_deadline():
+    pol = _round()
+    s, _ = step(RoundState(), PushRequested(0.0, "a", "pa", 0, 10), pol)
+    assert admission(s, "a", "pa", 30.0, 0.0).what is Admission.ADMITTED  # opened the window
+    s, _ = step(s, Tick(1.0), pol)  # the window closes: b's request waits for the next round
+    s, _ = step(s, PushRequested(2.0, "b", "pb", 0, 10), pol)
+    w = admission(s, "b", "pb", 32.0, 2.0)
+    assert (w.what, w.slot.push_id, w.left_s) == (Admission.WAITING, "pb", 30.0)
+    assert admission(s, "b", "pb", 32.0, 32.0).what is Admission.WITHDRAW  # at the deadline
+    assert admission(s, "b", "pb", 32.0, 40.0) == (Admission.WITHDRAW, w.slot, 0.0)
+    s, _ = step(s, PushWithdrawn(32.0, "b", "pb"), pol)
+    assert admission(s, "b", "pb", 32.0, 32.0) == (Admission.DROPPED, None, 0.0)
+    assert admission(s, "a", "other", 32.0, 32.0).what is Admission.DROPPED  # not its push
+    with pytest.raises(ValueError, match="deadline_s"):
+        admission(s, "b", "pb", float("nan"), 0.0)
+
+
+def test_a_request_sent_ahead_and_one_of_a_finished_run():
+    s, _ = step(RoundState(), PushRequested(0.0, "a", "pa", 0, 10), _round())
+    slot = s.current.slots["a"]
+    ahead = replace(s, current=None, staging={"a": replace(slot, round=None)})
+    assert admission(ahead, "a", "pa", 30.0, 99.0).what is Admission.SENT_AHEAD
+    done = replace(RoundState(), finished="token budget")
+    assert admission(done, "a", "pa", 30.0, 0.0) == (Admission.FINISHED, None, 0.0)
+
+
+def test_the_backoff_doubles_from_half_a_second_to_ten():
+    waits, b = [], BACKOFF_FIRST_S
+    for _ in range(7):
+        waits.append(b)
+        b = next_backoff(b)
+    assert waits == [0.5, 1.0, 2.0, 4.0, 8.0, 10.0, 10.0] and BACKOFF_MAX_S == 10.0
+    for bad in (0, -1.0, float("inf"), "1"):
+        with pytest.raises(ValueError, match="backoff_s"):
+            next_backoff(bad)

@@ -44,6 +44,7 @@ import grpc
 import torch
 
 from dips.algo import partition_contiguous
+from dips.algo.hold import BACKOFF_FIRST_S, next_backoff
 from dips.algo.refusal import Refusal, Refused
 from dips.roles import failpoints
 from dips.roles.client_hold import HeartbeatMixin, HoldMixin
@@ -163,7 +164,7 @@ class ClusterClient(SyncMixin, HoldMixin, HeartbeatMixin):
         self._leader_push_timeout_s = 0.0
         self._verdict_holdings: list[tuple[int, int]] = []
         self._retry_at = 0.0
-        self._backoff_s = 0.5
+        self._backoff_s = BACKOFF_FIRST_S
         self._last_sync_step = 0
         self.version = -1
         self.leader_version = -1  # the global version in the leader's last heartbeat reply
@@ -341,7 +342,7 @@ class ClusterClient(SyncMixin, HoldMixin, HeartbeatMixin):
                 return False
             try:
                 self.join(attempts=1)
-                self._backoff_s = 0.5
+                self._backoff_s = BACKOFF_FIRST_S
             except (grpc.RpcError, RuntimeError) as exc:
                 if isinstance(exc, grpc.RpcError) and refusal_of(exc) is Refusal.RUN_FINISHED:
                     self.finished = exc.details() or "run finished"
@@ -380,9 +381,10 @@ class ClusterClient(SyncMixin, HoldMixin, HeartbeatMixin):
 
     def _fail(self, reason: str) -> None:
         self.last_failure = reason
-        self._retry_at = time.monotonic() + self._backoff_s
-        self._backoff_s = min(10.0, self._backoff_s * 2)
-        log.info("cluster %s: %s; retrying in %.1f s", self.cluster_id, reason, self._backoff_s)
+        wait_s = self._backoff_s
+        self._retry_at = time.monotonic() + wait_s
+        self._backoff_s = next_backoff(wait_s)  # dips.algo.hold: 0.5 s doubling to 10 s
+        log.info("cluster %s: %s; retrying in %.1f s", self.cluster_id, reason, wait_s)
 
     def close(self, leave: bool = True) -> None:
         """Stop heartbeats, optionally leave the run (chunks return to the ledger), close."""

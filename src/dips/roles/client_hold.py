@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 import grpc
 
-from dips.algo.hold import Hold, hold
+from dips.algo.hold import BACKOFF_FIRST_S, Hold, hold
 from dips.algo.ratelimit import first_beat_delay
 from dips.algo.refusal import Refusal
 from dips.roles import failpoints
@@ -204,7 +204,7 @@ class HeartbeatMixin:
                     if not reply.known:
                         self._rejoin.set()
                     if failing:  # the leader is back: retry now instead of after the backoff
-                        self._retry_at, self._backoff_s = 0.0, 0.5
+                        self._retry_at, self._backoff_s = 0.0, BACKOFF_FIRST_S
                     failing = False
                 except grpc.RpcError as exc:
                     failing = True

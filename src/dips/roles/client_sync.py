@@ -32,6 +32,7 @@ from typing import Any, Callable, Sequence
 import grpc
 import torch
 
+from dips.algo.hold import BACKOFF_FIRST_S
 from dips.algo.refusal import Refusal
 from dips.roles import failpoints
 from dips.roles.cluster import StageWorker, SyncResult
@@ -196,7 +197,7 @@ class SyncMixin:
             self._pull(v.version)
             self._leader.PullDone(pb.PullDoneRequest(cluster_id=self.cluster_id,
                                                      version=v.version))
-            self._backoff_s = 0.5
+            self._backoff_s = BACKOFF_FIRST_S
         except (ValueError, TimeoutError, RuntimeError, grpc.RpcError) as exc:
             result.ok = False
             result.reason += f"; pull failed: {exc}"

@@ -22,6 +22,8 @@ import secrets
 import time
 from typing import Any, Callable
 
+from dips.algo import hold as hold_rules
+from dips.algo.hold import Admission
 from dips.algo.ledger import ChunkLedger, LedgerError
 from dips.algo.limits import INT64_MAX, push_base_version, push_tokens
 from dips.algo.refusal import Refusal, Refused
@@ -30,7 +32,6 @@ from dips.algo.round import (
     PushReported,
     PushRequested,
     PushWithdrawn,
-    slot_of,
     step,
 )
 from dips.roles.leader_types import Grant, VerdictReply
@@ -132,21 +133,22 @@ class Pushes:
             if self.training_started_at is None:
                 self.training_started_at = time.time()  # max_time_s counts from here
             deadline = now + timeout_s
-            while True:
-                slot = slot_of(self._state, cluster_id)
-                if (slot is None or slot.push_id != push_id) and self._state.finished:
+            while True:  # the wait's decision: dips.algo.hold.admission (issue 16)
+                what, slot, left = hold_rules.admission(self._state, cluster_id, push_id,
+                                                        deadline, self._clock())
+                if what is Admission.FINISHED:
                     raise Refused(Refusal.RUN_FINISHED, f"the run finished "
                                                         f"({self._state.finished}) before "
                                                         f"cluster {cluster_id!r}'s push")
-                if slot is None or slot.push_id != push_id:
+                if what is Admission.DROPPED:
                     raise Refused(Refusal.NOT_ADMITTED, f"cluster {cluster_id!r}: push dropped "
                                                         "before admission (left or removed)")
-                if slot.round is not None:
+                if what is Admission.ADMITTED:
                     return self._grant(slot, slot.round, cluster.stages)
-                if self._state.staging.get(cluster_id) is slot:  # sent ahead of any round
+                if what is Admission.SENT_AHEAD:  # sent ahead of any round
                     return self._grant(slot, 0, cluster.stages)
-                left = deadline - self._clock()
-                if left <= 0 or self._stop.is_set() or (cancelled is not None and cancelled()):
+                if (what is Admission.WITHDRAW or self._stop.is_set()
+                        or (cancelled is not None and cancelled())):
                     self._apply(PushWithdrawn(self._clock(), cluster_id, push_id))
                     if self.ledger is not None:
                         self.ledger.resolve(cluster_id, False)  # the report goes with it
