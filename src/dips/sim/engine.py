@@ -36,6 +36,7 @@ import math
 from collections import Counter
 from typing import Any
 
+from dips.algo.hold import BACKOFF_FIRST_S
 from dips.algo.ledger import ChunkLedger
 from dips.algo.limits import lease_allowed, stop_reason
 from dips.algo.partition import partition_contiguous
@@ -43,7 +44,7 @@ from dips.algo.penalty import PenaltyState
 from dips.algo.refusal import Refused
 from dips.algo import round as round_machine
 from dips.algo.round import (Admitted, Decided, MemberGone, PushReported,
-                             PushRequested, RoundEnded, RoundOpened, RoundPolicy, RoundState,
+                             RoundEnded, RoundOpened, RoundPolicy, RoundState,
                              Staged, StartUpdate, Tick, UpdateFinished, WindowClosed)
 from dips.algo.schedule import ScheduleBook
 from dips.sim import costs
@@ -52,7 +53,7 @@ from dips.sim.faults import RandomFaults, ServerFaults
 from dips.sim.followers import FollowerLoad, ModelledFollower, NormBoard
 from dips.sim.ledger_journal import JournaledLedger
 from dips.sim.member import Member
-from dips.sim.messages import FOLLOWER_CALLS, Beats, Messages
+from dips.sim.messages import FOLLOWER_CALLS, Beats, Messages, beat_stream
 from dips.sim.network import Job, Network
 from dips.sim.rounds import RoundActions
 from dips.spec.run import PUSH_TOKENS_SLACK
@@ -106,8 +107,9 @@ class Simulation(RoundActions, ServerFaults, RandomFaults, Messages):
             m.cfg.windows_per_step * m.H for m in self.members.values()) * d.tokens_per_window
         self.max_push_tokens = PUSH_TOKENS_SLACK * self.push_tokens_weighed
         self.beats = Beats(sc.leader.membership.heartbeat_interval_s)
+        self._beat_rng = beat_stream(sc.seed)
         for f in range(M):  # a follower registers when it starts (its first heartbeat)
-            self.beats.start(("follower", f), "RegisterFollower", 0.0)
+            self._beat_from(("follower", f), "RegisterFollower", 0.0, at_once=True)
         self.msgs: Counter[str] = Counter()
         self.bins: Counter[int] = Counter()
         self.follower_bins: Counter[int] = Counter()
@@ -226,7 +228,7 @@ class Simulation(RoundActions, ServerFaults, RandomFaults, Messages):
             return
         if not self.beats.is_open(m.cid):  # a new process: it fetches the spec, then beats
             self._message(t, "GetSpec")
-            self.beats.start(m.cid, "Heartbeat", t + self.beats.period_s)
+            self._beat_from(m.cid, "Heartbeat", t)
         self._message(t, "JoinCluster")
         self.ledger.release(m.cid)  # as the leader's join: a (re-)joining cluster starts afresh
         self._feed(MemberGone(t, m.cid, "cluster re-joined"))
@@ -245,6 +247,7 @@ class Simulation(RoundActions, ServerFaults, RandomFaults, Messages):
 
     def _joined(self, m: Member, version: int, t: float) -> None:
         m.base_version = version
+        m.backoff_s = BACKOFF_FIRST_S
         self._compute(m, t)
 
     def _compute(self, m: Member, t: float) -> None:
@@ -258,30 +261,6 @@ class Simulation(RoundActions, ServerFaults, RandomFaults, Messages):
             return
         m.progress = m.train(self.ledger, lambda: self._lease(m, t))
         self._request(m, t)
-
-    def _request(self, m: Member, t: float) -> None:
-        """``m`` asks to push what it trained (``m.progress``); while the leader is down the
-        request waits for it (the client retries)."""
-        if self.leader_down:
-            m.set_state("admit", t)
-            self._parked.append(m)
-            return
-        per_push = self.max_push_tokens // self.sc.data.tokens_per_window
-        progress = self.ledger.credit(m.cid, m.progress, per_push)
-        windows = self.ledger.windows_in(m.cid, progress)
-        if windows == 0:  # nothing left to train on (every free chunk is held elsewhere)
-            self.counts["no_data"] += 1
-            self._compute(m, t)
-            return
-        m.new_push(t)
-        m.set_state("admit", t)
-        self._message(t, "RequestPush")
-        ok = self._feed(PushRequested(t, m.cid, m.push_id, m.base_version,
-                                      windows * self.sc.data.tokens_per_window, m.last_push_s),
-                        lambda: self.ledger.report(m.cid, progress))
-        if not ok:  # the run finished (or a push is still in flight): the cluster stops here
-            m.set_state("stopped", t)
-            self.beats.stop(m.cid, t)
 
     def _on_fault(self, t: float, payload: tuple[str, int], scheduled: bool = False) -> None:
         """Cluster ``payload[0]`` fails; back after an exponential draw of its ``recovery_s``

@@ -141,7 +141,10 @@ class ServerFaults:
             return
         control = self.followers[f.follower][1]
         control.alive = True
-        self.beats.start(("follower", f.follower), "RegisterFollower", t)  # registers at once
+        if f.action == "kill":  # a new process: registers at once, then from a drawn offset
+            self._beat_from(("follower", f.follower), "RegisterFollower", t, at_once=True)
+        else:  # resumed: its loop's wait ran out while stopped, it registers now
+            self.beats.start(("follower", f.follower), "RegisterFollower", t)
         self.net.set_down(t, f.follower, False)
         if f.action == "kill":
             control.restarted(f.checkpoint_lag)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+from dips.algo.hold import BACKOFF_FIRST_S
 from dips.algo.ledger import ChunkLedger
 from dips.sim import costs
 from dips.spec import ClusterConfig
@@ -50,6 +51,8 @@ class Member:
         self.progress: dict[int, int] = {}  # chunk -> position reached by its last H steps
         self.push_no = 0
         self.push_id = ""
+        self.tries = self.retries = 0  # requests of the current push; retries of all pushes
+        self.backoff_s = BACKOFF_FIRST_S  # the client's wait after its next failure
         self.requested_at = self.admitted_at = self.pull_started = 0.0
         self.last_push_s: float | None = None
         self.push_s: list[float] = []
@@ -99,6 +102,14 @@ class Member:
         self.push_no += 1
         self.push_id = f"{self.cid}-{self.push_no}"
         self.requested_at = t
+        self.tries = 1
+
+    def retry_push(self) -> None:
+        """The same push asked again after its request was withdrawn (a new push id, as the
+        real leader gives each request: ``<cid>-<n>.<try>``; the push number stays)."""
+        self.tries += 1
+        self.retries += 1
+        self.push_id = f"{self.cid}-{self.push_no}.{self.tries}"
 
     def verdict(self, accepted: bool, tokens: int) -> None:
         """Count a verdict (``tokens`` newly accepted)."""

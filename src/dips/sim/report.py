@@ -14,7 +14,8 @@
   Lease, a cluster's Heartbeat, a follower's RegisterFollower) and the replies of its calls
   to followers (Score, Aggregate or Discard, Apply, Commit, Abort, Restore, GetState, Fence),
   each when it arrives; heartbeats at the times the protocol gives them (a cluster every
-  interval from its join, a follower from its start). ``msg_rate_peak``: the busiest 1-s bin
+  interval from a drawn offset after its join, a follower at its start and every interval
+  from a drawn offset after it). ``msg_rate_peak``: the busiest 1-s bin
   of the run, all messages, at ``msg_rate_peak_at_s`` (the start-up's specs, joins, leases and
   first reconciliation, if all members start together); ``msg_rate_peak_after_start``: the
   busiest 1-s bin from the first RequestPush on; ``cpu_frac``: messages ×
@@ -31,7 +32,9 @@
 * ``rounds``, ``staleness`` (versions applied between a push's base and its update),
   ``pushes`` (verdicts, rejections by reason), ``tokens``, ``model``, and ``reference``: each
   figure of the scenario's reference next to the simulated one, their ratio and whether it is
-  within the tolerance.
+  within the tolerance. ``pushes.admission``: requests withdrawn at their admission deadline
+  (``timeouts.admit_s``) and asked again (:mod:`dips.sim.rounds`), the pushes that were, and
+  the most requests one push took.
 """
 
 from __future__ import annotations
@@ -79,6 +82,7 @@ def _clusters(sim: Simulation) -> dict[str, Any]:
             "state_s": {k: _r(v) for k, v in sorted(tot.items())},
             "pushes": m.push_no, "accepted": m.accepted, "rejected": m.rejected,
             "faults": m.faults, "tokens_accepted": m.tokens_accepted,
+            "requests_withdrawn": m.retries,
             "push_s_mean": _mean(m.push_s), "pull_s_mean": _mean(m.pull_s)}
     return out
 
@@ -205,6 +209,11 @@ def summarize(sim: Simulation) -> dict[str, Any]:
                    if sim.counts["pushes"] else 0.0,
                    "rejected_by": dict(sorted(sim.reasons.items())),
                    "sent_ahead": sim.counts["sent_ahead"],
+                   # requests not admitted within timeouts.admit_s, withdrawn and asked again
+                   "admission": {"deadline_s": sc.leader.timeouts.admit_s,
+                                 "withdrawn": sim.counts["withdrawn"],
+                                 "pushes_withdrawn": sim.counts["pushes_withdrawn"],
+                                 "tries_max": max(1, sim.counts["tries_max"])},
                    "refused": dict(sorted(sim.refusals.items()))},
         "tokens": {"accepted": sim.tokens_accepted, "budget": sc.token_budget,
                    "windows_short": sum(m.windows_short for m in sim.members.values()),

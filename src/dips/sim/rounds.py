@@ -8,6 +8,13 @@ step (something accepted, every follower prepared) at the decision, inside ``run
 lost after the decision and before the verdicts (the update phase) is therefore credited,
 never handed its windows out again.
 
+A push request waits for admission until its deadline, the client's ``timeouts.admit_s``:
+then it is withdrawn as the real leader withdraws it (:func:`dips.algo.hold.admission`
+decides, the round machine gets ``PushWithdrawn``, the ledger drops the report), and the
+cluster, holding (``hold_after = 1``: no further step), asks again with the same progress
+after its backoff (:func:`dips.algo.hold.next_backoff`: 0.5 s doubling to 10 s, back to
+0.5 s after a pull or a join) — each try a RequestPush to the leader.
+
 Scheduled faults (:class:`dips.spec.simulate.SimFault`) kill a cluster at its n-th push in one
 of the four cluster-side phases of :mod:`dips.roles.failpoints` (``window``, ``push``,
 ``update``, ``pull``); the engine asks :meth:`RoundActions._fault_due` at each of them.
@@ -18,7 +25,8 @@ from __future__ import annotations
 from typing import Any
 
 from dips.algo import round as round_machine
-from dips.algo.round import Decided, RoundEnded, StartUpdate
+from dips.algo.hold import BACKOFF_FIRST_S, Admission, admission, next_backoff
+from dips.algo.round import Decided, PushRequested, PushWithdrawn, RoundEnded, StartUpdate
 from dips.roles import outer_step
 from dips.sim import costs
 
@@ -33,6 +41,62 @@ class RoundActions:
 
     planned_faults: dict[tuple[str, int], str]
     _gained: dict[str, int]
+
+    # ----- push requests and their admission deadline ---------------------------------------
+    def _request(self, m: Any, t: float, retry: bool = False) -> None:
+        """``m`` asks to push what it trained (``m.progress``; ``retry``: again, after its
+        request was withdrawn); while the leader is down the request waits for it (the client
+        retries)."""
+        if self.leader_down:
+            m.set_state("admit", t)
+            self._parked.append(m)
+            return
+        per_push = self.max_push_tokens // self.sc.data.tokens_per_window
+        progress = self.ledger.credit(m.cid, m.progress, per_push)
+        windows = self.ledger.windows_in(m.cid, progress)
+        if windows == 0:  # nothing left to train on (every free chunk is held elsewhere)
+            self.counts["no_data"] += 1
+            self._compute(m, t)
+            return
+        if retry:
+            m.retry_push()
+        else:
+            m.new_push(t)
+        m.set_state("admit", t)
+        self._message(t, "RequestPush")
+        ok = self._feed(PushRequested(t, m.cid, m.push_id, m.base_version,
+                                      windows * self.sc.data.tokens_per_window, m.last_push_s),
+                        lambda: self.ledger.report(m.cid, progress))
+        if not ok:  # the run finished (or a push is still in flight): the cluster stops here
+            m.set_state("stopped", t)
+            self.beats.stop(m.cid, t)
+        elif m.state == "admit":  # queued: withdrawn at its deadline unless admitted
+            deadline = t + self.sc.leader.timeouts.admit_s
+            self.q.push(deadline, "admit_deadline", (m.cid, m.epoch, m.push_id, deadline))
+
+    def _on_admit_deadline(self, t: float, payload: tuple[str, int, str, float]) -> None:
+        """A request's deadline: withdrawn if still waiting (the leader's ``request_push``),
+        asked again after the cluster's backoff."""
+        cid, epoch, push_id, deadline = payload
+        m = self.members[cid]
+        if m.epoch != epoch or m.push_id != push_id or self.leader_down:
+            return  # admitted and on, failed since, or re-made to a restarted leader
+        if admission(self.state, cid, push_id, deadline, t).what is not Admission.WITHDRAW:
+            return
+        self._feed(PushWithdrawn(t, cid, push_id))
+        self.ledger.resolve(cid, False)  # the report goes with it
+        self.counts["withdrawn"] += 1
+        self.counts["pushes_withdrawn"] += m.tries == 1  # its first withdrawal
+        self.counts["tries_max"] = max(self.counts["tries_max"], m.tries + 1)
+        wait_s, m.backoff_s = m.backoff_s, next_backoff(m.backoff_s)
+        self.q.push(t + wait_s, "admit_retry", (cid, epoch, push_id))
+
+    def _on_admit_retry(self, t: float, payload: tuple[str, int, str]) -> None:
+        cid, epoch, push_id = payload
+        m = self.members[cid]
+        if m.epoch == epoch and m.push_id == push_id and m.state == "admit":
+            self._request(m, t, retry=True)
+
 
     # ----- scheduled faults -----------------------------------------------------------------
     def _fault_due(self, m: Any, phase: str, t: float) -> bool:
@@ -150,6 +214,7 @@ class RoundActions:
 
     def _pulled(self, m: Any, version: int, t: float) -> None:
         m.base_version = version
+        m.backoff_s = BACKOFF_FIRST_S  # a completed sync
         m.pull_s.append(t - m.pull_started)
         if self.leader_down:
             self._compute(m, t)

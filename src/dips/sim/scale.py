@@ -207,6 +207,8 @@ def _row(model: str, sc: SimScenario, doc: dict[str, Any]) -> dict[str, Any]:
                            math.ceil(sc.H * over / 0.05) if over > 0.05 else sc.H),
             "staleness_mean": st["mean"], "staleness_p95": st["p95"], "staleness_max": st["max"],
             "rejected_frac": doc["pushes"]["rejected_frac"], "pushes": doc["pushes"]["decided"],
+            "withdrawn": doc["pushes"]["admission"]["withdrawn"],
+            "pushes_withdrawn": doc["pushes"]["admission"]["pushes_withdrawn"],
             "outer_steps": doc["rounds"]["outer_steps"],
             "pushes_per_round": doc["rounds"]["pushes_per_round_mean"],
             "cpu_idle_min": f["cpu_idle_frac_min"], "link_peak_gbps": f["link_peak_bps"] / 1e9,
