@@ -13,7 +13,8 @@ from types import SimpleNamespace
 
 from prometheus_client import CollectorRegistry
 
-from dips.emu.summary import leader_counts, per_cluster, tokens_consumed
+from dips.algo.pushcounts import leader_counts
+from dips.emu.summary import per_cluster, tokens_consumed
 from dips.node.metrics import LeaderMetrics
 from dips.spec import ClusterConfig, RunConfig
 

@@ -16,7 +16,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from dips.algo.refusal import Refused
-from dips.emu.summary import PER_CLUSTER, leader_counts, read_jsonl
+from dips.algo.pushcounts import PER_CLUSTER, leader_counts
+from dips.emu.summary import read_jsonl
 from dips.node.metrics import LeaderMetrics
 from dips.roles import leader_records
 from dips.roles.outer_log import end_torn_line, last_decision_round

@@ -13,7 +13,8 @@ import time
 import pytest
 from prometheus_client import CollectorRegistry
 
-from dips.emu.summary import leader_counts, read_jsonl
+from dips.algo.pushcounts import leader_counts
+from dips.emu.summary import read_jsonl
 from dips.node.metrics import LeaderMetrics
 from tests.roles.test_leader_exactly_once import Run, wait_for
 

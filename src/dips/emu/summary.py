@@ -29,6 +29,7 @@ from typing import Any, Callable
 import torch
 
 from dips.algo.consumed import tokens_consumed_of, trained_at_least
+from dips.algo.pushcounts import PER_CLUSTER, leader_counts
 from dips.spec import RunConfig, RunSpec
 from dips.wire.keys import MemberKey
 
@@ -55,57 +56,9 @@ def tokens_consumed(run_dir: Path, cfg: RunConfig) -> dict[str, int]:
             for c in cfg.clusters}
 
 
-#: The per-cluster counts of :func:`leader_counts`.
-PER_CLUSTER = ("updates_pushed", "updates_accepted", "updates_rejected", "updates_lost",
-               "tokens_pushed", "tokens_accepted")
-
-
-def leader_counts(outer_steps: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
-    """Per cluster, from the leader's ``outer_steps.jsonl`` records (one file over every
-    leader process; a cluster keeps its id over its restarts): the counts of
-    :data:`PER_CLUSTER`. A decision line counts each push of its round once (a line repeated
-    for a round already seen counts nothing); a ``rollback`` line to version t takes the
-    accepted pushes of every version above t out of ``updates_accepted`` and
-    ``tokens_accepted`` into ``updates_lost`` (as the leader's own counts do)."""
-    out: dict[str, dict[str, int]] = {}
-    applied: dict[int, dict[str, int]] = {}  # version -> accepted cluster -> tokens
-    rounds: set[Any] = set()
-
-    def row(cid: str) -> dict[str, int]:
-        return out.setdefault(str(cid), dict.fromkeys(PER_CLUSTER, 0))
-
-    for rec in outer_steps:
-        if rec.get("event") == "rollback" and isinstance(rec.get("version"), int):
-            for v in [v for v in applied if v > rec["version"]]:
-                for cid, tokens in applied.pop(v).items():
-                    r = row(cid)
-                    r["updates_accepted"] -= 1
-                    r["tokens_accepted"] -= tokens
-                    r["updates_lost"] += 1
-            continue
-        if "event" in rec or "accepted" not in rec or rec.get("round") in rounds:
-            continue
-        rounds.add(rec.get("round"))
-        tokens = {str(c): int(t) for c, t in (rec.get("tokens") or {}).items()
-                  if isinstance(t, (int, float)) and not isinstance(t, bool)}
-        accepted = [str(c) for c in rec.get("accepted") or []]
-        for cid in rec.get("clusters") or list(tokens):
-            r = row(cid)
-            r["updates_pushed"] += 1
-            r["tokens_pushed"] += tokens.get(str(cid), 0)
-        for cid in rec.get("rejected") or {}:
-            row(cid)["updates_rejected"] += 1
-        for cid in accepted:
-            r = row(cid)
-            r["updates_accepted"] += 1
-            r["tokens_accepted"] += tokens.get(cid, 0)
-        if accepted and isinstance(rec.get("version"), int):
-            applied[rec["version"]] = {cid: tokens.get(cid, 0) for cid in accepted}
-    return dict(sorted(out.items()))
-
-
 def per_cluster(run_dir: Path, cfg: RunConfig) -> dict[str, dict[str, int]]:
-    """Each configured cluster's :func:`leader_counts` (zeros if it never pushed) with its
+    """Each configured cluster's :func:`dips.algo.pushcounts.leader_counts` (zeros if it
+    never pushed; one rule with ``dips report``) with its
     ``tokens_consumed``: :func:`tokens_consumed`, but never below the leader's
     ``tokens_pushed`` (every token a push carried was trained; a process killed after its
     push was decided and before its line was written leaves ``train.jsonl`` short)."""

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dips.algo.pushcounts import push_counts
 from dips.bench.runreport.compare_plots import curves_of, plot_compare_losses
 from dips.bench.runreport.faults import FaultRow, fault_counts, fault_rows, rejections
 from dips.bench.runreport.figs import Plot
@@ -101,9 +102,10 @@ def _fault_table(rows: list[FaultRow]) -> Table:
 def recorded_figures(run: RunFiles) -> tuple[dict[str, Any], list[str]]:
     """The key figures of a run without ``summary.json`` (deployed by hand, or copied from
     its hosts; review 26 M9), under :data:`_SUMMARY_FACTS`' keys, from the leader's files:
-    the counts of ``leader.json`` (recounted from ``outer_steps.jsonl``'s decision lines
-    without it, rolled-back steps included), clusters (``leader.json``'s ``joined``, else
-    ``run.json``'s config), followers and H from ``run.json``, the initial held-out loss
+    the counts of ``leader.json`` (recounted from ``outer_steps.jsonl`` without it, as
+    ``summary.json`` counts per cluster: :func:`dips.algo.pushcounts.push_counts`, the
+    rolled-back steps taken back as the leader takes them back), clusters (``leader.json``'s
+    ``joined``, else ``run.json``'s config), followers and H from ``run.json``, the initial held-out loss
     from ``run.json`` and the final one from the last evaluation (``eval.jsonl``). Returns
     (figures, the files they came from)."""
     out: dict[str, Any] = {}
@@ -116,15 +118,10 @@ def recorded_figures(run: RunFiles) -> tuple[dict[str, Any], list[str]]:
         out.update(got)
         used.append("leader.json")
     elif run.outer_steps:
-        decided = [r for r in run.outer_steps if isinstance(r.get("clusters"), list)]
-        accepted = [(r, [c for c in (r.get("accepted") or []) if isinstance(c, str)])
-                    for r in decided]
-        out.update(outer_steps=sum(1 for _, a in accepted if a),
-                   updates_pushed=sum(len(r["clusters"]) for r in decided),
-                   updates_accepted=sum(len(a) for _, a in accepted),
-                   updates_rejected=sum(len(r.get("rejected") or {}) for r in decided),
-                   tokens_accepted=int(sum(num(r.get("tokens") or {}, c) or 0
-                                           for r, a in accepted for c in a)))
+        counted = push_counts(run.outer_log)
+        totals = counted.totals()
+        out.update(outer_steps=counted.outer_steps,
+                   **{k: totals[k] for k in keys if k != "outer_steps"})
         used.append("outer_steps.jsonl")
     spec = run.run_spec or {}
     config = spec.get("config") if isinstance(spec.get("config"), dict) else {}

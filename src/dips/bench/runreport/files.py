@@ -181,6 +181,8 @@ class RunFiles:
             (the run spec: ``config``, ``eval_loss_initial``), or None (none, or several).
         outer_steps: the leader's decision lines of ``outer_steps.jsonl`` (``round_end`` and
             ``rollback`` lines are in ``round_ends`` / ``rollbacks``), in file order.
+        outer_log: its decision and ``rollback`` lines together, in file order (what
+            :func:`dips.algo.pushcounts.push_counts` counts).
         clusters: cluster id → its ``train.jsonl`` records (several files of one id merged
             by their ``time``: :func:`by_time`).
         followers: follower id → its ``applied.jsonl`` records (merged as ``clusters``).
@@ -202,6 +204,7 @@ class RunFiles:
     outer_steps: list[dict[str, Any]] = field(default_factory=list)
     round_ends: list[dict[str, Any]] = field(default_factory=list)
     rollbacks: list[dict[str, Any]] = field(default_factory=list)
+    outer_log: list[dict[str, Any]] = field(default_factory=list)
     clusters: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     followers: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     leader_events: list[dict[str, Any]] = field(default_factory=list)
@@ -336,8 +339,10 @@ def load_run(root: Path) -> RunFiles:
                 run.round_ends.append(rec)
             elif kind == "rollback":
                 run.rollbacks.append(rec)
+                run.outer_log.append(rec)
             elif kind is None and "round" in rec:
                 run.outer_steps.append(rec)
+                run.outer_log.append(rec)
     for name, target in (("leader_events.jsonl", run.leader_events), ("events.jsonl", run.events)):
         parts = []
         for p in _files(root, name, run):

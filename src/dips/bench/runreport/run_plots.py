@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from dips.algo.consumed import consumed_series, tokens_consumed_of
+from dips.algo.pushcounts import push_counts
 from dips.bench.runreport.figs import (
     LossCurve,
     Plot,
@@ -188,7 +189,9 @@ def plot_loss_vs_tokens(run: RunFiles) -> Plot:
 
 
 def plot_tokens_per_cluster(run: RunFiles) -> Plot:
-    """Bars: tokens each cluster trained on, and tokens accepted from it (the leader's T_j)."""
+    """Bars: tokens each cluster trained on, and tokens accepted from it (the leader's T_j),
+    counted as ``summary.json``'s ``per_cluster`` counts them
+    (:func:`dips.algo.pushcounts.push_counts`: a rolled-back step's tokens taken back)."""
     title = "Tokens per cluster"
     consumed: dict[str, float] = {}
     per = (run.summary or {}).get("tokens_consumed_per_cluster")
@@ -197,12 +200,9 @@ def plot_tokens_per_cluster(run: RunFiles) -> Plot:
     for cid, recs in run.clusters.items():
         if cid not in consumed and (n := tokens_consumed_of(recs)):
             consumed[cid] = float(n)
-    accepted: dict[str, float] = {}
-    for rec in run.outer_steps:
-        toks = rec.get("tokens") if isinstance(rec.get("tokens"), dict) else {}
-        for cid in rec.get("accepted") or []:
-            if (t := num(toks, cid)) is not None:
-                accepted[cid] = accepted.get(cid, 0.0) + t
+    accepted = {cid: float(row["tokens_accepted"])
+                for cid, row in push_counts(run.outer_log).per_cluster.items()
+                if row["updates_accepted"] or row["updates_lost"]}
     ids = sorted(set(consumed) | set(accepted))
     if not ids:
         return empty_plot("tokens_per_cluster.png", title,
