@@ -15,6 +15,8 @@ process's cumulative ``tokens`` and its ``step`` number. So:
   counted already: only what it counts beyond them is new. The steps an earlier process
   trained after that save (before it died) were trained, so they count too: each step record
   counts once, whichever process wrote it; no token is counted twice;
+* a ``join`` record with ``rejoin: true`` is a later join of the same process (removed for
+  missed heartbeats, the leader restarted without it): its counts go on, no new process;
 * a step whose sync follows it has its line written after that sync, and a ``sync_start``
   record (``inner_step``, ``tokens``) before it: a process killed in the middle of the sync
   (its push or pull) leaves only the ``sync_start``, which counts the step; the step's own
@@ -101,6 +103,9 @@ def _fold(records: Iterable[dict[str, Any]]) -> tuple[list[StepTokens], int]:
             continue
         event = rec.get("event")
         seen, marked = marked, None
+        if event == "join" and rec.get("rejoin") is True:
+            marked = seen  # the same process joined again: its counts go on
+            continue
         if event == "join":
             c.pending = True
             continue

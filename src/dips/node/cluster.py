@@ -7,7 +7,8 @@ trains: inner AdamW steps, a push every H steps, the verdict, the pull, until th
 the run finished (its token budget, outer-step or time limit; exit 0). The model and the
 inner step run on the cluster's device (``--device`` or ``ClusterConfig.device``; default
 cuda when available). Its state directory holds ``train.jsonl`` (a ``join`` record, a
-``resume`` record when it resumed a saved inner state, then one line per inner step) and
+``resume`` record when it resumed a saved inner state, then one line per inner step, and a
+``join`` record with ``rejoin`` at each later join of the process: :func:`record_joins`) and
 ``inner/``: the inner AdamW state and data position after the last pull
 (:mod:`dips.roles.cluster_state`; ``inner_checkpoint: false`` turns it off). A user's own
 training loop uses :class:`dips.roles.client.ClusterClient` with the same arguments.
@@ -122,6 +123,28 @@ def run_cluster(leader_addr: str, cluster_id: str, state: Path, creds: Credentia
             metrics.close()
 
 
+def join_record(cluster_id: str, client: Any, rejoin: bool = False) -> dict[str, Any]:
+    """The ``train.jsonl`` record of a join of ``client`` (a :class:`dips.roles.client.
+    ClusterClient` just joined): ``cluster``, ``version`` pulled, ``stages`` (layer keys per
+    stage worker); ``rejoin: true`` for a later join of the same process, whose counts go
+    on (:mod:`dips.algo.consumed`: no new process)."""
+    rec: dict[str, Any] = {"event": "join", "cluster": cluster_id, "version": client.version,
+                           "stages": client.stage_layers}
+    if rejoin:
+        rec["rejoin"] = True
+    return rec
+
+
+def record_joins(out: Any, cluster_id: str, client: Any) -> None:
+    """Write the ``join`` record of ``client``'s join just made into ``out`` (a
+    :class:`dips.train.run.TrainLog`), and one of every later join of this process (removed
+    for missed heartbeats while stopped, the leader restarted without it: ``rejoin``), so
+    that ``dips report`` shows the cluster back there (review 33 of issue 15: a re-join in
+    the same process was in no figure)."""
+    out.write(join_record(cluster_id, client))
+    client.on_rejoin = lambda _version: out.write(join_record(cluster_id, client, rejoin=True))
+
+
 def _train(cluster_id: str, cfg: Any, me: Any, trainer: Any, client: Any, bucket: Any,
            state: Path, stop: threading.Event, observed: Any) -> int:
     """Join, train until the run ends or ``stop`` (``train.jsonl`` fed to ``observed``, the
@@ -164,8 +187,7 @@ def _train(cluster_id: str, cfg: Any, me: Any, trainer: Any, client: Any, bucket
              client.stage_layers)
     out = TrainLog(state / "train.jsonl", stamp=time.time, delay=False,
                    observer=observed.observe if observed is not None else None)
-    out.write({"event": "join", "cluster": cluster_id, "version": client.version,
-               "stages": client.stage_layers})
+    record_joins(out, cluster_id, client)
     if getattr(sync, "resumed", None) is not None:
         out.write(sync.resumed)
     try:

@@ -76,8 +76,7 @@ class LedgerData(Protocol):
 
 
 #: Refusals no retry can change (a revoked or foreign certificate, a model that differs, an
-#: address that is not the leader's): a re-join refused so raises them as
-#: :class:`~dips.algo.refusal.Refused`.
+#: address not the leader's): a re-join refused so raises them as :class:`.Refused`.
 FINAL_REFUSALS = (Refusal.FORBIDDEN, Refusal.MODEL_MISMATCH, Refusal.NOT_LEADER)
 
 
@@ -173,6 +172,8 @@ class ClusterClient(SyncMixin, HoldMixin, HeartbeatMixin):
         self.tokens_since_pull = 0
         self.last_loss = math.nan
         self.joins = 0
+        #: Called on a re-join of this process (its train.jsonl record) with the version pulled.
+        self.on_rejoin: Callable[[int], object] | None = None
         self.finished = ""  # why the run ended, once the leader says so: the loop stops
 
     def sync_due_after_step(self) -> bool:
@@ -245,6 +246,8 @@ class ClusterClient(SyncMixin, HoldMixin, HeartbeatMixin):
             if self.data is not None:
                 self.data.set_holdings([])
                 self.refill()
+            if self.joins > 1 and self.on_rejoin is not None:
+                self.on_rejoin(self.version)
             return self.version
         raise RuntimeError(f"cluster {self.cluster_id!r} could not pull a consistent model: {last}")
 

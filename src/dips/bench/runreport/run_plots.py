@@ -47,7 +47,8 @@ __all__ = ["ClusterSteps", "cluster_steps", "heldout_points", "plot_loss_vs_time
 class ClusterSteps:
     """One cluster's inner steps: seconds since the start, cumulative tokens (across process
     restarts: a count that falls back starts a new lifetime on top of the last), loss; and
-    ``lifetimes``, the index of each process's first step (a ``join`` record starts one)."""
+    ``lifetimes``, the index of each process's first step (a ``join`` record starts one, not
+    one with ``rejoin``: the same process)."""
 
     time_s: list[float]
     tokens: list[float]
