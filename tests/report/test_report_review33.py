@@ -114,7 +114,7 @@ def test_every_time_axis_spans_the_run_and_shows_the_outages(tmp_path):
     rows = [t.get_text() for t in whole.get_yticklabels()]
     assert rows == ["leader", "a", "b", "c", "follower-0", "follower-1"]
     a = _bars(whole, rows.index("a"))  # killed at 12 s, never back: down to the end, open
-    assert ("down (no process, or follower_down)", (12.0, 24.0)) in a
+    assert ("down (no process, removed, or follower_down)", (12.0, 24.0)) in a
     assert ("open: no record ends it", (12.0, 24.0)) in a
     b = _bars(whole, rows.index("b"))  # holding from 9 s to its process's stop: open
     assert ("held", (9.0, 26.0)) in b and [w for _, w in b].count((9.0, 26.0)) == 2
@@ -143,7 +143,7 @@ def test_every_timeline_legend_entry_has_a_colour_of_its_own(tmp_path):
     rep = write_report(make_stalled_run(tmp_path / "run"), tmp_path / "out")
     ax = next(p for p in rep.plots if p.name == "timeline.png").figure.axes[0]
     handles, labels = ax.get_legend_handles_labels()
-    assert {"push phase", "push", "held", "down (no process, or follower_down)"} <= set(labels)
+    assert {"push phase", "push", "held", "down (no process, removed, or follower_down)"} <= set(labels)
     looks = [_colour(h) for h in handles]
     assert len(set(looks)) == len(looks), dict(zip(labels, looks))
 

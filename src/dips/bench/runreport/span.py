@@ -15,8 +15,11 @@ every follower outage were in no figure). Times are seconds since the training s
   summary's ``train_time_s``; None for a run still going.
 * **Down stretches** (:func:`down_stretches`): a member is *down* from its process's exit
   with a non-zero code (the launcher's ``exited``: killed, crashed, or hung and killed by the
-  supervisor) or, for a follower, the leader's ``follower_down``, until it is back: a
-  cluster's next ``join`` record or the leader's ``cluster_joined`` of it, a follower's
+  supervisor), for a cluster from the leader's ``cluster_removed`` of it while the run goes
+  on (from its last heartbeat, ``silent_s`` before: a process stopped, then removed, trained
+  nothing meanwhile), or, for a follower, the leader's ``follower_down``, until it is back: a
+  cluster's next ``join`` record (one of the same process too, ``rejoin``) or the leader's
+  ``cluster_joined`` of it, a follower's
   ``follower_up``, the leader's ``leader_resumed``. A stretch no record ends is *open*
   (:attr:`Stretch.open`) and drawn to the run's end.
 
@@ -123,6 +126,10 @@ def _marks(run: RunFiles) -> Iterable[tuple[float, int, str]]:
             continue
         if kind in ("follower_down", "follower_up"):
             yield run.rel(t), int(kind == "follower_up"), follower_member(rec.get("follower"))
+        elif kind == "cluster_removed" and rec.get("after_finish") is not True:
+            # Removed (its heartbeats missed, e.g. SIGSTOPped): down from its last heartbeat.
+            silent = num(rec, "silent_s") or 0.0
+            yield run.rel(t - max(0.0, silent)), 0, cluster_member(rec.get("cluster"))
         elif kind == "cluster_joined":
             yield run.rel(t), 1, cluster_member(rec.get("cluster"))
         elif kind == "leader_resumed":

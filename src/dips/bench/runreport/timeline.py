@@ -15,9 +15,13 @@
   before it, push phase and window before that).
 * One row per **follower** that was ever down (followers leave no bars otherwise; in the
   zoom only where it was down there).
-* On every row, **down**: the stretches the member had no process or, for a follower, the
-  leader had it down (:func:`dips.bench.runreport.span.down_stretches`), open ones drawn to
-  the end of the run and marked open (faded and hatched, as an open hold is).
+* On every row, **down**: the stretches the member had no process, a cluster was removed
+  by the leader (until it joined again, in a new process or the same one: its ``join``
+  record) or, for a follower, the leader had it down
+  (:func:`dips.bench.runreport.span.down_stretches`), open ones drawn to the end of the run
+  and marked open (faded and hatched, as an open hold is); a cluster's inner steps and holds
+  are not drawn there (a process stopped, removed and back wrote no record meanwhile: its
+  bar would span the removal).
 
 Top: the whole run, from the training start to its end (the last record of any member,
 :func:`dips.bench.runreport.span.run_span`), the stop marked; bottom (when it is under half
@@ -54,7 +58,7 @@ CLUSTER_KINDS = (("inner steps", "#9ecae1"), ("held", "#bdbdbd"), ("push", "#e65
 LEADER_KINDS = (("grace window", "#bcbddc"), ("push phase", "#8c564b"), ("update", "#756bb1"))
 #: Every row's down stretches (:data:`DOWN`).
 DOWN_KIND = (DOWN, DOWN_COLOUR)
-_LABELS = {DOWN: "down (no process, or follower_down)", OPEN: "open: no record ends it"}
+_LABELS = {DOWN: "down (no process, removed, or follower_down)", OPEN: "open: no record ends it"}
 _ORDER = {_LABELS.get(k, k): i for i, k in enumerate(
     [k for k, _ in (*LEADER_KINDS, *CLUSTER_KINDS, DOWN_KIND)] + [OPEN])}
 #: How an open bar is drawn over its colour: faded and hatched.
@@ -83,8 +87,9 @@ def sync_bars(run: RunFiles, records: list[dict[str, Any]], cid: str | None = No
             continue
         t = run.rel(t)
         if rec.get("event") == "join":
-            if hold_at is not None and (end := span.hold_end(process, hold_at))[0] <= t:
-                bars["held"].append((hold_at, end[0] - hold_at))  # ended by its process's exit
+            if hold_at is not None:  # ended by its process's exit, or by this re-join
+                end = min(span.hold_end(process, hold_at)[0], t)
+                bars["held"].append((hold_at, end - hold_at))
             _close(bars, seg_start, hold_at if hold_at is not None else last_step)
             seg_start = last_step = t
             hold_at = None
@@ -144,6 +149,23 @@ def _leader_bars(run: RunFiles) -> Bars:
     return bars
 
 
+def _outside(bars: Bars, stretches: list[Stretch]) -> Bars:
+    """``bars`` with their inner steps and holds cut where the member was down: a cluster
+    stopped (SIGSTOP), removed and re-joined wrote no record meanwhile, so the bar from its
+    last sync to its next one spans its removal (review 33 of issue 15, run2's cluster b)."""
+    for kind in ("inner steps", "held", OPEN):
+        cut = []
+        for start, width in bars.get(kind, []):
+            pieces = [(start, start + width)]
+            for s in stretches:
+                pieces = [p for lo, hi in pieces
+                          for p in ((lo, min(hi, s.start)), (max(lo, s.end), hi)) if p[1] > p[0]]
+            cut += [(lo, hi - lo) for lo, hi in pieces]
+        if kind in bars:
+            bars[kind] = cut
+    return bars
+
+
 def _add_down(bars: Bars, stretches: list[Stretch]) -> Bars:
     for s in stretches:
         bars[DOWN].append((s.start, s.width))
@@ -158,7 +180,8 @@ def _rows(run: RunFiles, span: RunSpan) -> list[tuple[str, Bars, tuple[tuple[str
     leader = _add_down(_leader_bars(run), down.get(LEADER, []))
     rows = [("leader", leader, LEADER_KINDS)] if any(leader.values()) else []
     for cid, recs in sorted(run.clusters.items()):
-        b = _add_down(sync_bars(run, recs, cid, span), down.get(cluster_member(cid), []))
+        gone = down.get(cluster_member(cid), [])
+        b = _add_down(_outside(sync_bars(run, recs, cid, span), gone), gone)
         if any(b.values()):
             rows.append((cid, b, CLUSTER_KINDS))
     followers = sorted({w for w in down if w.startswith(follower_member(""))},
