@@ -82,8 +82,9 @@ def _steps(first: int, t0: float, t1: float) -> list[dict]:
 
 def make_rejoined_run(root):
     """Like review 33's run2 (75 s): cluster b trains and syncs to 20 s, is SIGSTOPped
-    there, removed by the leader at 25 s (silent 5 s), continued at 68 s (its step in flight
-    ends at 68.2 s), re-joined in the same process at 69.75 s (its record at 70 s), trains on;
+    there, removed by the leader at 25 s (silent 5.5 s: its last heartbeat came before its
+    last step), continued at 68 s (its step in flight ends at 68.2 s), re-joined in the same
+    process at 69.75 s (its record at 70 s), trains on;
     cluster c holds from 10.5 s (the leader unreachable), the restarted leader forgets it,
     it re-joins in the same process at 30 s, trains on. Cluster a trains throughout."""
     root.mkdir(parents=True)
@@ -107,7 +108,7 @@ def make_rejoined_run(root):
          "time": T0 + 30.1},
         *_steps(21, 30.1, 75.0)])
     _jsonl(root / "leader_events.jsonl", [
-        {"time": T0 + 25.0, "event": "cluster_removed", "cluster": "b", "silent_s": 5.0},
+        {"time": T0 + 25.0, "event": "cluster_removed", "cluster": "b", "silent_s": 5.5},
         {"time": T0 + 28.0, "event": "leader_resumed", "version": 19},
         {"time": T0 + 29.8, "event": "cluster_joined", "cluster": "c", "rejoin": True},
         {"time": T0 + 69.75, "event": "cluster_joined", "cluster": "b", "rejoin": True}])
@@ -143,7 +144,8 @@ def test_the_timeline_shows_a_removal_as_down_and_a_rejoin_in_the_same_process(t
 
 def test_a_rejoin_in_the_same_process_counts_its_tokens_on(tmp_path):
     """A re-join record between a step's sync_start and its line (the re-join in that
-    sync): the same process, so the step counts once and the loss line does not break."""
+    sync): the same process, so the step counts once (it counted the step twice, as a new
+    process's); the loss line breaks there (the model is the pulled one)."""
     recs = [{"event": "join", "cluster": "b", "version": 0, "time": T0},
             *_steps(1, 0.0, 1.5),
             {"event": "sync_start", "inner_step": 4, "tokens": 400, "time": T0 + 1.9},
@@ -153,4 +155,4 @@ def test_a_rejoin_in_the_same_process_counts_its_tokens_on(tmp_path):
     root = tmp_path / "run"
     _jsonl(root / "clusters" / "b" / "train.jsonl", recs)
     run = load_run(root)
-    assert cluster_steps(run, run.clusters["b"]).lifetimes == [0]
+    assert cluster_steps(run, run.clusters["b"]).lifetimes == [0, 3]

@@ -47,8 +47,9 @@ __all__ = ["ClusterSteps", "cluster_steps", "heldout_points", "plot_loss_vs_time
 class ClusterSteps:
     """One cluster's inner steps: seconds since the start, cumulative tokens (across process
     restarts: a count that falls back starts a new lifetime on top of the last), loss; and
-    ``lifetimes``, the index of each process's first step (a ``join`` record starts one, not
-    one with ``rejoin``: the same process)."""
+    ``lifetimes``, the index of each process's first step (a ``join`` record starts one), and
+    of the first step after a re-join of the same process (``rejoin``: it pulled the global
+    model and trained nothing while removed, so its line breaks there too)."""
 
     time_s: list[float]
     tokens: list[float]
@@ -78,16 +79,19 @@ def cluster_steps(run: RunFiles, records: list[dict[str, Any]]) -> ClusterSteps:
     skipped), their tokens counted over every process as ``summary.json`` counts them
     (:func:`dips.algo.consumed.consumed_series`: a resumed process counts on from its saved
     count, so no token is counted twice)."""
+    steps = {st.index: st for st in consumed_series(records)}
     out = ClusterSteps([], [], [], [0])
-    process = 0
-    for st in consumed_series(records):
-        rec = records[st.index]
-        loss, t = num(rec, "loss"), num(rec, "time")
-        if loss is None or t is None:
+    process, breaks = 0, False  # breaks: the next step starts a line of its own
+    for i, rec in enumerate(records):
+        breaks |= rec.get("event") == "join" and rec.get("rejoin") is True
+        st = steps.get(i)
+        if st is not None and st.process != process:
+            process, breaks = st.process, True  # a new process of this cluster
+        if st is None or (loss := num(rec, "loss")) is None or (t := num(rec, "time")) is None:
             continue
-        if st.process != process and out.lifetimes[-1] < len(out.loss):
-            out.lifetimes.append(len(out.loss))  # a new process of this cluster
-        process = st.process
+        if breaks and out.lifetimes[-1] < len(out.loss):
+            out.lifetimes.append(len(out.loss))
+        breaks = False
         out.time_s.append(run.rel(t))
         out.tokens.append(float(st.tokens))
         out.loss.append(loss)

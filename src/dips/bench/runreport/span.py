@@ -16,10 +16,10 @@ every follower outage were in no figure). Times are seconds since the training s
 * **Down stretches** (:func:`down_stretches`): a member is *down* from its process's exit
   with a non-zero code (the launcher's ``exited``: killed, crashed, or hung and killed by the
   supervisor), for a cluster from the leader's ``cluster_removed`` of it while the run goes
-  on (from its last heartbeat, ``silent_s`` before: a process stopped, then removed, trained
-  nothing meanwhile), or, for a follower, the leader's ``follower_down``, until it is back: a
-  cluster's next ``join`` record (one of the same process too, ``rejoin``) or the leader's
-  ``cluster_joined`` of it, a follower's
+  on (from its last heartbeat, ``silent_s`` before, or its last record before the removal if
+  later: a process stopped, then removed, trained nothing meanwhile), or, for a follower,
+  the leader's ``follower_down``, until it is back: a cluster's next ``join`` record (one of
+  the same process too, ``rejoin``) or the leader's ``cluster_joined`` of it, a follower's
   ``follower_up``, the leader's ``leader_resumed``. A stretch no record ends is *open*
   (:attr:`Stretch.open`) and drawn to the run's end.
 
@@ -112,6 +112,15 @@ def run_span(run: RunFiles) -> RunSpan:
                    str(reason) if isinstance(reason, str) and reason else None, exits)
 
 
+def _removed_at(run: RunFiles, cid: str, t: float, silent_s: float) -> float:
+    """Seconds since the start where cluster ``cid``, removed at epoch ``t`` after
+    ``silent_s`` seconds without a heartbeat (e.g. SIGSTOPped), is down from: its last
+    heartbeat, or its last ``train.jsonl`` record before the removal if later (it trained
+    until then)."""
+    last = [x for x in _times(run.clusters.get(cid, [])) if x <= t]
+    return run.rel(max([t - max(0.0, silent_s), *last]))
+
+
 def _marks(run: RunFiles) -> Iterable[tuple[float, int, str]]:
     """(seconds, 0 for down / 1 for back, member name) of every record that starts or ends a
     down stretch (module docstring)."""
@@ -127,9 +136,8 @@ def _marks(run: RunFiles) -> Iterable[tuple[float, int, str]]:
         if kind in ("follower_down", "follower_up"):
             yield run.rel(t), int(kind == "follower_up"), follower_member(rec.get("follower"))
         elif kind == "cluster_removed" and rec.get("after_finish") is not True:
-            # Removed (its heartbeats missed, e.g. SIGSTOPped): down from its last heartbeat.
-            silent = num(rec, "silent_s") or 0.0
-            yield run.rel(t - max(0.0, silent)), 0, cluster_member(rec.get("cluster"))
+            cid = str(rec.get("cluster"))
+            yield _removed_at(run, cid, t, num(rec, "silent_s") or 0.0), 0, cluster_member(cid)
         elif kind == "cluster_joined":
             yield run.rel(t), 1, cluster_member(rec.get("cluster"))
         elif kind == "leader_resumed":
