@@ -167,9 +167,7 @@ class ClusterClient(SyncMixin, HoldMixin, HeartbeatMixin):
         self._last_sync_step = 0
         self.version = -1
         self.leader_version = -1  # the global version in the leader's last heartbeat reply
-        self.inner_step = 0
-        self.tokens_total = 0
-        self.tokens_since_pull = 0
+        self.inner_step = self.tokens_total = self.tokens_since_pull = 0
         self.last_loss = math.nan
         self.joins = 0
         #: Called on a re-join of this process (its train.jsonl record) with the version pulled.
