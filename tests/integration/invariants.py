@@ -51,9 +51,12 @@ def check_run(run_dir: Path, followers: int = 2, seq_len: int = 64, evaluated: b
             assert r["version"] not in lead, f"version {r['version']} decided twice"
             lead[r["version"]] = r
     # Per cluster the summary's counts add up to its totals (the same records, review 33).
+    # (A hand-deployed run's view, test_multihost's and test_mixed_clusters', has no launcher
+    # summary to check: only its final version.)
     per = summary.get("per_cluster") or {}
     for key in ("updates_pushed", "updates_accepted", "updates_rejected", "tokens_accepted"):
-        assert sum(row[key] for row in per.values()) == summary[key], (key, per, summary)
+        if per:
+            assert sum(row[key] for row in per.values()) == summary[key], (key, per, summary)
     for h in hists[0]:
         assert h["version"] in lead, f"version {h['version']} applied but not decided"
         assert lead[h["version"]]["accepted"] == h["accepted"]
