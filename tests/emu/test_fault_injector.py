@@ -4,7 +4,15 @@ again after its duration; without namespaces it writes the failpoint the cluster
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
 from dips.emu.faults import Fault, FaultInjector, FaultPlan
+from dips.emu.proctree import job_pids
 
 
 class FakeNet:
@@ -74,3 +82,71 @@ def test_a_failpoint_writes_its_marker_whole(tmp_path, monkeypatch):
     assert float((tmp_path / "follower-1.push.fired").read_text()) > 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["follower-1.push.fired"]
     assert len(kills) == 1
+
+
+# A job like torchrun's: an agent whose two "ranks" each lead a session of their own.
+AGENT = ("import subprocess, sys, time\n"
+         "ranks = [subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'],"
+         " start_new_session=True) for _ in range(2)]\n"
+         "time.sleep(600)\n")
+
+
+def _state(pid: int) -> str | None:
+    """Process ``pid``'s state letter (``T``: stopped), None once it is gone or a zombie."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    state = stat[stat.rindex(")") + 2]
+    return None if state in "ZX" else state
+
+
+def _execd(agent: int) -> list[int]:
+    """The agent and those of its children that run their own program, from /proc."""
+    def program(pid: int) -> bytes:
+        try:
+            return Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            return b""
+    return [agent] + [p for p in job_pids(agent)[1:] if b"subprocess" not in program(p)]
+
+
+def _until(what: str, cond) -> None:
+    deadline = time.monotonic() + 60  # a hung test, not a slow one
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+def test_stop_and_kill_reach_every_process_of_a_job_whose_ranks_lead_their_own_sessions(tmp_path):
+    agent = subprocess.Popen([sys.executable, "-c", AGENT], start_new_session=True)
+    pids: list[int] = []
+    try:
+        # Both exec'd: a parent in vfork sleeps uninterruptibly until its child execs.
+        _until("the two ranks started", lambda: len(_execd(agent.pid)) == 3)
+        pids = _execd(agent.pid)
+        ranks = pids[1:]
+        assert all(os.getsid(r) == r for r in ranks)  # as torchrun's: not the agent's group
+        events = []
+        plan = FaultPlan(faults=[
+            Fault(at_s=1.0, action="stop", target="cluster-d", duration_s=4.0),
+            Fault(at_s=9.0, action="kill", target="cluster-d")])
+        inj = FaultInjector(plan, lambda name: agent.pid if agent.poll() is None else None,
+                            tmp_path / "fp", lambda kind, proc, **kw: events.append((kind, kw)))
+        inj.tick(1.0)
+        _until("every process stopped", lambda: [_state(p) for p in pids] == ["T"] * 3)
+        assert events[-1][0] == "fault" and sorted(events[-1][1]["pids"]) == sorted(pids)
+        inj.tick(5.0)
+        _until("every process resumed", lambda: all(_state(p) in ("S", "R") for p in pids))
+        assert events[-1][0] == "fault_cleared"
+        inj.tick(9.0)
+        agent.wait(30)
+        _until("every rank killed", lambda: all(_state(p) is None for p in ranks))
+    finally:
+        for p in pids:
+            try:
+                os.kill(p, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        agent.kill()
+        agent.wait(30)

@@ -23,6 +23,7 @@ from typing import Any
 
 from rich.console import Console
 
+from dips.emu.proctree import signal_job
 from dips.spec import RunConfig
 
 #: The child name (and state folder) of the periodic evaluator, ``cfg.evaluate`` (issue 15).
@@ -97,12 +98,13 @@ class Launch:
     def command_of(self, name: str, args: list[str]) -> list[str]:
         """The argv of child ``name`` for its role command ``args``: ``dips <args>``, or for a
         cluster of ``ranks > 1`` that cluster as a torchrun job on this host (a fresh
-        rendezvous port each start; torchrun never restarts it, the supervisor does)."""
+        rendezvous port each start; torchrun never restarts it, the supervisor does), under
+        :mod:`dips.torchrun`: SIGTERM reaches the ranks, which stop together, and it exits 0."""
         me = next((c for c in self.cfg.clusters if f"cluster-{c.id}" == name), None)
         if me is None or me.ranks == 1:
             return [sys.executable, "-m", "dips.cli", *args]
         host = self.net.addr(me.id) if self.net is not None else "127.0.0.1"  # its namespace's
-        return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
+        return [sys.executable, "-m", "dips.torchrun", "--nnodes", "1",
                 "--nproc-per-node", str(me.ranks), "--master-addr", host, "--master-port",
                 str(free_port()), "--max-restarts", "0", "-m", "dips.cluster", *args[1:]]
 
@@ -160,10 +162,7 @@ class Launch:
             try:
                 c.proc.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                try:
-                    os.killpg(c.proc.pid, signal.SIGKILL)  # its own session: a torchrun's ranks too
-                except ProcessLookupError:
-                    pass
+                signal_job(c.proc.pid, signal.SIGKILL)  # a torchrun's ranks too
                 c.proc.wait(10)
                 self.event("killed", c.name)
             self.event("stopped", c.name, returncode=c.proc.returncode)

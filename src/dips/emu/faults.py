@@ -22,13 +22,13 @@ every recovery is an event in ``events.jsonl`` with its timestamp.
 
 from __future__ import annotations
 
-import os
 import signal
 from pathlib import Path
 from typing import Any, Callable, Literal
 
 from pydantic import Field, model_validator
 
+from dips.emu.proctree import job_pids, signal_job
 from dips.spec import Strict, load_yaml
 
 
@@ -88,6 +88,7 @@ class FaultInjector:
         self._event = event
         self._net = net  # ShapedNetwork: cut links in the kernel instead of by failpoint
         self._undo: list[tuple[float, str, str, int | None]] = []
+        self._stopped: dict[int, list[int]] = {}  # pid stopped -> its job's pids then
         self._armed: list[tuple[Fault, Path]] = []
         failpoints.mkdir(parents=True, exist_ok=True)
 
@@ -99,9 +100,13 @@ class FaultInjector:
         for item in [u for u in self._undo if u[0] <= t]:
             self._undo.remove(item)
             _, kind, target, pid = item
-            if kind == "cont" and pid is not None and self._pid_of(target) == pid:
-                os.killpg(pid, signal.SIGCONT)  # each child leads its own session
-                self._event("fault_cleared", target, action="stop", pid=pid)
+            if kind == "cont" and pid is not None:
+                pids = self._stopped.pop(pid, [])
+                if self._pid_of(target) != pid:  # gone meanwhile: its ranks may not be
+                    signal_job(pid, signal.SIGCONT, pids)
+                    continue
+                signal_job(pid, signal.SIGCONT, pids + [p for p in job_pids(pid) if p not in pids])
+                self._event("fault_cleared", target, action="stop", pid=pid, pids=pids)
             elif kind == "link_up":
                 if self._net is not None:
                     self._net.set_link(target[len("cluster-"):], True)
@@ -137,13 +142,15 @@ class FaultInjector:
         if pid is None:
             self._event("fault_skipped", f.target, action=f.action, reason="not running")
             return
+        # Every process of the job, a torchrun cluster's ranks too (each in its own session).
         if f.action == "kill":
-            os.killpg(pid, signal.SIGKILL)  # a torchrun cluster's ranks too
-            self._event("fault", f.target, action="kill", pid=pid)
+            pids = signal_job(pid, signal.SIGKILL)
+            self._event("fault", f.target, action="kill", pid=pid, pids=pids)
         else:
-            os.killpg(pid, signal.SIGSTOP)
+            pids = self._stopped[pid] = signal_job(pid, signal.SIGSTOP)
             self._undo.append((t + f.duration_s, "cont", f.target, pid))
-            self._event("fault", f.target, action="stop", pid=pid, duration_s=f.duration_s)
+            self._event("fault", f.target, action="stop", pid=pid, pids=pids,
+                        duration_s=f.duration_s)
 
     def summary(self) -> dict[str, Any]:
         return {"pending": len(self.pending), "armed": len(self._armed)}
