@@ -3,7 +3,8 @@
 Layers, lowest first: ``spec`` ← ``algo`` ← ``wire`` ← ``roles`` ← ``train`` ← ``emu`` ← ``node`` ←
 ``baselines`` ← ``sim`` ← ``bench`` ← ``cli``. A module may import its own layer and the layers below it,
 never one above (lazy imports inside functions count too). The top-level modules ``dips``
-(the public API), ``dips.cli``, ``dips.placement_cli``, ``dips.pki_cli`` and ``dips.cluster`` form the ``cli``
+(the public API), ``dips.cli``, ``dips.placement_cli``, ``dips.pki_cli``, ``dips.cluster`` and
+``dips.torchrun`` form the ``cli``
 layer. A new back-arrow fails here, naming the file, line and import.
 """
 
@@ -16,7 +17,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "dips"
 ORDER = ["spec", "algo", "wire", "roles", "train", "emu", "node", "baselines", "sim", "bench",
          "cli"]
 TOP_LEVEL = {"__init__": "cli", "cli": "cli", "placement_cli": "cli", "pki_cli": "cli",
-             "cluster": "cli"}
+             "cluster": "cli", "torchrun": "cli"}
 
 
 def layer_of(module: str) -> str | None:

@@ -1,7 +1,8 @@
 """``dips launch`` with a cluster of ``ranks: 2`` (issue 14, emulation): that cluster runs as
 one torchrun job of two DDP ranks next to a one-process cluster. A kill -9 of it (a fault
 plan's ``kill`` of ``cluster-d``) takes its ranks down with it, the launcher restarts the
-job, it re-joins and is accepted again; at the end no rank of any start is left running."""
+job, it re-joins and is accepted again; at the end the launcher's SIGTERM stops it with exit
+0 and no rank of any start is left running."""
 
 from __future__ import annotations
 
@@ -58,7 +59,14 @@ def test_a_two_rank_cluster_is_one_torchrun_job_killed_and_restarted_whole(tmp_p
     while left := [p for p in ranks if alive(p)]:  # the launcher's stop reached every rank
         assert time.monotonic() < deadline, f"ranks left running: {left}\n{out[-2000:]}"
         time.sleep(0.2)
-    assert "rank 1 of 2" in (run_dir / "logs" / "cluster-d.log").read_text()
+    log = (run_dir / "logs" / "cluster-d.log").read_text()
+    assert "rank 1 of 2" in log
+    # Its end: SIGTERM reached the ranks (python -m dips.torchrun), which stopped together,
+    # and torchrun exited 0, without a SignalException traceback (review 32).
+    stopped = [e for e in jsonl_so_far(run_dir / "events.jsonl")
+               if e["event"] == "stopped" and e["process"] == "cluster-d"]
+    assert [e["returncode"] for e in stopped] == [0], stopped
+    assert "SignalException" not in log and "stopping after" in log, log[-3000:]
     assert (run_dir / "clusters" / "a" / "train.jsonl").exists()
 
 

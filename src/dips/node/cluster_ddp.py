@@ -39,6 +39,7 @@ from typing import Any
 
 from dips.node.attempt import init_attempt_group
 from dips.node.common import RoleError, StateDir, Stopped, fetch_spec, run_data
+from dips.node.startup_exit import StartupExit
 from dips.wire.pki import Identity
 from dips.wire.security import Credentials
 
@@ -97,6 +98,9 @@ def run_cluster_ranks(leader_addr: str, cluster_id: str, state: Path, creds: Cre
     rank, world = int(os.environ["RANK"]), world_size()
     local = int(os.environ.get("LOCAL_RANK", "0"))
     exit_with_agent()
+    # Until the ranks train, SIGTERM ends this rank at once, even inside a C++ wait for a
+    # peer that died (review 32): the stop event takes over once the ranks stop together.
+    startup = StartupExit(f"cluster {cluster_id}, rank {rank}", stop).start()
     cuda = torch.cuda.is_available()
     if cuda and local < torch.cuda.device_count():  # issue 14 (device): the rank's GPU; the
         torch.cuda.set_device(local)  # device itself (cuda or cpu) is chosen after the spec
@@ -109,8 +113,9 @@ def run_cluster_ranks(leader_addr: str, cluster_id: str, state: Path, creds: Cre
                  attempt, os.environ.get("TORCHELASTIC_MAX_RESTARTS", "?"))
     try:
         return _run(rank, world, local, device, leader_addr, cluster_id, state, creds, stop,
-                    cache_dir, metrics_port, metrics_host)
+                    cache_dir, metrics_port, metrics_host, startup)
     finally:
+        startup.done()
         try:
             dist.destroy_process_group()
         except Exception:  # a broken group (a peer died): the process exits anyway
@@ -174,7 +179,8 @@ def _spec(ranks: Any, leader_addr: str, cluster_id: str, state: Path | None,
 
 def _run(rank: int, world: int, local: int, wanted: str | None, leader_addr: str, cluster_id: str,
          state: Path, creds: Credentials | None, stop: threading.Event,
-         cache_dir: Path | None, metrics_port: int | None, metrics_host: str) -> int:
+         cache_dir: Path | None, metrics_port: int | None, metrics_host: str,
+         startup: StartupExit) -> int:
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
@@ -248,6 +254,7 @@ def _run(rank: int, world: int, local: int, wanted: str | None, leader_addr: str
                         cfg.outer.wire_dtype, stop)
     log.info("cluster %s: rank %d of %d (local rank %d, pid %d) on %s owns layers %s",
              cluster_id, rank, world, local, os.getpid(), device, sorted(worker.mine))
+    startup.done()  # from here every rank is past its waits for the others: stop together
     try:
         return _train(cfg, me, trainer, ranks, worker, sampler, leader_addr, cluster_id,
                       creds, state, stop, fingerprint, bucket, layer_of, metrics_port,
