@@ -5,6 +5,9 @@ in a session of its own, so a signal to its process group reaches the agent alon
   only, and the ranks trained on).
 * ``python -m dips.torchrun`` (torchrun that passes SIGTERM on to the ranks) exits 0 without a
   traceback when its ranks stop (plain torchrun: exit 1 and a SignalException traceback).
+* ``python -m dips.torchrun`` exits 2 (could not start: a configuration error) when every
+  failed rank exited 2, as ``dips cluster`` does (torchrun: 1 for any failure), so that
+  ``dips launch`` does not restart it.
 * A rank SIGTERMed while it waits in ``init_process_group`` for a peer that never comes exits
   at once (it waited in C++ for 1800 s, never running its Python handler).
 
@@ -31,7 +34,7 @@ from .roles import ROOT
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 
-def _job(tmp: Path, module: str) -> subprocess.Popen:
+def _job(tmp: Path, module: str, creds: tuple[str, ...] = ("--insecure",)) -> subprocess.Popen:
     """Cluster ``d`` as ``python -m MODULE --nproc-per-node 2 -m dips.cluster`` against a
     leader address nobody serves (own session; output to ``tmp/d.log``)."""
     with open(tmp / "d.log", "a") as out:
@@ -40,7 +43,7 @@ def _job(tmp: Path, module: str) -> subprocess.Popen:
              "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
              "--max-restarts", "0", "-m", "dips.cluster", "--leader",
              f"127.0.0.1:{free_port()}", "--cluster-id", "d", "--state-dir", str(tmp / "d"),
-             "--insecure"], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, text=True,
+             *creds], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, text=True,
             start_new_session=True, env=dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1"))
 
 
@@ -153,3 +156,13 @@ def test_a_rank_waiting_for_a_peer_in_init_process_group_exits_at_once_on_sigter
             (tmp_path / "d.log").read_text()
     finally:
         _kill(job, pids)
+
+
+def test_dips_torchrun_exits_2_when_the_cluster_could_not_start(tmp_path):
+    job = _job(tmp_path, "dips.torchrun", creds=())  # neither --tls nor --insecure: rank 0 exits 2
+    try:
+        assert job.wait(200) == 2, (tmp_path / "d.log").read_text()[-3000:]
+        log = (tmp_path / "d.log").read_text()
+        assert "give exactly one of --tls DIR" in log and "Traceback" not in log, log[-3000:]
+    finally:
+        _kill(job, [])

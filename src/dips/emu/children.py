@@ -28,6 +28,9 @@ from dips.spec import RunConfig
 
 #: The child name (and state folder) of the periodic evaluator, ``cfg.evaluate`` (issue 15).
 EVALUATOR = "evaluator"
+#: The exit status of a role that could not start (``dips.node.cli``: its configuration,
+#: certificate or data; ``dips.torchrun``: every failed rank's): restarting cannot help.
+EXIT_CANNOT_START = 2
 
 
 class Interrupted(KeyboardInterrupt):
@@ -88,6 +91,8 @@ class Launch:
     interrupts: InterruptLatch = field(default_factory=InterruptLatch)
     #: monotonic seconds when training stopped (the stop decided, or Ctrl-C), None before
     t_stop: float | None = None
+    #: optional children (clusters, the evaluator) that exited 2 and are not restarted
+    given_up: set[str] = field(default_factory=set)
 
     def prefix_of(self, name: str) -> list[str]:
         """argv prefix that runs child ``name`` in its network namespace ([] on loopback)."""
@@ -133,15 +138,26 @@ class Launch:
         return c.proc.pid if c is not None and c.proc.poll() is None else None
 
     def supervise(self) -> None:
-        """Restart every child that exited (as an orchestrator would, §12); log each exit."""
+        """Restart every child that exited (as an orchestrator would, §12); log each exit.
+        A cluster or the evaluator that exited :data:`EXIT_CANNOT_START` (2) is not restarted
+        (review 32: a configuration error restarted in a loop for the whole run): an event
+        ``not_restarted`` and one console line name it and its log."""
         for name, c in list(self.children.items()):
             code = c.proc.poll()
-            if code is None:
+            if code is None or name in self.given_up:
                 continue
             self.event("exited", name, returncode=code, pid=c.proc.pid)
+            optional = name.startswith("cluster-") or name == EVALUATOR
             if not self.cfg.supervise:
-                if not name.startswith("cluster-") and name != EVALUATOR:  # optional roles
+                if not optional:
                     raise RuntimeError(f"{name} exited (code {code}); see {c.log_path}")
+                self.given_up.add(name)
+                continue
+            if optional and code == EXIT_CANNOT_START:
+                self.given_up.add(name)
+                self.event("not_restarted", name, returncode=code, log=str(c.log_path))
+                self.console.print(f"[red]{name} could not start (exit {code}): not restarted; "
+                                   f"see {c.log_path}[/]")
                 continue
             self.spawn(name, c.args)
 

@@ -39,6 +39,7 @@ from dips.emu.children import EVALUATOR, CpuWindow, Interrupted, Launch, free_po
 from dips.emu.faults import FaultInjector, FaultPlan
 from dips.emu.link_schedule import LinkSchedule
 from dips.emu.metrics_targets import MetricsTargets
+from dips.emu.preflight import check_clusters
 from dips.emu.progress import Progress, summary_table
 from dips.spec import RunConfig, RunSpec
 from dips.wire.control import refusal_of
@@ -118,10 +119,9 @@ def launch(cfg: RunConfig, run_dir: Path, max_time_s: float | None = None,
     # A re-used run directory starts empty of the previous run's outputs (they are appended to).
     for stale in ("leader.addr", "events.jsonl", "outer_steps.jsonl", "summary.json", "term",
                   "leader.json", "leader_events.jsonl", "train_start", "leader.sock", "run.json",
-                  "config.json", "data_secret", "lock", "eval.jsonl"):
-        (run_dir / stale).unlink(missing_ok=True)
-    for stale_ipc in run_dir.glob("follower-*.ipc"):
-        stale_ipc.unlink(missing_ok=True)
+                  "config.json", "data_secret", "lock", "eval.jsonl",
+                  *run_dir.glob("follower-*.ipc")):
+        (run_dir / stale).unlink(missing_ok=True)  # a glob's path is absolute: itself
     for stale in ("followers", "clusters", "logs", "final", "init", "failpoints", "pki",
                   EVALUATOR):
         shutil.rmtree(run_dir / stale, ignore_errors=True)
@@ -158,6 +158,7 @@ def launch(cfg: RunConfig, run_dir: Path, max_time_s: float | None = None,
         from dips.train.prepare import prepare
 
         spec = prepare(cfg, run_dir)  # the leader finds it in its state directory
+        check_clusters(cfg, [key for key, _, _ in spec.layers])  # before any process starts
         (run_dir / "config.json").write_text(cfg.model_dump_json(indent=1))
         console.print(f"model {spec.params:,} parameters; {spec.train_tokens:,} train / "
                       f"{spec.val_tokens:,} validation tokens; initial validation loss "
@@ -337,8 +338,7 @@ def _finish(run: Launch, client: Any, creds: Credentials, spec: RunSpec, t_start
     cfg = run.cfg
     run.metrics.refresh()
     t_stop = run.t_stop if run.t_stop is not None else time.monotonic()
-    clusters = [n for n in run.children if n.startswith("cluster-")]
-    run.stop(clusters, cfg.timeouts.shutdown_s)
+    run.stop([n for n in run.children if n.startswith("cluster-")], cfg.timeouts.shutdown_s)
     status = None
     if client is not None:
         deadline = time.monotonic() + cfg.timeouts.push_s + cfg.timeouts.pull_s
