@@ -309,13 +309,16 @@ class StageFailures:
 
     ``errors``: (stage index, exception) of each stage that raised; ``overran``: some stage
     worker was still running at the deadline or the abort (its sockets must not be reused);
-    ``aborted``: why the transfer was given up before its deadline (None: it was not).
+    ``aborted``: why the transfer was given up before its deadline (None: it was not);
+    ``silent``: stage index -> the follower it still waited for then (None: none), named in
+    the message ("stage 0: no reply from follower 1 within 2.06 s": a follower down).
     """
 
     errors: list[tuple[int, BaseException]] = field(default_factory=list)
     overran: bool = False
     timeout_s: float = 0.0
     aborted: str | None = None
+    silent: dict[int, int | None] = field(default_factory=dict)
 
     def refusals(self) -> set[Refusal]:
         """The refusal codes the followers answered with."""
@@ -323,10 +326,11 @@ class StageFailures:
 
     def __str__(self) -> str:
         parts = [f"stage {i}: {e}" for i, e in self.errors]
+        for i, f in sorted(self.silent.items()):
+            parts.append(f"stage {i}: " + (f"no reply from follower {f} within "
+                         if f is not None else "still running after ") + f"{self.timeout_s:.2f} s")
         if self.aborted:
             parts.append(f"given up: {self.aborted}")
-        elif self.overran:
-            parts.append(f"stage workers still running after {self.timeout_s} s")
         return "; ".join(parts)
 
 
@@ -389,5 +393,7 @@ def _in_threads(jobs: list[Callable[[], None]], timeout_s: float,
     with lock:  # a job not done now is handed its ``owned`` object (see above)
         for i in range(len(jobs)):
             orphaned[i] = not done[i]
+            if orphaned[i] and not failures.aborted:  # what it waits for, past its deadline
+                failures.silent[i] = getattr(owned[i], "waiting_on", None) if owned else None
         failures.overran = any(orphaned)
         return failures if failures.errors or failures.overran else None

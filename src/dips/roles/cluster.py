@@ -174,6 +174,9 @@ class StageWorker:
                          for f, ep in endpoints.items()}
         self._wire: dict[str, torch.Tensor] = {}
         self.acked_bytes = 0  # of the current or last push, confirmed by followers
+        #: the follower whose reply (or busy link) the current transfer waits for, None
+        #: between transfers: what a transfer that overran its deadline was stuck on
+        self.waiting_on: int | None = None
 
     def set_timeout(self, timeout_s: float) -> None:
         """Wait at most ``timeout_s`` seconds for each reply (and a busy link) from now on."""
@@ -242,7 +245,9 @@ class StageWorker:
             for layer, follower, *_ in transfers:
                 tensors = [(n, p.detach().to(DTYPES[self.dtype]).cpu())
                            for n, p in self.layers[layer]]
+                self.waiting_on = follower
                 self._clients[follower].request({**head, "layer": layer}, tensors)
+            self.waiting_on = None
             return
         flight: deque[tuple[int, Any, int, str]] = deque()
         held: set[int] = set()
@@ -256,6 +261,7 @@ class StageWorker:
 
         def finish_oldest() -> None:
             f, pending, nbytes, layer = flight.popleft()
+            self.waiting_on = f
             self._clients[f].push_finish(pending)
             self.acked_bytes += nbytes
             release(layer)
@@ -272,6 +278,7 @@ class StageWorker:
         try:
             ready = next_image(transfers[0][0]) if transfers else []
             for k, (layer, f, *_) in enumerate(transfers):
+                self.waiting_on = f
                 if f not in held and not _LINKS.acquire(push_id, f, None):
                     while flight:  # hold nothing while waiting for a busy link
                         finish_oldest()
@@ -287,6 +294,7 @@ class StageWorker:
                     finish_oldest()
             while flight:
                 finish_oldest()
+            self.waiting_on = None
         except BaseException:
             for f, *_ in flight:
                 self._clients[f].close()  # drop the unread replies of abandoned streams
@@ -316,6 +324,7 @@ class StageWorker:
             by_follower[owner[layer]].append(layer)
         out: dict[str, torch.Tensor] = {}
         for f, layers in by_follower.items():
+            self.waiting_on = f
             head = {"op": "pull", "version": version, "layers": layers, "dtype": dtype}
             if self.mode == "single" and self._single_fits(layers, dtype):
                 msg = self._clients[f].request(head)
@@ -330,6 +339,7 @@ class StageWorker:
             if got != version:
                 raise ValueError(f"follower {f} sent version {got}, expected {version}")
             out.update(tensors)
+        self.waiting_on = None
         for layer, params in self.layers.items():
             for n, p in params:
                 if n not in out or tuple(out[n].shape) != tuple(p.shape):
@@ -344,7 +354,9 @@ class StageWorker:
         Raises as :meth:`dips.wire.dataclient.DataClient.pull`, and ValueError if the
         follower sent another version."""
         head = {"op": "pull", "version": version, "layers": [layer], "dtype": self.dtype}
+        self.waiting_on = follower
         got = self._clients[follower].pull(head, out, self.chunk_bytes).get("version")
+        self.waiting_on = None
         if got != version:
             raise ValueError(f"follower {follower} sent version {got}, expected {version}")
 

@@ -184,6 +184,7 @@ class RankWorker:
         failures = _in_threads([lambda: job(cmd, stage)], float(cmd["limit"]), abandon, [stage])
         out["acked"] = stage.acked_bytes
         if failures is not None:
+            failures.silent = {self.ranks.rank: f for f in failures.silent.values()}  # its block
             out.update(error=str(failures), overran=failures.overran, aborted=failures.aborted,
                        refusals=[int(c) for c in failures.refusals()])
             if failures.overran:
