@@ -166,6 +166,7 @@ class ClusterClient(SyncMixin, HoldMixin, HeartbeatMixin):
         self._backoff_s = BACKOFF_FIRST_S
         self._last_sync_step = 0
         self.version = -1
+        self.accepted_version: int | None = None  # the version its last accepted push made
         self.leader_version = -1  # the global version in the leader's last heartbeat reply
         self.inner_step = self.tokens_total = self.tokens_since_pull = 0
         self.last_loss = math.nan
@@ -231,6 +232,12 @@ class ClusterClient(SyncMixin, HoldMixin, HeartbeatMixin):
             # A member from here on: beat while the pull (a large model, a follower down) and
             # the caller's resume take their time, or the leader removes it (review 26, M6).
             self._start_heartbeat()
+            if self.accepted_version is not None and reply.version < self.accepted_version:
+                log.warning("cluster %s: its push accepted into version %d was undone: the run "
+                            "rolled back to version %d (a follower restarted from an older "
+                            "checkpoint); the leader hands its windows out again",
+                            self.cluster_id, self.accepted_version, reply.version)
+                self.accepted_version = None
             try:
                 self._pull(reply.version)
             except (ValueError, TimeoutError, RuntimeError) as exc:

@@ -192,6 +192,7 @@ class SyncMixin:
             self.data.set_holdings(self._verdict_holdings)
         self.tokens_since_pull = 0
         self._last_sync_step = self.inner_step
+        self.accepted_version = v.version if v.accepted else self.accepted_version
         failpoints.hit("pull")
         try:
             self._pull(v.version)
