@@ -5,7 +5,6 @@ again after its duration; without namespaces it writes the failpoint the cluster
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -13,6 +12,7 @@ from pathlib import Path
 
 from dips.emu.faults import Fault, FaultInjector, FaultPlan
 from dips.emu.proctree import job_pids
+from tests.node.roles import kill_job, state
 
 
 class FakeNet:
@@ -91,16 +91,6 @@ AGENT = ("import subprocess, sys, time\n"
          "time.sleep(600)\n")
 
 
-def _state(pid: int) -> str | None:
-    """Process ``pid``'s state letter (``T``: stopped), None once it is gone or a zombie."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    state = stat[stat.rindex(")") + 2]
-    return None if state in "ZX" else state
-
-
 def _execd(agent: int) -> list[int]:
     """The agent and those of its children that run their own program, from /proc."""
     def program(pid: int) -> bytes:
@@ -134,19 +124,13 @@ def test_stop_and_kill_reach_every_process_of_a_job_whose_ranks_lead_their_own_s
         inj = FaultInjector(plan, lambda name: agent.pid if agent.poll() is None else None,
                             tmp_path / "fp", lambda kind, proc, **kw: events.append((kind, kw)))
         inj.tick(1.0)
-        _until("every process stopped", lambda: [_state(p) for p in pids] == ["T"] * 3)
+        _until("every process stopped", lambda: [state(p) for p in pids] == ["T"] * 3)
         assert events[-1][0] == "fault" and sorted(events[-1][1]["pids"]) == sorted(pids)
         inj.tick(5.0)
-        _until("every process resumed", lambda: all(_state(p) in ("S", "R") for p in pids))
+        _until("every process resumed", lambda: all(state(p) in ("S", "R") for p in pids))
         assert events[-1][0] == "fault_cleared"
         inj.tick(9.0)
         agent.wait(30)
-        _until("every rank killed", lambda: all(_state(p) is None for p in ranks))
+        _until("every rank killed", lambda: all(state(p) is None for p in ranks))
     finally:
-        for p in pids:
-            try:
-                os.kill(p, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        agent.kill()
-        agent.wait(30)
+        kill_job(agent, pids)

@@ -90,3 +90,26 @@ def alive(pid: int) -> bool:
     except (OSError, IndexError):
         return False
     return "zombie" not in state
+
+
+def state(pid: int) -> str | None:
+    """Process ``pid``'s state letter from /proc (``T``: stopped), None once it is gone or a
+    zombie."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    letter = stat[stat.rindex(")") + 2]
+    return None if letter in "ZX" else letter
+
+
+def kill_job(proc: subprocess.Popen, pids: list[int]) -> None:
+    """SIGKILL each of ``pids`` still running (a job's processes, found while it ran), then
+    ``proc`` itself, and reap it."""
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.kill()
+    proc.wait(30)

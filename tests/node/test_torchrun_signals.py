@@ -29,7 +29,7 @@ from dips.emu.faults import Fault, FaultInjector, FaultPlan
 from dips.emu.launcher import free_port
 from dips.emu.proctree import children, job_pids
 
-from .roles import ROOT
+from .roles import ROOT, kill_job, state
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -57,26 +57,6 @@ def _until(what: str, cond, job: subprocess.Popen | None = None, limit_s: float 
         assert time.monotonic() < deadline, f"waiting for {what}{detail()}"
         time.sleep(0.05)
     return value
-
-
-def _state(pid: int) -> str | None:
-    """Process ``pid``'s state letter (``T``: stopped), None once it is gone or a zombie."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    state = stat[stat.rindex(")") + 2]
-    return None if state in "ZX" else state
-
-
-def _kill(job: subprocess.Popen, pids: list[int]) -> None:
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    job.kill()
-    job.wait(30)
 
 
 def _cmdline(pid: int) -> bytes:
@@ -114,14 +94,14 @@ def test_a_fault_plans_stop_stops_every_rank_of_a_torchrun_cluster_and_cont_resu
             lambda name: job.pid, tmp_path / "fp", lambda *a, **kw: events.append(kw))
         inj.tick(1.0)
         _until("the agent and both ranks stopped",
-               lambda: all(_state(p) == "T" for p in [job.pid, *ranks]),
-               detail=lambda: f": {[(p, _state(p)) for p in job_pids(job.pid)]} {events}")
+               lambda: all(state(p) == "T" for p in [job.pid, *ranks]),
+               detail=lambda: f": {[(p, state(p)) for p in job_pids(job.pid)]} {events}")
         assert set(ranks) <= set(events[-1]["pids"])
         inj.tick(6.0)
         _until("the agent and both ranks resumed",
-               lambda: all(_state(p) not in ("T", None) for p in [job.pid, *ranks]))
+               lambda: all(state(p) not in ("T", None) for p in [job.pid, *ranks]))
     finally:
-        _kill(job, pids)
+        kill_job(job, pids)
 
 
 def test_dips_torchrun_passes_sigterm_to_the_ranks_and_exits_0_without_a_traceback(tmp_path):
@@ -136,9 +116,9 @@ def test_dips_torchrun_passes_sigterm_to_the_ranks_and_exits_0_without_a_traceba
         log = (tmp_path / "d.log").read_text()
         assert "Traceback" not in log and "SignalException" not in log, log[-3000:]
         assert "SIGTERM passed to the ranks" in log
-        _until("both ranks gone", lambda: all(_state(r) is None for r in ranks))
+        _until("both ranks gone", lambda: all(state(r) is None for r in ranks))
     finally:
-        _kill(job, pids)
+        kill_job(job, pids)
 
 
 def test_a_rank_waiting_for_a_peer_in_init_process_group_exits_at_once_on_sigterm(tmp_path):
@@ -150,12 +130,12 @@ def test_a_rank_waiting_for_a_peer_in_init_process_group_exits_at_once_on_sigter
         os.kill(rank1, signal.SIGSTOP)  # a peer that never connects: rank 0 waits in C++
         _until("rank 0 started", lambda: _started(tmp_path), job)
         os.kill(rank0, signal.SIGTERM)
-        _until("rank 0 gone (it waited 1800 s for rank 1)", lambda: _state(rank0) is None,
+        _until("rank 0 gone (it waited 1800 s for rank 1)", lambda: state(rank0) is None,
                limit_s=120.0)
         assert f"during start-up: this rank (pid {rank0}) exits now" in \
             (tmp_path / "d.log").read_text()
     finally:
-        _kill(job, pids)
+        kill_job(job, pids)
 
 
 def test_dips_torchrun_exits_2_when_the_cluster_could_not_start(tmp_path):
@@ -165,4 +145,4 @@ def test_dips_torchrun_exits_2_when_the_cluster_could_not_start(tmp_path):
         log = (tmp_path / "d.log").read_text()
         assert "give exactly one of --tls DIR" in log and "Traceback" not in log, log[-3000:]
     finally:
-        _kill(job, [])
+        kill_job(job, [])
