@@ -12,7 +12,9 @@ It falls back to torchrun's own shutdown (SIGTERM, 30 s, SIGKILL, exit 1) on a s
 when the ranks are still running :data:`GRACE_S` seconds after the first, or when torchrun
 started new ranks meanwhile (``--max-restarts``: a rank failed while stopping). When ranks
 fail, torchrun's summary of the failures is printed without a traceback and the exit status
-is 2 when every failed rank exited 2 (it could not start: a configuration error), else 1.
+is 2 when every failed rank exited 2 (it could not start: a configuration error), else 1; a
+rank that the passed-on signal ended before it had its handler (still importing) counts as
+stopped.
 """
 
 from __future__ import annotations
@@ -90,8 +92,14 @@ def main(argv: list[str] | None = None) -> None:
     try:
         run(args)
     except ChildFailedError as exc:
-        print(exc.format_msg(), file=sys.stderr, flush=True)
         codes = {f.exitcode for f in exc.failures.values()}
+        if relay.first is not None and codes == {-relay.first}:
+            # Ended by the signal passed on, before they installed a handler (its default).
+            print(f"dips.torchrun: ranks {sorted(exc.failures)} ended by the "
+                  f"{signal.Signals(relay.first).name} passed on (still starting): stopped",
+                  file=sys.stderr, flush=True)
+            sys.exit(0)
+        print(exc.format_msg(), file=sys.stderr, flush=True)
         sys.exit(2 if codes == {2} else 1)
     except SignalException as exc:
         print(f"dips.torchrun: {exc}: the ranks did not stop in time", file=sys.stderr,

@@ -59,17 +59,19 @@ def _until(what: str, cond, job: subprocess.Popen | None = None, limit_s: float 
     return value
 
 
-def _cmdline(pid: int) -> bytes:
+def _argv(pid: int) -> list[bytes]:
+    """The arguments of process ``pid`` ([] once gone); before its exec a child has its
+    parent's, the agent's."""
     try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes()
+        return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
     except OSError:
-        return b""
+        return []
 
 
 def _ranks(job: subprocess.Popen) -> list[int]:
     def both() -> list[int] | None:  # both exec'd (a parent in vfork sleeps uninterruptibly)
-        ranks = [r for r in children(job.pid) if b"torchrun" not in _cmdline(r)
-                 and b"torch.distributed.run" not in _cmdline(r)]
+        ranks = [r for r in children(job.pid)
+                 if not {b"dips.torchrun", b"torch.distributed.run"} & set(_argv(r))]
         return ranks if len(ranks) == 2 else None
 
     return _until("both ranks started", both, job)
