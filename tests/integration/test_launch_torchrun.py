@@ -71,7 +71,7 @@ def test_a_two_rank_cluster_is_one_torchrun_job_killed_and_restarted_whole(tmp_p
 
 
 def _ranks_of(state: Path) -> list[int]:
-    """Pids of the rank processes (``-m dips.cluster``, not torchrun itself) whose
+    """Pids of the rank processes (``-m dips.cluster``, not torchrun or dips.torchrun) whose
     ``--state-dir`` is ``state``."""
     out = []
     for entry in Path("/proc").iterdir():
@@ -81,7 +81,7 @@ def _ranks_of(state: Path) -> list[int]:
             argv = (entry / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"dips.cluster" in argv and b"torch.distributed.run" not in argv \
-                and str(state).encode() in argv:
+        agents = {b"torch.distributed.run", b"dips.torchrun"}
+        if b"dips.cluster" in argv and not agents & set(argv) and str(state).encode() in argv:
             out.append(int(entry.name))
     return out
