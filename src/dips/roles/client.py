@@ -232,12 +232,11 @@ class ClusterClient(SyncMixin, HoldMixin, HeartbeatMixin):
             # A member from here on: beat while the pull (a large model, a follower down) and
             # the caller's resume take their time, or the leader removes it (review 26, M6).
             self._start_heartbeat()
-            if self.accepted_version is not None and reply.version < self.accepted_version:
+            if reply.version < (self.accepted_version or -1):  # undone by a rollback (§12)
                 log.warning("cluster %s: its push accepted into version %d was undone: the run "
-                            "rolled back to version %d (a follower restarted from an older "
-                            "checkpoint); the leader hands its windows out again",
+                            "rolled back to version %d; its windows are trained again",
                             self.cluster_id, self.accepted_version, reply.version)
-                self.accepted_version = None
+            self.accepted_version = None  # in the version joined, or undone
             try:
                 self._pull(reply.version)
             except (ValueError, TimeoutError, RuntimeError) as exc:
