@@ -312,11 +312,14 @@ class StageFailures:
     worker was still running at the deadline or the abort (its sockets must not be reused);
     ``aborted``: why the transfer was given up before its deadline (None: it was not);
     ``silent``: stage index -> the follower it still waited for then (None: none), named in
-    the message ("stage 0: no reply from follower 1 within 2.06 s": a follower down).
+    the message ("stage 0: no reply from follower 1 within 2.06 s": a follower down);
+    ``running``: the threads of the stage workers that overran (join them before the process
+    exits: a daemon thread still inside torch at exit aborts it, ``std::terminate``).
     """
 
     errors: list[tuple[int, BaseException]] = field(default_factory=list)
     overran: bool = False
+    running: list[threading.Thread] = field(default_factory=list)
     timeout_s: float = 0.0
     aborted: str | None = None
     silent: dict[int, int | None] = field(default_factory=dict)
@@ -396,5 +399,6 @@ def _in_threads(jobs: list[Callable[[], None]], timeout_s: float,
             orphaned[i] = not done[i]
             if orphaned[i] and not failures.aborted:  # what it waits for, past its deadline
                 failures.silent[i] = getattr(owned[i], "waiting_on", None) if owned else None
+        failures.running = [t for t, o in zip(threads, orphaned) if o]
         failures.overran = any(orphaned)
         return failures if failures.errors or failures.overran else None

@@ -50,9 +50,10 @@ from dips.algo.refusal import Refusal
 from dips.roles.client import ClusterClient
 from dips.roles.client_sync import AHEAD_CAP_S, PullFailed, StageFailures, _in_threads
 from dips.roles.cluster import StageWorker
-from dips.roles.cluster_shards import LayerSlots, ShardedPull, ShardedPush, beside
+from dips.roles.cluster_shards import LayerSlots, ShardedPull, ShardedPush
 from dips.roles.shard_checksum import ShardHasher
 from dips.roles.rank_comm import Ranks, broadcast_params
+from dips.roles.transfer_threads import Beside, Stragglers
 from dips.wire.dataclient import DataPlaneError
 from dips.wire.frames import DTYPES
 from dips.wire.keys import MemberKey
@@ -64,6 +65,8 @@ __all__ = ["RankLeadClient", "RankWorker", "rank_blocks"]
 
 #: Seconds a rank's transfer stops short of the control group's timeout.
 MARGIN_S = 60.0
+#: Seconds :meth:`RankWorker.close` waits for the transfer threads it gave up on.
+CLOSE_WAIT_S = 60.0
 
 Layers = list[tuple[str, list[tuple[str, torch.nn.Parameter]]]]
 
@@ -110,6 +113,8 @@ class RankWorker:
         self.stop = stop or threading.Event()
         self.verify = verify
         self.stage: StageWorker | None = None
+        #: transfer threads still running past their deadline (joined by :meth:`close`)
+        self.stragglers = Stragglers()
         self.owner: dict[str, int] = {}
         self._connect_cmd: dict | None = None
         self._pulled: dict[str, torch.Tensor] = {}
@@ -156,7 +161,7 @@ class RankWorker:
 
     def connect(self, cmd: dict) -> None:
         """(Re)open this rank's stage worker to the followers of ``cmd``."""
-        self.close()
+        self._close_stage()
         self._connect_cmd = cmd
         self.owner = {k: int(v) for k, v in cmd["owner"].items()}
         if self.mine:
@@ -188,6 +193,7 @@ class RankWorker:
             out.update(error=str(failures), overran=failures.overran, aborted=failures.aborted,
                        refusals=[int(c) for c in failures.refusals()])
             if failures.overran:
+                self.stragglers.add(failures.running)
                 self.stage = None  # the stuck thread's now: never closed from here
                 if self._connect_cmd is not None:
                     self.connect(self._connect_cmd)
@@ -202,19 +208,32 @@ class RankWorker:
         ticket = (cmd["ticket"], bytes.fromhex(cmd["ticket_mac"])) if cmd.get("ticket") else None
         plan = [(layer, int(f)) for layer, f in cmd["plans"][self.ranks.rank]] \
             if self.ranks.rank < len(cmd["plans"]) else []
-        stage.push(cmd["cluster"], int(cmd["round"]), cmd["push_id"], plan,
-                        int(cmd["tokens"]), stage=bool(cmd["stage_first"]), ticket=ticket)
+        stage.push(cmd["cluster"], int(cmd["round"]), cmd["push_id"], plan, int(cmd["tokens"]),
+                   stage=bool(cmd["stage_first"]), ticket=ticket)
 
     def _fetch(self, cmd: dict, stage: StageWorker) -> Any:
         return stage.pull(int(cmd["version"]), self.owner)
 
-    def _joined(self, out: dict | None) -> dict:
-        """A sharded transfer's outcome (None: its thread hung); after an overrun the stuck
-        stage worker keeps its slots, so this rank takes fresh ones."""
-        out = out or dict(self._outcome(), error="transfer thread hung", overran=True)
+    def _joined(self, side: Beside, limit: float) -> dict:
+        """A sharded transfer's outcome, waiting ``limit`` seconds (a thread still running
+        then hung: kept in ``stragglers``); after an overrun the stuck stage worker keeps its
+        slots, so this rank takes fresh ones."""
+        out = side.wait(limit)
+        if out is None:
+            self.stragglers.add([side.thread])
+            out = dict(self._outcome(), error="transfer thread hung", overran=True)
         if out["overran"] and self.slots is not None:
             self.slots = self._slots()
         return out
+
+    def _after_failure(self, side: Beside, limit: float) -> None:
+        """A collective failed beside a transfer: wait up to ``limit`` seconds for its thread
+        before the error goes up; one still running then keeps this rank's stage worker
+        (never closed from here, as after an overrun) and goes to ``stragglers``."""
+        side.wait(limit)
+        if side.thread.is_alive():
+            self.stragglers.add([side.thread])
+            self.stage = None
 
     def _sharded_push(self, cmd: dict, abandon: Callable[[], str | None] | None) -> dict:
         """FSDP2 push: the planned layers gathered one at a time on every rank, each owner's
@@ -225,9 +244,13 @@ class RankWorker:
                            time.monotonic() + limit)
         if self.stage is not None:
             self.stage.staging = push
-        wait = beside(lambda: self._transfer(cmd, abandon, self._push), push.done.set)
-        push.feed()
-        out = self._joined(wait(limit + MARGIN_S))
+        side = Beside(lambda: self._transfer(cmd, abandon, self._push), push.done.set)
+        try:
+            push.feed()
+        except BaseException:  # a collective failed: its stage worker stops at the deadline
+            self._after_failure(side, limit + MARGIN_S)
+            raise
+        out = self._joined(side, limit + MARGIN_S)
         if not out["overran"]:
             push.finish()
         return out
@@ -245,9 +268,14 @@ class RankWorker:
             pull.fetch(lambda layer, out: stage.pull_layer(version, layer, self.owner[layer],
                                                            out))
 
-        wait = beside(lambda: self._transfer(cmd, abandon, fetch), pull.fetched)
-        ok = pull.load()
-        out = dict(self._joined(wait(limit + MARGIN_S)), loaded=pull.loaded)
+        side = Beside(lambda: self._transfer(cmd, abandon, fetch), pull.fetched)
+        try:
+            ok = pull.load()
+        except BaseException:  # a collective failed: its stage worker fetches no more
+            pull.gave_up.set()
+            self._after_failure(side, limit + MARGIN_S)
+            raise
+        out = dict(self._joined(side, limit + MARGIN_S), loaded=pull.loaded)
         if not out["overran"]:
             pull.finish()
         if pull.missing is not None and out["error"] is None:
@@ -294,8 +322,15 @@ class RankWorker:
                     h.add(n, whole)
         return out
 
-    def close(self) -> None:
-        """Close this rank's stage worker (if any)."""
+    def close(self, timeout_s: float = CLOSE_WAIT_S) -> None:
+        """Close this rank's stage worker (if any), then wait up to ``timeout_s`` seconds for
+        every transfer thread it gave up on (``stragglers``; each closes its own stage
+        worker). Raises RuntimeError naming those still running then: the process must not
+        exit over them (:mod:`dips.roles.transfer_threads`)."""
+        self._close_stage()
+        self.stragglers.join(timeout_s)
+
+    def _close_stage(self) -> None:
         if self.stage is not None:
             self.stage.close()
             self.stage = None

@@ -43,33 +43,9 @@ import torch
 from dips.roles.cluster import host_buffer
 from dips.wire.frames import DTYPES
 
-__all__ = ["LayerSlots", "ShardedPull", "ShardedPush", "beside", "interleave",
-           "scatter_param"]
+__all__ = ["LayerSlots", "ShardedPull", "ShardedPush", "interleave", "scatter_param"]
 
 Block = list[tuple[str, list[tuple[str, torch.nn.Parameter]]]]
-
-
-def beside(transfer: Callable[[], dict], done: Callable[[], None]
-           ) -> Callable[[float], dict | None]:
-    """Start ``transfer()`` in a daemon thread (the caller runs the collectives meanwhile),
-    then ``done()`` once it returned or raised; returns ``wait(timeout_s)``: its outcome, or
-    None if it raised or still runs after ``timeout_s`` seconds."""
-    outcome: dict[str, dict] = {}
-
-    def run() -> None:
-        try:
-            outcome["out"] = transfer()
-        finally:
-            done()
-
-    t = threading.Thread(target=run, name="sharded-transfer", daemon=True)
-    t.start()
-
-    def wait(timeout_s: float) -> dict | None:
-        t.join(timeout_s)
-        return outcome.get("out")
-
-    return wait
 
 
 def interleave(lists: list[list[str]]) -> list[tuple[int, str]]:
