@@ -12,22 +12,21 @@ raising rather than exiting over one.
 The stuck transfer is a stand-in stage worker whose push runs torch copies until the test
 releases it (what a push to a dead follower does until its socket timeout); the checks read
 whether its thread is alive and the child's exit status, never a duration. The child test
-aborted on the old code (3 runs of 3).
+aborted on the old code (3 runs of 3); the sharded pull whose collective fails left its fetch
+thread running there (3 of 3).
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import threading
 
 import pytest
 import torch
 
 from dips.roles.client_sync import FOLLOWERS_CHANGED
+from dips.roles.cluster_shards import LayerSlots, ShardedPull
 from dips.roles.transfer_threads import Stragglers
-from tests.roles.test_stage_ownership import PUSH, _worker
+from tests.roles.test_stage_ownership import PUSH, _worker, run_child
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -54,8 +53,12 @@ class BusyStage:
             self._a.copy_(self._b)
         raise TimeoutError("no reply from the dead follower")
 
+    def pull_layer(self, version, layer, follower, out) -> None:
+        self.push()
+
     def close(self) -> None:
-        pass
+        self.closed_while_running = self.thread is not None and self.thread.is_alive() \
+            and self.thread is not threading.current_thread()
 
 
 class Releasing:
@@ -122,6 +125,32 @@ def test_stragglers_join_the_threads_a_straggler_adds_meanwhile():
         kept.join(-1)
 
 
+def test_a_sharded_pull_whose_collective_fails_waits_for_its_fetch(monkeypatch):
+    """FSDP2: a collective of the main thread fails while the stage worker fetches; the
+    error goes up only once the fetch thread ended (the old code left it running, and
+    its stage worker open to the close that follows)."""
+    stuck = BusyStage(after=2000)
+    worker = _worker()
+    worker.stage, worker.sharded = stuck, True  # type: ignore[assignment]
+    worker.slots = LayerSlots(3, 4, torch.bfloat16)
+
+    def load(pull: ShardedPull) -> bool:
+        assert stuck.entered.wait(30)
+        stuck.release.set()
+        raise RuntimeError("a peer rank died (the collective failed)")
+
+    monkeypatch.setattr(ShardedPull, "load", load)
+    try:
+        with pytest.raises(RuntimeError, match="peer rank died"):
+            worker.run({"op": "pull", "version": 3, "limit": 30.0})
+        assert stuck.thread is not None and not stuck.thread.is_alive(), \
+            "the fetch thread still ran after the pull's error"
+        worker.close()
+        assert not getattr(stuck, "closed_while_running", False)
+    finally:
+        stuck.release.set()
+
+
 def exit_after_a_given_up_push() -> None:
     """Child: a push overruns and is given up, the rank closes and the process exits."""
     stuck = BusyStage(after=2000)
@@ -133,10 +162,4 @@ def exit_after_a_given_up_push() -> None:
 
 @pytest.mark.timeout(120)
 def test_a_rank_never_exits_over_a_transfer_thread_inside_torch():
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    child = subprocess.run(
-        [sys.executable, "-c", "from tests.roles.test_rank_close import "
-         "exit_after_a_given_up_push; exit_after_a_given_up_push()"],
-        env=env, capture_output=True, text=True, timeout=100)
-    assert child.returncode == 0 and child.stdout.strip() == "ok", (child.returncode,
-                                                                    child.stderr[-2000:])
+    run_child("test_rank_close", "exit_after_a_given_up_push()")
