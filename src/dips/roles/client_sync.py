@@ -150,7 +150,9 @@ class SyncMixin:
         return max(self.timeout_s, self._leader_push_timeout_s + self.timeout_s)
 
     def resolve(self, p: PendingVerdict, timeout_s: float) -> SyncResult:
-        """Ask the leader for ``p``'s verdict (again); apply it, or keep it pending."""
+        """Ask the leader for ``p``'s verdict (again), waiting at most ``timeout_s`` seconds;
+        apply it, or keep it pending. The result's ``wait_s`` is the seconds this call waited
+        for the leader, whether or not a verdict came."""
         t1 = time.monotonic()
         try:
             v = self._leader.PushDone(pb.PushDoneRequest(
@@ -159,7 +161,7 @@ class SyncMixin:
         except CallCancelled:  # stopping: the verdict stays with the leader, by push id
             self._pending_verdict = p
             return SyncResult(False, self.version, p.round, p.tokens, ok=False, push_s=p.push_s,
-                              reason="stopping")
+                              wait_s=time.monotonic() - t1, reason="stopping")
         except grpc.RpcError as exc:
             code = refusal_of(exc)
             if code in (Refusal.UNKNOWN_PUSH, Refusal.NOT_JOINED, Refusal.FORBIDDEN):
@@ -173,8 +175,10 @@ class SyncMixin:
                 self._pending_verdict = p
                 reason = f"verdict of push {p.push_id} pending: {exc.code().name}"
             self._fail(reason)
+            # The time it waited, also when no verdict came (review 35 of issue 15, F1: a
+            # frozen leader's 4 s were recorded as 0, and the timeline drew them as training).
             return SyncResult(False, self.version, p.round, p.tokens, ok=False, push_s=p.push_s,
-                              reason=reason)
+                              wait_s=time.monotonic() - t1, reason=reason)
         self._pending_verdict = None
         return self._apply_verdict(v, p, time.monotonic() - t1)
 
