@@ -75,8 +75,8 @@ class RunSpan:
     exits: dict[str, list[tuple[float, str]]] = field(default_factory=dict)
 
     def hold_end(self, process: str, since: float) -> tuple[float, bool]:
-        """(seconds, open) where a hold begun at ``since`` that no record of the cluster ends
-        (no ``hold_end``, sync or ``join`` after it) stops being drawn: its process's first end
+        """(seconds, open) where a hold (or a sync) begun at ``since`` that no record of the
+        cluster ends (no ``hold_end``, sync or ``join`` after it) stops being drawn: its process's first end
         after it (not open when the process exited during training; open when it was still
         holding at the shutdown), else the run's end (open)."""
         for when, kind in self.exits.get(process, []):

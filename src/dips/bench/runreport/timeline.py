@@ -2,8 +2,13 @@
 
 * One row per **cluster** with its inner steps, push, wait (for the verdict) and pull, from
   the ``push`` field of its sync steps in ``train.jsonl`` (the step's ``time`` is when the
-  pull ended; push, wait and pull lie before it, back to back, and the inner steps run from
-  the previous sync's end or the join, and after a process's last sync until its last step),
+  pull ended; the sync began at the ``sync_start`` record before it: the push from there,
+  the pull up to the line, the rest of the sync as wait, so a sync blocked on a leader that
+  does not answer is never drawn as training (review 35 of issue 15, F1); without a
+  ``sync_start``, push, wait and pull lie back to back before the line), the inner steps from
+  the previous sync's end or the join, and after a process's last sync until its last step;
+  a ``sync_start`` no line ends (the process ended in that sync) as **sync, no end
+  recorded**, to its process's end or, open, to the end of the run, as a hold is;
   and its holds (``hold`` to ``hold_end``: it could not sync and trained nothing,
   :mod:`dips.algo.hold`) as ``held``. A hold no record ends is drawn to its process's end
   (:meth:`dips.bench.runreport.span.RunSpan.hold_end`): where the process exited, or, still
@@ -49,12 +54,14 @@ from dips.bench.runreport.files import RunFiles, num
 from dips.bench.runreport.span import LEADER, RunSpan, Stretch, down_stretches, run_span
 from dips.bench.runreport.zoom import DOWN, OPEN, zoom_window
 
-__all__ = ["CLUSTER_KINDS", "LEADER_KINDS", "plot_timeline", "sync_bars"]
+__all__ = ["CLUSTER_KINDS", "LEADER_KINDS", "UNFINISHED", "plot_timeline", "sync_bars"]
 
 Bars = dict[str, list[tuple[float, float]]]  # kind -> [(start s, width s)]
 
+#: A sync begun (its ``sync_start``) that no record ends: the process ended in it.
+UNFINISHED = "sync, no end recorded"
 CLUSTER_KINDS = (("inner steps", "#9ecae1"), ("held", "#bdbdbd"), ("push", "#e6550d"),
-                 ("wait", "#fdd0a2"), ("pull", "#31a354"))
+                 ("wait", "#fdd0a2"), ("pull", "#31a354"), (UNFINISHED, "#fd8d3c"))
 LEADER_KINDS = (("grace window", "#bcbddc"), ("push phase", "#8c564b"), ("update", "#756bb1"))
 #: Every row's down stretches (:data:`DOWN`).
 DOWN_KIND = (DOWN, DOWN_COLOUR)
@@ -73,14 +80,15 @@ def _empty(kinds: tuple[tuple[str, str], ...]) -> Bars:
 def sync_bars(run: RunFiles, records: list[dict[str, Any]], cid: str | None = None,
               span: RunSpan | None = None) -> Bars:
     """Bars (start s since the training start, width s) of cluster ``cid`` (its launcher
-    process's ends close an open hold; None: not known), by kind (module doc); ``OPEN``
-    repeats the bars no record ends. ``span``: the run's (default :func:`run_span`)."""
+    process's ends close an open hold or sync; None: not known), by kind (module doc);
+    ``OPEN`` repeats the bars no record ends. ``span``: the run's (default :func:`run_span`)."""
     span = span or run_span(run)
     process = cluster_member(cid) if cid is not None else ""
     bars = _empty(CLUSTER_KINDS)
     seg_start: float | None = None
     last_step: float | None = None
     hold_at: float | None = None  # a hold in progress (dips.algo.hold): nothing trained
+    sync_at: float | None = None  # a sync begun (``sync_start``) that no step's line ended yet
     for rec in records:
         t = num(rec, "time")
         if t is None:
@@ -90,9 +98,14 @@ def sync_bars(run: RunFiles, records: list[dict[str, Any]], cid: str | None = No
             if hold_at is not None:  # ended by its process's exit, or by this re-join
                 end = min(span.hold_end(process, hold_at)[0], t)
                 bars["held"].append((hold_at, end - hold_at))
-            _close(bars, seg_start, hold_at if hold_at is not None else last_step)
+            _close(bars, seg_start, _trained_to(sync_at, hold_at, last_step))
+            if sync_at is not None:  # the process ended in it: killed, or its records lost
+                _unfinished(bars, span, process, sync_at, until=t)
             seg_start = last_step = t
-            hold_at = None
+            hold_at = sync_at = None
+            continue
+        if rec.get("event") == "sync_start":
+            sync_at = t
             continue
         if rec.get("event") == "hold":
             hold_at = t
@@ -109,24 +122,56 @@ def sync_bars(run: RunFiles, records: list[dict[str, Any]], cid: str | None = No
             seg_start = t - (num(rec, "compute_s") or 0.0)
         push = rec.get("push")
         if not isinstance(push, dict) or seg_start is None:
+            if num(rec, "step") is not None:
+                sync_at = None  # the sync due was deferred (a backoff): the step trained on
             continue
         pull, wait, push_s = (num(push, k) or 0.0 for k in ("pull_s", "wait_s", "push_s"))
-        pull_at = t - pull
-        wait_at = pull_at - wait
-        push_at = wait_at - push_s
+        if sync_at is not None and seg_start <= sync_at <= t:
+            # The sync lasted from its sync_start to this line: its push first, its pull
+            # last, the rest waiting (for the verdict, or a leader that does not answer).
+            push_at = sync_at
+            push_s = min(push_s, t - push_at)
+            pull = min(pull, t - push_at - push_s)
+            wait_at, pull_at = push_at + push_s, t - pull
+            wait = pull_at - wait_at
+        else:  # no sync_start (an older run, a hold's sync): back to back before the line
+            pull_at = t - pull
+            wait_at = pull_at - wait
+            push_at = wait_at - push_s
         trained_to = push_at if hold_at is None else min(push_at, hold_at)
         bars["inner steps"].append((seg_start, max(0.0, trained_to - seg_start)))
         bars["push"].append((push_at, push_s))
         bars["wait"].append((wait_at, wait))
         bars["pull"].append((pull_at, pull))
-        seg_start, hold_at = t, None
-    _close(bars, seg_start, hold_at if hold_at is not None else last_step)
+        seg_start, hold_at, sync_at = t, None, None
+    _close(bars, seg_start, _trained_to(sync_at, hold_at, last_step))
+    if sync_at is not None:  # the process's last record: a sync nothing ended
+        _unfinished(bars, span, process, sync_at)
     if hold_at is not None:  # the process's last record: a hold nothing ended
         end, is_open = span.hold_end(process, hold_at)
         bars["held"].append((hold_at, max(0.0, end - hold_at)))
         if is_open:
             bars[OPEN].append(bars["held"][-1])
     return bars
+
+
+def _trained_to(sync_at: float | None, hold_at: float | None,
+                last_step: float | None) -> float | None:
+    """Where a process's inner steps after its last ended sync stop: at a sync or hold in
+    progress, else at its last step."""
+    return sync_at if sync_at is not None else hold_at if hold_at is not None else last_step
+
+
+def _unfinished(bars: Bars, span: RunSpan, process: str, since: float,
+                until: float | None = None) -> None:
+    """A sync begun at ``since`` that no record ends: to its process's end (the next
+    ``join`` at ``until`` at the latest), or open to the run's end (:meth:`RunSpan.hold_end`)."""
+    end, is_open = span.hold_end(process, since)
+    if until is not None and until < end:
+        end, is_open = until, False
+    bars[UNFINISHED].append((since, max(0.0, end - since)))
+    if is_open:
+        bars[OPEN].append(bars[UNFINISHED][-1])
 
 
 def _close(bars: Bars, start: float | None, end: float | None) -> None:
@@ -150,10 +195,10 @@ def _leader_bars(run: RunFiles) -> Bars:
 
 
 def _outside(bars: Bars, stretches: list[Stretch]) -> Bars:
-    """``bars`` with their inner steps and holds cut where the member was down: a cluster
+    """``bars`` with their inner steps, holds and unfinished syncs cut where the member was down: a cluster
     stopped (SIGSTOP), removed and re-joined wrote no record meanwhile, so the bar from its
     last sync to its next one spans its removal (review 33 of issue 15, run2's cluster b)."""
-    for kind in ("inner steps", "held", OPEN):
+    for kind in ("inner steps", "held", UNFINISHED, OPEN):
         cut = []
         for start, width in bars.get(kind, []):
             pieces = [(start, start + width)]
