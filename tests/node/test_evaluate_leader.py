@@ -147,12 +147,25 @@ def test_the_leader_metrics_and_status_screen_show_the_last_report(tmp_path):
     assert value("dips_heldout_loss_version") == 9 and value("dips_heldout_perplexity") == math.inf
 
 
+def test_the_held_out_metrics_are_absent_until_an_evaluation_is_reported(tmp_path):
+    """Review 35 of issue 15, F6: with no evaluator the leader served dips_heldout_loss 0.0
+    and dips_heldout_perplexity 0.0 (a perfect model; a perplexity that cannot be)."""
+    metrics = LeaderMetrics(CollectorRegistry())
+    assert metrics.replay(tmp_path) == 0  # no eval.jsonl
+    names = {s.name for f in metrics.registry.collect() for s in f.samples}
+    assert not {n for n in names if "heldout" in n}, names
+    metrics.observe("eval", {"version": 2, "eval_loss": 4.0})
+    value = metrics.registry.get_sample_value
+    assert (value("dips_heldout_loss"), value("dips_heldout_loss_version")) == (4.0, 2)
+    assert value("dips_heldout_perplexity") == pytest.approx(math.exp(4.0))
+
+
 def test_the_readme_metrics_table_lists_the_held_out_metrics():
     from dips.node.metrics_members import EvaluatorMetrics
 
     text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     leader, evaluator = CollectorRegistry(), CollectorRegistry()
-    LeaderMetrics(leader)
+    LeaderMetrics(leader).observe("eval", {"version": 1, "eval_loss": 5.0})
     EvaluatorMetrics(evaluator)
     names = {f.name for f in evaluator.collect()} | {
         f.name for f in leader.collect() if "heldout" in f.name}

@@ -167,12 +167,8 @@ class LeaderMetrics:
         self.events = Counter("dips_leader_events", "Events of leader_events.jsonl, by kind "
                               "(cluster_joined, cluster_removed, follower_down, reconciled, "
                               "...)", ["event"], registry=r)
-        self.heldout = Gauge("dips_heldout_loss", "Held-out loss of the global model at the "
-                             "last version `dips evaluate` reported (nats/token)", registry=r)
-        self.heldout_version = Gauge("dips_heldout_loss_version", "The version that loss is "
-                                     "of (version)", registry=r)
-        self.heldout_ppl = Gauge("dips_heldout_perplexity", "exp(dips_heldout_loss) (+Inf "
-                                 "where it overflows)", registry=r)
+        self.heldout = _HeldOut()  # absent until the first evaluation (review 35, F6)
+        r.register(self.heldout)
 
     # ----- the observer hook -------------------------------------------------------------
     def observe(self, stream: str, rec: dict[str, Any]) -> None:
@@ -230,9 +226,7 @@ class LeaderMetrics:
     def _heldout(self, rec: dict[str, Any]) -> None:
         loss, version = rec.get("eval_loss"), rec.get("version")
         if isinstance(loss, (int, float)) and isinstance(version, int):
-            self.heldout.set(loss)
-            self.heldout_version.set(version)
-            self.heldout_ppl.set(perplexity(loss))
+            self.heldout.last = (float(loss), version)
 
     def replay(self, state: Path) -> int:
         """Feed the records of ``state/outer_steps.jsonl``, ``state/leader_events.jsonl`` and
@@ -358,3 +352,25 @@ class _LeaderState(Collector):
                              ("returned", "Data chunks returned to the pool: released by a "
                                           "cluster that left or was removed, or rolled back")):
                 yield _counter(f"dips_ledger_chunks_{key}", doc, counts.get(key, 0))
+
+
+class _HeldOut(Collector):
+    """``dips_heldout_loss`` (nats/token), ``dips_heldout_loss_version`` and
+    ``dips_heldout_perplexity`` of the last evaluation reported (``last``: (loss, version));
+    absent before any: a gauge at 0 read as a perfect model on a run with no evaluator
+    (review 35 of issue 15, F6)."""
+
+    def __init__(self) -> None:
+        self.last: tuple[float, int] | None = None
+
+    def collect(self) -> Iterator[Any]:
+        if self.last is None:
+            return
+        loss, version = self.last
+        for name, doc, value in (
+                ("dips_heldout_loss", "Held-out loss of the global model at the last version "
+                 "`dips evaluate` reported (nats/token)", loss),
+                ("dips_heldout_loss_version", "The version that loss is of (version)", version),
+                ("dips_heldout_perplexity", "exp(dips_heldout_loss) (+Inf where it overflows)",
+                 perplexity(loss))):
+            yield GaugeMetricFamily(name, doc, value=value)
