@@ -10,28 +10,17 @@ from __future__ import annotations
 import threading
 import types
 
-import grpc
 import pytest
 
 from dips.roles import client_sync
 from dips.roles.client_sync import PendingVerdict, SyncMixin
 from dips.train.dips_sync import push_record
 from dips.wire.control import CallCancelled
+from tests.roles.test_client_hold import _Unavailable
 
 pytestmark = pytest.mark.timeout(60)
 
 WAITED_S = 4.2
-
-
-class _Unavailable(grpc.RpcError):
-    def code(self) -> grpc.StatusCode:
-        return grpc.StatusCode.UNAVAILABLE
-
-    def details(self) -> str:
-        return "the leader does not answer"
-
-    def trailing_metadata(self) -> tuple:
-        return ()
 
 
 class _Client(SyncMixin):
