@@ -110,8 +110,12 @@ def test_a_cluster_removed_while_the_run_goes_on_is_still_rejected(tmp_path):
         run.leader.join_cluster("a", [["l0", "l1"]])  # its process restarted: it joins again
         line = _round_line(tmp_path)
         assert line["rejected"]["a"]["code"] == "cluster_gone" and "withdrawn" not in line
-        assert run.leader.counts["updates_rejected"] == 1
+        # The line is written first, then noted among the faults and counted: wait for both
+        # (asserted at once, the fault was not there yet once in the fresh-clone check).
+        wait_for(lambda: [f.reason for f in run.leader.recent_faults(time.time())[0]
+                          if f.kind == "push_rejected"], "the rejection among the faults")
         faults, _, _ = run.leader.recent_faults(time.time())
         assert [f.reason for f in faults if f.kind == "push_rejected"] == ["cluster_gone"]
+        assert run.leader.counts["updates_rejected"] == 1
     finally:
         run.close()
